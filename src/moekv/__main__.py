@@ -1,0 +1,5 @@
+import sys
+
+from moekv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,248 @@
+"""Frozen configuration dataclasses, one per concern, validated at construction.
+
+Derived values are properties, so a config never holds two numbers that can disagree.
+Every error names the field, the bad value and what is accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moekv.errors import ConfigError
+
+# Spellings a user may give for a KV cache dtype -> canonical name.
+KV_CACHE_DTYPES = {
+    "auto": "auto",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "int4": "int4", "int3": "int3", "int2": "int2",
+}
+LOW_BIT_KV_DTYPES = ("int4", "int3", "int2")
+MODEL_DTYPES = {
+    "auto": "auto",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+}
+KEY_AXIS_MODES = ("channel", "token")  # "channel": per-channel keys (KIVI); "token": the brief's per-token scheme
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    if not isinstance(name, str) or name.lower() not in KV_CACHE_DTYPES:
+        accepted = ", ".join(sorted({v for v in KV_CACHE_DTYPES.values()}))
+        raise ConfigError(f"unknown kv_cache_dtype {name!r}; accepted: {accepted}")
+    return KV_CACHE_DTYPES[name.lower()]
+
+
+def canonical_model_dtype(name: str) -> str:
+    if not isinstance(name, str) or name.lower() not in MODEL_DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; accepted: auto, bf16, fp16, fp32")
+    return MODEL_DTYPES[name.lower()]
+
+
+def torch_dtype(name: str):
+    """Canonical dtype name ('bf16', 'fp16', 'fp32') -> torch.dtype."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The architecture of a checkpoint, normalised from any of the Hugging Face config spellings.
+
+    One dataclass describes all supported MoE decoders; per-architecture differences are flags.
+    """
+
+    architecture: str                   # "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool                # renormalise the top-k routing weights to sum to 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False        # bias on q/k/v projections (Qwen2-MoE; Qwen3-MoE/OLMoE if configured)
+    attention_out_bias: bool = False    # bias on the output projection o_proj (Qwen3-MoE/OLMoE attention_bias)
+    clip_qkv: float | None = None       # OLMoE: clamp q, k, v to [-clip_qkv, clip_qkv] after the q/k norm
+    qk_norm: str = "none"               # "none" | "head" (RMSNorm over head_dim, Qwen3) | "full" (over all heads, OLMoE)
+    shared_expert_intermediate_size: int = 0   # 0: no shared expert (Qwen2-MoE has one, with a sigmoid gate)
+    dense_layers: tuple[int, ...] = ()  # layers that use a dense MLP instead of experts
+    dense_intermediate_size: int = 0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str | None = None # "bf16" | "fp16" | "fp32" as config.json states it; None if absent
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "num_experts", "top_k", "expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model config: num_experts_per_tok ({self.top_k}) exceeds the number of experts "
+                              f"({self.num_experts})")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ConfigError(f"model config: clip_qkv must be positive or None, got {self.clip_qkv!r}")
+        if self.checkpoint_dtype not in (None, "bf16", "fp16", "fp32"):
+            raise ConfigError(f"model config: checkpoint_dtype must be bf16, fp16, fp32 or None, "
+                              f"got {self.checkpoint_dtype!r}")
+        if self.qk_norm not in ("none", "head", "full"):
+            raise ConfigError(f"model config: qk_norm must be none, head or full, got {self.qk_norm!r}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run and how: the user's choices, not the checkpoint's architecture."""
+
+    model: str                          # path to a Hugging Face checkpoint folder
+    dtype: str = "auto"                 # auto (the checkpoint's), bf16, fp16, fp32
+    max_model_len: int | None = None    # None: the checkpoint's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("model must be a path to a Hugging Face checkpoint folder")
+        object.__setattr__(self, "dtype", canonical_model_dtype(self.dtype))
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: format, page size and capacity, and the low-bit format's knobs."""
+
+    kv_cache_dtype: str = "auto"        # auto (= model dtype), bf16, fp16, fp32, int4, int3, int2
+    page_size: int | None = None        # tokens per page; None: 16 for full precision, 128 for low-bit
+    num_pages: int | None = None        # None: sized from memory_fraction (CUDA) or cpu_cache_bytes (CPU)
+    memory_fraction: float = 0.90       # CUDA: share of total device memory the engine may use (weights + KV)
+    cpu_cache_bytes: int = 1 << 30      # CPU: bytes given to KV pages when num_pages is None
+    # Low-bit formats only:
+    key_axis: str = "channel"           # "channel": per-channel key statistics over a page; "token": per token
+    outlier_fraction: float = 0.01      # key outlier capacity per (page, head), as a share of its values
+    value_outlier_fraction: float | None = None   # the same for values; None: outlier_fraction
+    outlier_tau: float = 3.0            # a value qualifies as an outlier beyond tau * sigma of its group
+    fp_sink_pages: int = 0              # keep the first N pages of each sequence in full precision
+    token_group_size: int | None = None  # per-token quantization: head_dim values per group (None: head_dim)
+    staging_pages: int | None = None    # full-precision staging pages (one per running sequence's partly
+                                        # filled page, plus sink pages); None: max(64, num_pages // 8)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
+        if self.page_size is not None and (not isinstance(self.page_size, int) or not 1 <= self.page_size <= 4096):
+            raise ConfigError(f"page_size must be an integer in [1, 4096], got {self.page_size!r}")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 1):
+            raise ConfigError(f"num_pages must be a positive integer, got {self.num_pages!r}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if self.key_axis not in KEY_AXIS_MODES:
+            raise ConfigError(f"key_axis must be one of {KEY_AXIS_MODES}, got {self.key_axis!r}")
+        if not 0.0 <= self.outlier_fraction <= 0.5:
+            raise ConfigError(f"outlier_fraction must be in [0, 0.5], got {self.outlier_fraction!r}")
+        if self.outlier_tau <= 0:
+            raise ConfigError(f"outlier_tau must be positive, got {self.outlier_tau!r}")
+        if self.fp_sink_pages < 0:
+            raise ConfigError(f"fp_sink_pages must be >= 0, got {self.fp_sink_pages!r}")
+        if self.value_outlier_fraction is not None and not 0.0 <= self.value_outlier_fraction <= 0.5:
+            raise ConfigError(f"value_outlier_fraction must be in [0, 0.5] or None, got {self.value_outlier_fraction!r}")
+        if self.token_group_size is not None and (not isinstance(self.token_group_size, int)
+                                                  or self.token_group_size < 1):
+            raise ConfigError(f"token_group_size must be a positive integer or None, got {self.token_group_size!r}")
+        if self.staging_pages is not None and (not isinstance(self.staging_pages, int) or self.staging_pages < 1):
+            raise ConfigError(f"staging_pages must be a positive integer or None, got {self.staging_pages!r}")
+
+    @property
+    def is_low_bit(self) -> bool:
+        return self.kv_cache_dtype in LOW_BIT_KV_DTYPES
+
+    @property
+    def bits(self) -> int | None:
+        return int(self.kv_cache_dtype[3:]) if self.is_low_bit else None
+
+    @property
+    def resolved_value_outlier_fraction(self) -> float:
+        return self.outlier_fraction if self.value_outlier_fraction is None else self.value_outlier_fraction
+
+    @property
+    def resolved_page_size(self) -> int:
+        if self.page_size is not None:
+            return self.page_size
+        return 128 if self.is_low_bit else 16
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256             # sequences running at once
+    max_num_batched_tokens: int = 8192  # tokens (prefill chunks + decodes) in one step
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism over torch.distributed."""
+
+    expert_parallel_size: int = 1
+    num_redundant_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.expert_parallel_size, int) or self.expert_parallel_size < 1:
+            raise ConfigError(f"expert_parallel_size must be a positive integer, got {self.expert_parallel_size!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ConfigError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts!r}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"                # auto (cuda when available), cpu, cuda, cuda:N
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    @property
+    def resolved(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs, one field per concern."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -1,0 +1,1 @@
+"""The engine: schedule -> run the model -> sample -> postprocess, one step at a time."""

@@ -1,0 +1,289 @@
+"""The engine loop: `step()` = schedule -> run -> sample -> postprocess.
+
+The engine owns the model, the KV cache and its manager, the scheduler and the requests. It is
+synchronous and single-threaded; `engine.async_engine` wraps it for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from moekv.config import EngineConfig, torch_dtype
+from moekv.engine.model_runner import ModelRunner
+from moekv.engine.request import Request, RequestOutput, RequestStatus
+from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError
+from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
+from moekv.sampling import SamplingParams, sample
+from moekv.scheduler.scheduler import Scheduler
+from moekv.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("moekv.engine")
+
+_CUDA_ACTIVATION_RESERVE = 2 << 30   # bytes kept free for activations when sizing the KV pool
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
+                 tokenizer: Tokenizer | None = None):
+        """Build from a checkpoint folder (`config.model.model`), or around a given model object
+        (tests, random-weight benchmarks); `tokenizer=None` then means token-id prompts only."""
+        self.config = config
+        self.device = torch.device(config.device.resolved)
+        model_dir = Path(config.model.model)
+        if model is None:
+            from moekv.models.loader import load_model
+
+            dtype = None if config.model.dtype == "auto" else torch_dtype(config.model.dtype)
+            model = load_model(model_dir, dtype=dtype, device=self.device)
+            tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.model = model.eval()
+        self.arch = model.arch
+        self.tokenizer = tokenizer
+        self.model_dtype = next(model.parameters()).dtype
+        self.max_model_len = self._resolve_max_model_len()
+        self.eos_token_ids = self._eos_token_ids(model_dir)
+
+        cache_config = config.cache
+        kv_dtype_name = cache_config.kv_cache_dtype
+        if kv_dtype_name == "auto":
+            kv_dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.model_dtype]
+        full_dtype = torch_dtype(kv_dtype_name) if kv_dtype_name in ("bf16", "fp16", "fp32") else self.model_dtype
+        from dataclasses import replace
+
+        self.cache_config = replace(cache_config, kv_cache_dtype=kv_dtype_name)
+        spec = KVCacheSpec(num_layers=self.arch.num_layers, num_kv_heads=self.arch.num_kv_heads,
+                           head_dim=self.arch.head_dim, page_size=self.cache_config.resolved_page_size,
+                           dtype=full_dtype)
+        num_pages = self._num_pages(spec)
+        self.kv_cache = create_kv_cache(self.cache_config, spec, num_pages, self.device)
+        self.kv_manager = KVCacheManager(num_pages, spec.page_size, on_pages_freed=self.kv_cache.pages_freed)
+        if self.kv_manager.capacity_tokens < self.max_model_len:
+            raise ConfigError(f"the KV cache holds {self.kv_manager.capacity_tokens} tokens, fewer than "
+                              f"max_model_len={self.max_model_len}; lower max_model_len or give the cache "
+                              f"more memory")
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(config.model.seed)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "errors": 0}
+        logger.info("KV cache: %s, %d pages x %d tokens = %d tokens; max concurrency at max_model_len=%d: %.1f",
+                    kv_dtype_name, num_pages, spec.page_size, self.kv_manager.capacity_tokens,
+                    self.max_model_len, self.kv_manager.capacity_tokens / self.max_model_len)
+
+    # -- set-up helpers -----------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        asked = self.config.model.max_model_len
+        if asked is None:
+            return limit
+        if asked > limit:
+            raise ConfigError(f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}")
+        return asked
+
+    def _eos_token_ids(self, model_dir: Path) -> set[int]:
+        ids = set(self.arch.eos_token_ids)
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            except json.JSONDecodeError as exc:
+                raise ModelLoadError(f"{gen_path} is not valid JSON: {exc}") from exc
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _num_pages(self, spec: KVCacheSpec) -> int:
+        config = self.cache_config
+        if config.num_pages is not None:
+            return config.num_pages
+        page_bytes = kv_cache_class(config.kv_cache_dtype).bytes_per_page(spec, config)
+        wanted = self.config.scheduler.max_num_seqs * -(-self.max_model_len // spec.page_size) + 1
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(total * config.memory_fraction) - torch.cuda.memory_allocated(self.device) \
+                - _CUDA_ACTIVATION_RESERVE
+        else:
+            budget = config.cpu_cache_bytes
+        num_pages = min(wanted, budget // page_bytes)
+        if num_pages < 1:
+            raise ConfigError("no memory is left for the KV cache; lower the model size or raise memory_fraction")
+        return int(num_pages)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; raises InvalidRequestError (and keeps nothing) if it is bad."""
+        token_ids = self._prompt_tokens(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt is {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                f"for a generated token", param="prompt")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,),
+                                                                                  generator=self._rng))
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        request = Request(request_id, token_ids, params, IncrementalDetokenizer(self.tokenizer), generator)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model folder has no tokenizer.json; pass token ids",
+                                          param="prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise InvalidRequestError("a token-id prompt must be a list of integers", param="prompt")
+            bad = [t for t in token_ids if not 0 <= t < self.arch.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, "
+                                          f"{self.arch.vocab_size})", param="prompt")
+        else:
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got "
+                                      f"{type(prompt).__name__}", param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its pages. Returns False if it was unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.status.is_finished:
+            return False
+        self._finish(request, "abort")
+        return True
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        self.scheduler.remove(request)
+        request.finish(reason, error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (callers that stream outputs release after the last one)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status.is_finished:
+            del self.requests[request_id]
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self.counters["steps"] += 1
+        try:
+            result = self.runner.execute(sched)
+        except KVCacheCorruptionError as exc:
+            return self._recover_from_corruption(sched, exc)
+        for chunk in sched.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+            if chunk.start < chunk.request.num_prompt_tokens:
+                self.counters["prompt_tokens"] += min(chunk.end, chunk.request.num_prompt_tokens) - chunk.start
+        outputs: list[RequestOutput] = []
+        if result.sample_chunks:
+            requests = [sched.chunks[i].request for i in result.sample_chunks]
+            finite = torch.isfinite(result.logits).all(dim=-1).tolist()
+            logits = torch.nan_to_num(result.logits, nan=0.0, posinf=0.0, neginf=0.0)
+            sampled = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+            now = time.monotonic()
+            for row, request in enumerate(requests):
+                if not finite[row]:
+                    self._finish(request, "error", "the model produced non-finite logits for this request")
+                    self.counters["errors"] += 1
+                    outputs.append(self._output(request, [], None))
+                    continue
+                outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row], now))
+        return outputs
+
+    def _append_token(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        request.output_token_ids.append(token)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        self.counters["generation_tokens"] += 1
+        params = request.params
+        request.detokenizer.add(token)
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(request, "stop")
+        elif token in params.stop_token_ids:
+            self._finish(request, "stop")
+        elif params.stop and self._match_stop(request):
+            self._finish(request, "stop")
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(request, "length")
+        return self._output(request, [token], logprobs)
+
+    @staticmethod
+    def _match_stop(request: Request) -> bool:
+        text = request.detokenizer.text
+        longest = max(len(s) for s in request.params.stop)
+        window_start = max(0, len(text) - longest - 16)
+        hits = [i for i in (text.find(s, window_start) for s in request.params.stop) if i >= 0]
+        if hits:
+            request.stop_text_end = min(hits)
+            return True
+        return False
+
+    def _output(self, request: Request, new_tokens: list[int], new_logprobs) -> RequestOutput:
+        text = request.output_text
+        emitted = getattr(request, "_emitted_chars", 0)
+        visible = len(text)
+        if request.params.stop and not request.status.is_finished:
+            visible = max(emitted, len(text) - max(len(s) for s in request.params.stop) + 1)
+        new_text = text[emitted:visible]
+        request._emitted_chars = visible  # type: ignore[attr-defined]
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            new_token_ids=new_tokens, new_text=new_text, token_ids=list(request.output_token_ids),
+            text=text if request.status.is_finished else text[:visible],
+            finished=request.status.is_finished, finish_reason=request.finish_reason,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            new_logprobs=[new_logprobs] if new_logprobs is not None else None, error=request.error)
+
+    def _recover_from_corruption(self, sched, exc: KVCacheCorruptionError) -> list[RequestOutput]:
+        """End the requests whose keys/values were non-finite; recompute the rest of the step's requests
+        (their pages may hold a partial write from the failed step)."""
+        bad = set(getattr(exc, "request_ids", None) or [])
+        if not bad:
+            bad = {c.request.request_id for c in sched.chunks}
+        outputs = []
+        for chunk in sched.chunks:
+            request = chunk.request
+            if request.request_id in bad:
+                self._finish(request, "error", f"non-finite keys or values: {exc}")
+                self.counters["errors"] += 1
+                outputs.append(self._output(request, [], None))
+            else:
+                self.scheduler.remove(request)
+                request.num_computed_tokens = 0
+                self.scheduler.add(request)
+        return outputs
+
+    # -- stats --------------------------------------------------------------------------------
+    def kv_bits_per_value(self) -> float:
+        lengths = [r.num_computed_tokens for r in self.scheduler.running]
+        return self.kv_cache.bits_per_value(lengths or [0])
+
+    def expert_load(self) -> torch.Tensor:
+        """[num_layers, num_experts] routed token-slots since start (reads the device counters)."""
+        return self.model.expert_load.detach().cpu()

@@ -1,0 +1,47 @@
+"""The full-precision page format (bf16 / fp16 / fp32): pages hold keys and values as they are."""
+
+from __future__ import annotations
+
+import torch
+
+from moekv.config import CacheConfig
+from moekv.kvcache.base import AttentionMetadata, KVCache, KVCacheSpec
+from moekv.ops import dispatch
+
+
+class FullPrecisionKVCache(KVCache):
+    """key_pages / value_pages: [num_layers, num_pages, page_size, Hkv, D] in the cache dtype."""
+
+    def __init__(self, spec: KVCacheSpec, num_pages: int, device, config: CacheConfig | None = None):
+        super().__init__(spec, num_pages, device, config)
+        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[spec.dtype]
+        shape = (spec.num_layers, num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        self.key_pages = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self.value_pages = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+
+    @classmethod
+    def bytes_per_page(cls, spec: KVCacheSpec, config: CacheConfig | None = None) -> int:
+        element = torch.empty((), dtype=spec.dtype).element_size()
+        return 2 * spec.num_layers * spec.page_size * spec.num_kv_heads * spec.head_dim * element
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Scatter the new tokens' keys/values [T, Hkv, D] to their slots."""
+        flat_keys = self.key_pages[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        flat_values = self.value_pages[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        flat_keys.index_copy_(0, meta.slot_mapping, key.to(self.spec.dtype))
+        flat_values.index_copy_(0, meta.slot_mapping, value.to(self.spec.dtype))
+
+    def attention(self, layer, query, key, value, meta, scale):
+        self.write(layer, key, value, meta)
+        return dispatch.paged_attention_full_precision(
+            query, self.key_pages[layer], self.value_pages[layer], meta, scale)
+
+    def gather(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's first `num_tokens` keys and values, [num_tokens, Hkv, D] each (reference path)."""
+        pages = torch.tensor(block_table, dtype=torch.long, device=self.device)
+        keys = self.key_pages[layer].index_select(0, pages).flatten(0, 1)[:num_tokens]
+        values = self.value_pages[layer].index_select(0, pages).flatten(0, 1)[:num_tokens]
+        return keys, values
+
+    def bits_per_value(self, num_tokens_per_seq: list[int]) -> float:
+        return 8.0 * torch.empty((), dtype=self.spec.dtype).element_size()

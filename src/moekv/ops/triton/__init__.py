@@ -1,0 +1,1 @@
+"""Triton implementations of moekv's ops; each mirrors the signature of its twin in ops.reference."""

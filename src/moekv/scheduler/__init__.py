@@ -1,0 +1,1 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each."""

@@ -1,0 +1,107 @@
+"""A first-come-first-served continuous-batching scheduler with chunked prefill and preemption.
+
+Each step:
+1. Running requests keep their place: each needs its next chunk (1 token when decoding). If the
+   pool has no page for it, the most recently admitted running request is preempted (its pages are
+   freed; it goes back to the front of the queue and is recomputed later) until the chunk fits.
+2. Waiting requests are admitted in arrival order while the token budget, `max_num_seqs` and the
+   free pages allow; a long prompt is split into chunks under the token budget.
+Nothing is ever dropped: a request that can never fit is rejected when it is added (engine).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from moekv.config import SchedulerConfig
+from moekv.engine.request import Request, RequestStatus
+from moekv.kvcache.manager import KVCacheManager
+from moekv.scheduler.output import ScheduledChunk, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queues and free its pages (finish or abort)."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request.request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- the decision -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            total = request.num_computed_tokens + num_new
+            while not self.kv.can_grow(request.request_id, total):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted itself; `running` shrank, index now points past it
+            self.kv.grow(request.request_id, total)
+            out.chunks.append(ScheduledChunk(request, num_new))
+            scheduled.add(request.request_id)
+            budget -= num_new
+            index += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            if not self.kv.can_grow(request.request_id, total):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.kv.grow(request.request_id, total)
+            out.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        out.chunks = [c for c in out.chunks if c.request is not request]

@@ -1,0 +1,112 @@
+"""Tokenizer: `tokenizers` for the vocabulary, tokenizer_config.json for special tokens and the
+chat template (rendered with jinja2), and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moekv.errors import InvalidRequestError, ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"no tokenizer.json in {model_dir}")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises bare Exceptions
+            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+        config = {}
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.chat_template = _pick_chat_template(config.get("chat_template"))
+        if self.chat_template is None and (model_dir / "chat_template.jinja").is_file():
+            self.chat_template = (model_dir / "chat_template.jinja").read_text()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and (
+                not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        """Render chat messages to a prompt string with the checkpoint's (or the given) template."""
+        template = template or self.chat_template
+        if not template:
+            raise InvalidRequestError("this model has no chat template; pass one with --chat-template "
+                                      "or use the completions API", param="messages")
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise jinja2.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+
+
+def _token_text(token) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _pick_chat_template(template) -> str | None:
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters."""
+
+    tokenizer: Tokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the new text (may be empty while a character is incomplete)."""
+        self.token_ids.append(token_id)
+        if self.tokenizer is None:
+            return ""
+        full = self.tokenizer.decode(self.token_ids)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else full[len(self.text):]
+        self.text = full
+        return delta

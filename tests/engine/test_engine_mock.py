@@ -1,0 +1,151 @@
+"""Engine and scheduler with a mock model (no weights): batching, chunked prefill, preemption,
+abort, stop conditions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moekv.engine.engine import Engine
+from moekv.errors import InvalidRequestError
+from moekv.sampling import SamplingParams
+from tests.mock_model import MockModel, mock_arch
+
+GREEDY = dict(temperature=0.0)
+
+
+def make_engine(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=64, arch=None,
+                max_model_len=64):
+    config = EngineConfig(
+        model=ModelConfig(model="mock", max_model_len=max_model_len),  # mock arch allows 512
+        cache=CacheConfig(kv_cache_dtype="fp32", page_size=page_size, num_pages=num_pages),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        device=DeviceConfig("cpu"))
+    return Engine(config, model=MockModel(arch))
+
+
+def run_all(engine):
+    finished = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_ragged_batch_counts_up():
+    engine = make_engine()
+    a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, **GREEDY))
+    b = engine.add_request([10], SamplingParams(max_tokens=3, **GREEDY))
+    done = run_all(engine)
+    assert done[a].token_ids == [4, 5, 6, 7, 8]
+    assert done[b].token_ids == [11, 12, 13]
+    assert done[a].finish_reason == "length"
+    assert engine.kv_manager.usage == 0.0
+
+
+def test_chunked_prefill_respects_token_budget():
+    engine = make_engine(max_num_batched_tokens=8)
+    rid = engine.add_request(list(range(1, 21)), SamplingParams(max_tokens=2, **GREEDY))
+    done = run_all(engine)
+    assert done[rid].token_ids == [21, 22]
+    assert max(engine.model.forward_calls) <= 8
+    assert engine.model.forward_calls[:3] == [8, 8, 4]
+
+
+def test_max_num_seqs_limits_the_batch():
+    engine = make_engine(max_num_seqs=2)
+    ids = {engine.add_request([i], SamplingParams(max_tokens=4, **GREEDY)): i for i in range(1, 6)}
+    done = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        assert len(outs) <= 2 and engine.scheduler.num_running <= 2
+        done.update({o.request_id: o for o in outs if o.finished})
+    assert {rid: done[rid].token_ids for rid in ids} == {rid: [i + 1, i + 2, i + 3, i + 4] for rid, i in ids.items()}
+    assert engine.kv_manager.usage == 0.0
+
+
+def test_preemption_by_recompute_gives_same_tokens():
+    # 6 pages of 4 tokens: two sequences of 3 + 12 tokens cannot both stay resident.
+    engine = make_engine(num_pages=6, page_size=4, max_model_len=24)
+    a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=12, **GREEDY))
+    b = engine.add_request([30, 31, 32], SamplingParams(max_tokens=12, **GREEDY))
+    done = run_all(engine)
+    assert done[a].token_ids == list(range(4, 16))
+    assert done[b].token_ids == [(33 + k) % 64 for k in range(12)]
+    assert engine.scheduler.num_preemptions >= 1
+    assert engine.kv_manager.usage == 0.0
+
+
+def test_abort_frees_pages_at_once():
+    engine = make_engine()
+    rid = engine.add_request([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=50, **GREEDY))
+    engine.step()
+    assert engine.kv_manager.usage > 0
+    assert engine.abort(rid)
+    assert engine.kv_manager.usage == 0.0
+    assert engine.requests[rid].finish_reason == "abort"
+    assert not engine.has_unfinished()
+    assert not engine.abort(rid)
+
+
+def test_stop_token_and_eos():
+    engine = make_engine(arch=mock_arch(eos_token_ids=(7,)))
+    a = engine.add_request([4], SamplingParams(max_tokens=10, **GREEDY))
+    b = engine.add_request([4], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[9], **GREEDY))
+    done = run_all(engine)
+    assert done[a].token_ids == [5, 6, 7] and done[a].finish_reason == "stop"
+    assert done[b].token_ids == [5, 6, 7, 8, 9] and done[b].finish_reason == "stop"
+
+
+def test_max_model_len_ends_with_length():
+    engine = make_engine(max_model_len=6)
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=100, **GREEDY))
+    done = run_all(engine)
+    assert done[rid].token_ids == [4, 5, 6]
+    assert done[rid].finish_reason == "length"
+
+
+def test_bad_requests_are_rejected_and_leave_nothing_behind():
+    engine = make_engine(max_model_len=8)
+    with pytest.raises(InvalidRequestError, match="8 tokens; max_model_len=8"):
+        engine.add_request(list(range(8)), SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.add_request([1, 99999], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.add_request("hello", SamplingParams())
+    assert not engine.has_unfinished() and engine.requests == {}
+
+
+def test_nonfinite_logits_end_only_that_request():
+    engine = make_engine()
+    model = engine.model
+    original = model.compute_logits
+
+    def poisoned(hidden):
+        logits = original(hidden)
+        bad = hidden[:, 0].round().long() == 13
+        logits[bad] = float("nan")
+        return logits
+
+    model.compute_logits = poisoned
+    a = engine.add_request([10], SamplingParams(max_tokens=6, **GREEDY))
+    b = engine.add_request([20], SamplingParams(max_tokens=6, **GREEDY))
+    done = run_all(engine)
+    assert done[a].finish_reason == "error" and done[a].token_ids == [11, 12, 13]
+    assert done[b].token_ids == [21, 22, 23, 24, 25, 26]
+    assert engine.kv_manager.usage == 0.0
+
+
+def test_seeded_sampling_reproduces():
+    engine = make_engine()
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=123)
+    a = engine.add_request([3], params)
+    b = engine.add_request([3], params)
+    done = run_all(engine)
+    assert done[a].token_ids == done[b].token_ids

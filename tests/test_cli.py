@@ -1,0 +1,48 @@
+"""The CLI's boundary: help everywhere, clear one-line errors (exit 2) instead of tracebacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from moekv.cli import build_parser, main
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("generate", "serve", "eval", "bench"):
+        assert command in out
+
+
+@pytest.mark.parametrize("argv", [["generate", "--help"], ["serve", "--help"], ["eval", "kv", "--help"],
+                                  ["bench", "serve", "--help"]])
+def test_every_command_has_help(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    assert "usage: moekv" in capsys.readouterr().out
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path, capsys):
+    code = main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and "nope" in err and "Traceback" not in err
+
+
+def test_unknown_kv_cache_dtype_is_a_clear_error(tmp_path, capsys):
+    code = main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--kv-cache-dtype", "int9"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown kv_cache_dtype 'int9'" in err
+
+
+def test_invalid_sampling_parameter_is_a_clear_error(tmp_path, capsys):
+    code = main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--temperature", "-1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "temperature must be a finite number >= 0" in err
+
+
+def test_parser_builds_without_optional_dependencies():
+    assert build_parser().prog == "moekv"
