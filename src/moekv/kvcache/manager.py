@@ -49,10 +49,10 @@ class KVCacheManager:
 
     def grow(self, seq_id: str, total_tokens: int) -> list[int]:
         """Make the sequence's table hold `total_tokens` tokens; returns its table."""
-        table = self._tables.setdefault(seq_id, [])
         extra = self.num_new_pages(seq_id, total_tokens)
-        if extra:
-            table.extend(self.pool.allocate(extra))
+        new_pages = self.pool.allocate(extra) if extra else []   # raises before any state changes
+        table = self._tables.setdefault(seq_id, [])
+        table.extend(new_pages)
         return table
 
     def free(self, seq_id: str) -> int:

@@ -1,0 +1,62 @@
+"""The feed-forward blocks: a gated dense MLP, and the routed MoE block (+ optional shared expert).
+
+MoE flow: router -> (weights, ids) -> `self.experts` (moe.experts.LocalExperts by default: stacked
+weights through ops.dispatch.moe_experts; offloaded or expert-parallel variants are swapped in from
+outside) -> + sigmoid(shared_expert_gate(x)) * shared_expert(x) when the model has a shared expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekv.config import ArchConfig
+from moekv.layers.linear import Linear
+from moekv.layers.router import Router
+from moekv.moe.experts import Experts, LocalExperts
+
+
+class DenseMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up fused in gate_up_proj [2I, hidden] (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(hidden)                                           # [T, 2I]
+        act = F.silu(gate_up[:, :self.intermediate_size]) * gate_up[:, self.intermediate_size:]   # [T, I]
+        return self.down_proj(act)                                                    # [T, hidden]
+
+
+class MoEBlock(nn.Module):
+    """Router + routed experts (+ optional shared expert). `experts` is replaceable (see moe.experts)."""
+
+    def __init__(self, arch: ArchConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        experts, inter, hidden = arch.num_experts, arch.expert_intermediate_size, arch.hidden_size
+        self.num_experts = experts
+        self.layer_idx = layer_idx
+        self.router = Router(hidden, experts, arch.top_k, arch.norm_topk_prob, dtype, device)
+        self.experts: Experts = LocalExperts(experts, hidden, inter, layer_idx, dtype, device)
+        if arch.shared_expert_intermediate_size > 0:
+            self.shared_expert = DenseMLP(hidden, arch.shared_expert_intermediate_size, dtype, device)
+            self.shared_expert_gate = Linear(hidden, 1, False, dtype, device)
+        else:
+            self.shared_expert = None
+            self.shared_expert_gate = None
+
+    def forward(self, hidden: torch.Tensor, expert_load: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; adds routed slots per expert to expert_load [E] (int64)."""
+        topk_weights, topk_ids = self.router(hidden)                                  # [T, k], [T, k]
+        if expert_load is not None:
+            flat_ids = topk_ids.reshape(-1)                                           # [T*k]
+            expert_load.index_add_(0, flat_ids, torch.ones_like(flat_ids))            # on device, no sync
+        out = self.experts(hidden, topk_ids, topk_weights)                            # [T, hidden]
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(hidden))                     # [T, 1]
+            out = out + gate * self.shared_expert(hidden)                             # [T, hidden]
+        return out
