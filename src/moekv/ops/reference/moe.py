@@ -43,3 +43,58 @@ def moe_experts_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down:
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
     out.index_add_(0, slot_token, weighted)                                  # [T, H]
     return out.to(hidden.dtype)
+
+
+def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort token-slots by expert and pad each expert's run to a multiple of block_m (device ops only).
+
+    topk_ids [T, k] -> (sorted_slots [P] int32, block_experts [P / block_m] int32,
+    num_padded [1] int32) with N = T*k slots (slot t*k + j is token t's j-th choice) and
+    P = padded_capacity(N, num_experts, block_m) (known on the host from the shapes alone).
+    Expert e's slots, ascending, fill rows padded_start[e] .. padded_start[e] + count[e]; the rest of
+    its run up to the next multiple of block_m, and every row from num_padded on, hold N (no slot).
+    Block b of block_m rows belongs to expert block_experts[b], or -1 past num_padded.
+    No host synchronisation: counts come from index_add_, not bincount (which syncs on CUDA).
+    """
+    flat_ids = topk_ids.reshape(-1)                                                   # [N]
+    num_slots = flat_ids.numel()
+    device = flat_ids.device
+    capacity = padded_capacity(num_slots, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))                        # [E]
+    padded = (counts + block_m - 1) // block_m * block_m                             # [E]
+    padded_end = torch.cumsum(padded, 0)                                              # [E]
+    padded_start = padded_end - padded                                                # [E]
+    count_start = torch.cumsum(counts, 0) - counts                                    # [E]
+    order = torch.argsort(flat_ids, stable=True)                                      # [N] slots by expert
+    sorted_experts = flat_ids.index_select(0, order)                                  # [N]
+    rank = torch.arange(num_slots, device=device) - count_start.index_select(0, sorted_experts)   # [N]
+    rows = padded_start.index_select(0, sorted_experts) + rank                        # [N]
+    sorted_slots = torch.full((capacity,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots.index_copy_(0, rows, order.to(torch.int32))                          # [P]
+    num_padded = padded_end[-1:].to(torch.int32)                                      # [1]
+    block_start = torch.arange(0, capacity, block_m, device=device)                   # [P / block_m]
+    block_experts = torch.searchsorted(padded_end, block_start, right=True)           # [P / block_m]
+    block_experts = torch.where(block_start < padded_end[-1], block_experts, -1).to(torch.int32)
+    return sorted_slots, block_experts, num_padded
+
+
+def padded_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Rows the aligned layout needs at most: every non-empty expert (at most min(N, E) of them)
+    wastes fewer than block_m rows of padding; rounded up to whole blocks."""
+    rows = num_slots + min(num_slots, num_experts) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+def moe_activation_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor
+                             ) -> torch.Tensor:
+    """The first half of the expert compute, per token-slot: act [T*k, I] in hidden's dtype,
+    act[t*k + j] = silu(x_t W_gate_e^T) * (x_t W_up_e^T) with e = topk_ids[t, j], computed in fp32.
+    (The twin of the first kernel of the Triton decode and grouped paths, for localising errors.)"""
+    top_k = topk_ids.shape[1]
+    inter = w_gate_up.shape[1] // 2
+    x = hidden.float().repeat_interleave(top_k, dim=0)                                # [T*k, H]
+    weights = w_gate_up.float().index_select(0, topk_ids.reshape(-1))                 # [T*k, 2I, H]
+    gate_up = torch.bmm(weights, x.unsqueeze(-1)).squeeze(-1)                         # [T*k, 2I]
+    return (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype)        # [T*k, I]
