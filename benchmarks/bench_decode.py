@@ -1,0 +1,398 @@
+"""End-to-end decode of a random-weight named model: moekv's engine (bf16 and low-bit KV) side by side
+with Hugging Face transformers on the same shape and the same weights, plus the MoE layer alone.
+
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --model mixtral-8x7b           # on the H200
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --scenarios 64x16384:int3 --no-hf --moe-tokens "" --tag b64
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --tiny                          # CPU: code paths only
+
+Sections (each in the JSON and the markdown written to --out, default benchmarks/results):
+  decode      time per output token = wall time of one engine step with B running sequences of about
+              `context` tokens (each step gives every sequence one token), after --warmup steps, mean
+              of --steps; moekv through Engine.step() (scheduler, sampling and all), transformers as
+              model(next_token, cache=DynamicCache) + argmax, experts_implementation
+              "eager" and "grouped_mm" (bf16 cache only: transformers has no int3 cache).
+  gpu_busy    torch.profiler over --profile-steps decode steps: union of GPU kernel intervals / the
+              steps' wall time (the profiler's own CPU overhead makes this a lower bound).
+  prefill     tokens per second of the prefill phase of each scenario (B x context prompt tokens, chunks
+              of --prefill-chunk tokens per engine step); the B=1, 16k row is "prefill at 16k".
+  moe_layer   layer 0's experts alone at --moe-tokens (benchmarks/bench_moe.py: achieved TB/s).
+  parity      moekv vs transformers last-token logits on a short prompt (cosine, max |diff|): the
+              weights really are shared.
+The transformers model is built on the meta device and its parameters are views of moekv's (no copy:
+Mixtral-8x7B twice would not fit one H200). Targets (reported, not asserted): MoE layer at 1 token
+>= 80% of copy bandwidth; B=1 16k int3 <= 7.0 ms per token (Mixtral-8x7B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402  (also turns on the interpreter for --tiny)
+
+from moekv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, DeviceConfig  # noqa: E402
+from moekv.engine.engine import Engine  # noqa: E402
+from moekv.kvcache import AttentionMetadata, KVCacheSpec, create_kv_cache  # noqa: E402
+from moekv.models.loader import build_random_model  # noqa: E402
+from moekv.models.registry import NAMED_SHAPES, named_arch  # noqa: E402
+from moekv.sampling import SamplingParams  # noqa: E402
+
+DEFAULT_SCENARIOS = "1x16384:bf16,int3;16x4096:bf16,int3;64x16384:int3"
+TINY_ARCH = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, top_k=2,
+                 expert_intermediate_size=48, vocab_size=256)
+TINY_SCENARIOS = "1x96:bf16,int3;4x48:bf16,int3;8x64:int3"
+TARGET_MOE_PCT_COPY, TARGET_TPOT_MS = 80.0, 7.0
+
+
+def parse_scenarios(text: str) -> list[tuple[int, int, str]]:
+    """"1x16384:bf16,int3;64x16384:int3" -> [(1, 16384, "bf16"), (1, 16384, "int3"), (64, 16384, "int3")]."""
+    out = []
+    for part in filter(None, text.split(";")):
+        size, kinds = part.split(":")
+        batch, context = (int(v) for v in size.lower().split("x"))
+        out += [(batch, context, kind) for kind in kinds.split(",")]
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def prompts(batch: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, context), generator=gen).tolist()
+
+
+def busy_fraction(step, num_steps: int, device: torch.device) -> float | None:
+    """Union of GPU activity intervals (kernels, memcpy, memset) / wall time of `num_steps` calls of
+    step(), read from the profiler's exported Chrome trace (a documented, stable format)."""
+    if num_steps <= 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            with record_function("bench_decode_step"):
+                step()
+                sync(device)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "bench_decode_step"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, cursor = 0.0, -math.inf
+    for start, end in gpu:                                        # union of possibly overlapping intervals
+        start = max(start, cursor)
+        if end > start:
+            busy += end - start
+            cursor = end
+    wall = sum(end - start for start, end in windows)
+    if device.type != "cuda" or wall <= 0:
+        return None
+    return busy / wall
+
+
+# ---------------------------------------------------------------- moekv
+def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args) -> Engine:
+    page_size = args.page_size or (128 if kv.startswith("int") else 16)
+    max_len = context + new_tokens + 8
+    num_pages = batch * -(-max_len // page_size) + batch + 1
+    cache = CacheConfig(kv_cache_dtype=kv, page_size=page_size, num_pages=num_pages,
+                        staging_pages=2 * batch + 8 if kv.startswith("int") else None)
+    config = EngineConfig(model=ModelConfig(model=f"random:{args.model}", max_model_len=max_len), cache=cache,
+                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=args.prefill_chunk),
+                          device=DeviceConfig(str(model.device)))
+    return Engine(config, model=model)
+
+
+def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.device) -> dict:
+    # sequences prefilled first decode while the others prefill: room for those steps too
+    prefill_steps = -(-batch * context // args.prefill_chunk) + batch
+    new_tokens = prefill_steps + args.warmup + args.steps + args.profile_steps + 4
+    engine = make_engine(model, batch, context, kv, new_tokens, args)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for tokens in prompts(batch, context, model.arch.vocab_size):
+        engine.add_request(tokens, params)
+    sync(device)
+    start = time.perf_counter()
+    while any(not r.output_token_ids for r in engine.requests.values()):   # prefill: every first token
+        engine.step()
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    for _ in range(args.warmup):
+        engine.step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync(device)
+    step_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    busy = busy_fraction(engine.step, args.profile_steps, device)
+    assert all(len(r.output_token_ids) < new_tokens for r in engine.scheduler.running), "a sequence finished early"
+    row = {"system": "moekv", "kv": kv, "batch": batch, "context": context, "tpot_ms": step_ms,
+           "tokens_per_s": batch * 1e3 / step_ms, "gpu_busy": busy, "prefill_tokens_per_s": batch * context / prefill_s,
+           "kv_bits_per_value": engine.kv_bits_per_value()}
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    del engine
+    free_memory(device)
+    return row
+
+
+@torch.inference_mode()
+def moekv_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Last-token logits [V] of one prompt through moekv's model and a fresh full-precision cache."""
+    arch, device, page = model.arch, model.device, 16
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[model.dtype]
+    pages = -(-len(tokens) // page)
+    spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, page, model.dtype)
+    cache = create_kv_cache(CacheConfig(kv_cache_dtype=name), spec, pages + 1, device)
+    meta = AttentionMetadata.build([len(tokens)], [0], [list(range(1, pages + 1))], page, device)
+    ids = torch.tensor(tokens, device=device)
+    hidden = model(ids, torch.arange(len(tokens), device=device), cache, meta)           # [T, H]
+    return model.compute_logits(hidden[-1:])[0]
+
+
+# ---------------------------------------------------------------- transformers
+def hf_model_sharing(model):
+    """transformers' MixtralForCausalLM whose parameters are views of moekv's `model` (no copy)."""
+    import transformers
+
+    arch = model.arch
+    if arch.architecture != "mixtral":
+        raise ValueError("the transformers side-by-side is written for Mixtral-shaped models")
+    config = transformers.MixtralConfig(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.expert_intermediate_size,
+        num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim, num_local_experts=arch.num_experts, num_experts_per_tok=arch.top_k,
+        rms_norm_eps=arch.rms_norm_eps, max_position_embeddings=arch.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta}, tie_word_embeddings=False,
+        sliding_window=None)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = transformers.MixtralForCausalLM(config)
+    share = lambda tensor: torch.nn.Parameter(tensor.detach(), requires_grad=False)
+    hf.model.embed_tokens.weight = share(model.embed_tokens.weight)
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    for theirs, ours in zip(hf.model.layers, model.layers):
+        q, k, v = ours.attn.qkv_proj.weight.split([q_size, kv_size, kv_size], dim=0)
+        attn = theirs.self_attn
+        attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight = share(q), share(k), share(v)
+        attn.o_proj.weight = share(ours.attn.o_proj.weight)
+        theirs.input_layernorm.weight = share(ours.input_norm.weight)
+        theirs.post_attention_layernorm.weight = share(ours.post_attn_norm.weight)
+        theirs.mlp.gate.weight = share(ours.mlp.router.weight)
+        theirs.mlp.experts.gate_up_proj = share(ours.mlp.experts.w_gate_up)
+        theirs.mlp.experts.down_proj = share(ours.mlp.experts.w_down)
+    hf.model.norm.weight = share(model.norm.weight)
+    hf.lm_head.weight = share(model.lm_head.weight)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config).to(model.device)       # fp32 inv_freq buffers
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"transformers tensors not shared with moekv: {left[:5]}")
+    return hf.eval()
+
+
+@torch.inference_mode()
+def run_hf(hf, implementation: str, batch: int, context: int, args, device: torch.device) -> dict:
+    from transformers import DynamicCache
+
+    hf.set_experts_implementation(implementation)
+    ids = torch.tensor(prompts(batch, context, hf.config.vocab_size), device=device)      # [B, L]
+    cache = DynamicCache(config=hf.config)
+    # transformers >= 5.2x names the argument `cache` (`past_key_values` deprecated); older ones the latter
+    cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    sync(device)
+    start = time.perf_counter()
+    chunk = max(1, args.prefill_chunk // batch)
+    for first in range(0, context, chunk):
+        logits = hf(input_ids=ids[:, first:first + chunk], **{cache_arg: cache}, use_cache=True,
+                    logits_to_keep=1).logits
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    state = {"next": logits[:, -1].argmax(-1, keepdim=True)}                              # [B, 1]
+
+    def step():
+        out = hf(input_ids=state["next"], **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
+        state["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync(device)
+    step_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    busy = busy_fraction(step, args.profile_steps, device)
+    del cache, state
+    free_memory(device)
+    return {"system": f"transformers-{implementation}", "kv": "bf16", "batch": batch, "context": context,
+            "tpot_ms": step_ms, "tokens_per_s": batch * 1e3 / step_ms, "gpu_busy": busy,
+            "prefill_tokens_per_s": batch * context / prefill_s, "kv_bits_per_value": 16.0}
+
+
+@torch.inference_mode()
+def parity(model, hf, length: int) -> dict:
+    tokens = prompts(1, length, model.arch.vocab_size, seed=7)[0]
+    ours = moekv_logits(model, tokens).float()
+    hf.set_experts_implementation("eager")
+    theirs = hf(input_ids=torch.tensor([tokens], device=model.device), logits_to_keep=1).logits[0, -1].float()
+    cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=0).item()
+    return {"prompt_tokens": length, "logits_cosine": cosine, "logits_max_abs_diff": (ours - theirs).abs().max().item(),
+            "same_argmax": bool(ours.argmax() == theirs.argmax())}
+
+
+# ---------------------------------------------------------------- report
+def markdown(result: dict) -> list[str]:
+    env = result["env"]
+    lines = [f"# Decode benchmark: {result['model']} ({result['dtype']}, random weights)", "",
+             f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton {env['triton']}, "
+             f"transformers {env['transformers']}", f"Command: `{env['command']}`", ""]
+    if result.get("copy_bandwidth_tbps"):
+        lines += [f"Measured copy bandwidth {result['copy_bandwidth_tbps']:.2f} TB/s.", ""]
+    lines += ["## Decode: time per output token", "",
+              "| B | context | system | KV | ms / token | tokens/s | GPU busy | prefill tok/s | KV bits/value |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["decode"]:
+        busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
+        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r['kv']} | {r['tpot_ms']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {busy} | {r['prefill_tokens_per_s']:.0f} | {r['kv_bits_per_value']:.2f} |")
+    for r in result["errors"]:
+        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r['kv']} | failed: {r['error'][:80]} | | | | |")
+    lines += ["", "## MoE layer alone (layer 0's weights)", ""] + bench_moe.layer_table(result["moe_layer"])
+    if result.get("parity"):
+        p = result["parity"]
+        lines += ["", f"Parity with transformers ({p['prompt_tokens']}-token prompt, last-token logits): cosine "
+                  f"{p['logits_cosine']:.5f}, max |diff| {p['logits_max_abs_diff']:.3e}, same argmax: {p['same_argmax']}."]
+    lines += ["", "## Targets", ""] + [f"- {t}" for t in result["targets"]]
+    return lines
+
+
+def targets(result: dict) -> list[str]:
+    out = []
+    one = [r for r in result["moe_layer"] if r["tokens"] == 1 and r["impl"] == "moekv" and r["pct_copy"] is not None]
+    if one:
+        out.append(f"MoE layer at 1 token: {one[0]['pct_copy']:.1f}% of copy bandwidth (target >= {TARGET_MOE_PCT_COPY:.0f}%)")
+    tpot = [r for r in result["decode"] if r["system"] == "moekv" and r["kv"] == "int3" and r["batch"] == 1
+            and r["context"] == 16384]
+    if tpot:
+        out.append(f"B=1 16k int3: {tpot[0]['tpot_ms']:.3f} ms per token (target <= {TARGET_TPOT_MS} ms)")
+    return out or ["(no target-bearing rows in this run)"]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="mixtral-8x7b", choices=sorted(NAMED_SHAPES))
+    parser.add_argument("--scenarios", help=f"BxL:kv,kv;... (default {DEFAULT_SCENARIOS!r})")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per scenario")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--prefill-chunk", type=int, default=16384, help="prompt tokens per engine step")
+    parser.add_argument("--page-size", type=int, help="KV page size (default 16 bf16, 128 low-bit)")
+    parser.add_argument("--hf", default="eager,grouped_mm", help="transformers experts implementations to run")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers entirely")
+    parser.add_argument("--moe-tokens", default="1,8,128", help="token counts of the MoE-layer section ('' = skip)")
+    parser.add_argument("--parity-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, help="result folder (default benchmarks/results; --tiny: a temp dir)")
+    parser.add_argument("--tag", default="", help="appended to the result file names (split runs)")
+    parser.add_argument("--tiny", action="store_true", help="tiny Mixtral-shaped model on the CPU (code paths)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        parser.error("no CUDA device: use --tiny to check the code paths on the CPU")
+    dtype = torch.bfloat16
+    if args.tiny:
+        arch = named_arch(args.model, **TINY_ARCH)
+        args.scenarios = args.scenarios or TINY_SCENARIOS
+        args.page_size = args.page_size or 16
+        args.parity_tokens = min(args.parity_tokens, 40)
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+    else:
+        arch = named_arch(args.model)
+    scenarios = parse_scenarios(args.scenarios or DEFAULT_SCENARIOS)
+    env = bench_moe.environment(["benchmarks/bench_decode.py", *argv], device)
+    copy_tbps = bench_moe.copy_bandwidth(device)
+    print(f"{env['gpu']}: building random {args.model}{' (tiny)' if args.tiny else ''} in bf16 ...")
+    model = build_random_model(arch, dtype=dtype, device=device, seed=0)
+    result = {"env": env, "model": args.model + ("-tiny" if args.tiny else ""), "dtype": "bf16",
+              "copy_bandwidth_tbps": copy_tbps, "decode": [], "errors": [], "moe_layer": [], "parity": None}
+
+    hf = None
+    if not args.no_hf and args.hf:
+        try:
+            hf = hf_model_sharing(model)
+            result["parity"] = parity(model, hf, args.parity_tokens)
+            print("parity with transformers:", result["parity"])
+        except Exception as exc:                                      # noqa: BLE001 (reported in the results)
+            print(f"transformers side-by-side unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+            hf = None
+    runs = [("moekv", b, c, kv) for b, c, kv in scenarios]
+    if hf is not None:
+        pairs = sorted({(b, c) for b, c, kv in scenarios if kv == "bf16"})
+        runs += [(f"transformers-{impl}", b, c, "bf16") for b, c in pairs for impl in args.hf.split(",")]
+    for system, batch, context, kv in runs:
+        print(f"{system} B={batch} L={context} kv={kv} ...", flush=True)
+        try:
+            if system == "moekv":
+                row = run_moekv(model, batch, context, kv, args, device)
+            else:
+                row = run_hf(hf, system.split("-", 1)[1], batch, context, args, device)
+        except Exception as exc:                                      # noqa: BLE001 (e.g. out of memory)
+            free_memory(device)
+            print(f"  failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+            result["errors"].append({"system": system, "batch": batch, "context": context, "kv": kv,
+                                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
+        busy = "-" if row["gpu_busy"] is None else f"{100 * row['gpu_busy']:.1f}%"
+        print(f"  {row['tpot_ms']:.3f} ms/token, {row['tokens_per_s']:.1f} tok/s, GPU busy {busy}, "
+              f"prefill {row['prefill_tokens_per_s']:.0f} tok/s")
+        result["decode"].append(row)
+
+    moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t]
+    if moe_tokens:
+        layer = next(layer for layer in model.layers if layer.is_moe).mlp
+        weights = (layer.experts.w_gate_up.data, layer.experts.w_down.data, layer.router.weight.data)
+        shape = {"num_experts": arch.num_experts, "hidden_size": arch.hidden_size,
+                 "expert_intermediate_size": arch.expert_intermediate_size, "top_k": arch.top_k}
+        if args.tiny:
+            from moekv.ops import dispatch
+            dispatch.set_backend("triton")
+        result["moe_layer"] = bench_moe.bench_layer(shape, moe_tokens, dtype, device, bench_moe.Timer(device),
+                                                    copy_tbps, tiny=args.tiny, weights=weights)
+    result["targets"] = targets(result)
+    out = args.out or (Path(tempfile.mkdtemp()) if args.tiny else Path("benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = env["gpu"].split(" (")[0].replace(" ", "_")
+    stem = f"decode-bench-{result['model']}-{gpu}" + (f"-{args.tag}" if args.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(markdown(result)) + "\n")
+    print("\n".join(result["targets"]))
+    print("wrote", out / f"{stem}.json", out / f"{stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Launch configurations of the fused MoE kernels, per (experts, hidden, intermediate, dtype, GPU).
+
+tools/tune_moe.py writes one JSON file per shape and GPU into this folder:
+
+    E={E},H={H},I={I},dtype={bf16|fp16|fp32},device={torch.cuda.get_device_name, spaces as _}.json
+    {
+      "decode_max_tokens": 16,                  # T <= this takes the decode path (measured crossover)
+      "decode":  {"<T>": {"gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages},
+                          "down":    {BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages}}, ...},
+      "grouped": {"<T>": {"BLOCK_M": .., "gate_up": {BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages},
+                          "down":    {BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}}, ...},
+      "meta": {...}                             # who tuned it, when, with what
+    }
+
+A call with T tokens takes the entry whose key is nearest to T. Shapes or GPUs without a file get
+`default_config` (sane, untuned). Files are read once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+
+CONFIG_DIR = Path(__file__).resolve().parent
+DEFAULT_DECODE_MAX_TOKENS = 16
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def device_name(device: torch.device | str) -> str:
+    """The name config files are keyed by ("NVIDIA_H200"; "cpu" for the interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+def config_filename(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str) -> str:
+    return f"E={num_experts},H={hidden},I={inter},dtype={_DTYPE_NAMES[dtype]},device={device}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def load_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str) -> dict | None:
+    """The tuned table of a shape on a GPU, or None."""
+    path = CONFIG_DIR / config_filename(num_experts, hidden, inter, dtype, device)
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _nearest(table: dict[str, dict], num_tokens: int) -> dict:
+    key = min(table, key=lambda k: (abs(int(k) - num_tokens), int(k)))
+    return table[key]
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(n, 1)))
+
+
+def default_config(kind: str, num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int = 2) -> dict:
+    """Untuned launch parameters that are reasonable on Hopper-class GPUs (and small enough for the
+    interpreter on tiny shapes). kind: "decode" or "grouped"."""
+    if kind == "decode":
+        gate_up = {"BLOCK_N": min(32, _pow2(inter)), "BLOCK_K": min(128, _pow2(hidden)),
+                   "num_warps": 4, "num_stages": 3}
+        down = {"BLOCK_N": min(32, _pow2(hidden)), "BLOCK_K": min(128, _pow2(inter)), "SPLIT_K": None,
+                "num_warps": 4, "num_stages": 3}
+        return {"gate_up": gate_up, "down": down}
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    warps = 8 if block_m >= 64 else 4
+    gate_up = {"BLOCK_N": min(64, _pow2(inter)), "BLOCK_K": min(64, _pow2(hidden)), "GROUP_M": 8,
+               "num_warps": warps, "num_stages": 3}
+    down = {"BLOCK_N": min(128, _pow2(hidden)), "BLOCK_K": min(64, _pow2(inter)), "GROUP_M": 8,
+            "num_warps": warps, "num_stages": 3}
+    return {"BLOCK_M": block_m, "gate_up": gate_up, "down": down}
+
+
+def get_config(kind: str, num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype,
+               device: torch.device | str, top_k: int = 2) -> dict:
+    """The tuned entry nearest to num_tokens for this shape and GPU, else default_config.
+    The result is cached and shared: copy before changing it."""
+    return _cached_config(kind, num_experts, hidden, inter, num_tokens, dtype, device_name(device), top_k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_config(kind: str, num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype,
+                   device: str, top_k: int) -> dict:
+    tuned = load_tuned(num_experts, hidden, inter, dtype, device)
+    table = tuned.get(kind) if tuned else None
+    if table:
+        return _nearest(table, num_tokens)
+    return default_config(kind, num_experts, hidden, inter, num_tokens, top_k)
+
+
+def decode_max_tokens(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    """The largest T that takes the decode path: the tuned crossover, else DEFAULT_DECODE_MAX_TOKENS."""
+    tuned = load_tuned(num_experts, hidden, inter, dtype, device_name(device))
+    return int(tuned.get("decode_max_tokens", DEFAULT_DECODE_MAX_TOKENS)) if tuned else DEFAULT_DECODE_MAX_TOKENS

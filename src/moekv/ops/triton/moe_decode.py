@@ -1,0 +1,247 @@
+"""The decode path of the routed experts (a few tokens per step): no sort, no align, no host sync.
+
+Same contract as ops.reference.moe.moe_experts_reference. Three launches:
+
+1. gate_up: one program per (token-slot, I-block). A program reads its slot's expert id from
+   topk_ids on the device; if an earlier slot routes to the same expert it exits, otherwise it runs
+   that expert for *every* token routed to it (the rows of a [BLOCK_T, BLOCK_K] tile, BLOCK_T >= T,
+   masked to those tokens) -- so each needed expert's weights are read once per step however many
+   tokens share it. Gate and up rows of w_gate_up are read in the same loop and
+   act = silu(gate) * up is written per slot ([T*k, I], the model dtype).
+2. down: one program per (token-slot, H-block, K-split), the same deduplication; partial sums of
+   act @ W_down^T per slot and split go to an fp32 buffer [S, T*k, H].
+3. combine: one program per (token, H-block): out[t] = sum_j w[t, j] * sum_s partial[s, t*k + j],
+   in a fixed order -- deterministic, no atomics.
+
+Memory-bound: the weights dominate the bytes (Mixtral-8x7B at one token: 2 experts x 3 x 4096 x
+14336 x 2 B = 704 MB), so the extra tile rows of tl.dot (BLOCK_T = 16 for one token) cost nothing.
+The K-split of the down projection keeps enough programs in flight when few experts are active
+(H / BLOCK_N blocks alone would leave most of an H200's 132 SMs idle).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.ops.triton.common import check_launchable, mma
+from moekv.ops.triton.moe_configs import get_config
+
+MAX_DECODE_TOKENS = 64     # BLOCK_T = next power of two >= T; beyond this the grouped path is better
+
+
+@triton.jit
+def _owned_expert(ids_ptr, slot, num_slots, SLOTS_PAD: tl.constexpr):
+    """(expert of `slot`, whether `slot` is the first slot routed to it)."""
+    expert = tl.load(ids_ptr + slot)
+    offs = tl.arange(0, SLOTS_PAD)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    earlier = tl.sum(((ids == expert) & (offs < slot)).to(tl.int32), axis=0)
+    return expert, earlier == 0
+
+
+@triton.jit(do_not_specialize=["num_tokens"])      # one binary for every T sharing BLOCK_T
+def _decode_gate_up_kernel(
+    x_ptr,                  # [T, H]
+    w_ptr,                  # [E, 2I, H] gate rows then up rows
+    ids_ptr,                # [T, k] int (contiguous)
+    act_ptr,                # [T*k, I] out, model dtype
+    num_tokens, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_at,
+    TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    expert, owner = _owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
+    if owner:
+        tokens = tl.arange(0, BLOCK_T)
+        t_mask = tokens < num_tokens
+        routed = tokens < 0                               # all False
+        for j in tl.static_range(TOP_K):
+            routed = routed | (tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] rows of W_gate
+        n_mask = cols < inter
+        offs_k = tl.arange(0, BLOCK_K)
+        w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn    # [1, BLOCK_N]
+        w_up = w_gate + inter * stride_wn
+        x_rows = x_ptr + tokens[:, None].to(tl.int64) * stride_xt                        # [BLOCK_T, 1]
+        acc_gate = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < hidden
+            x = tl.load(x_rows + ks[None, :], mask=routed[:, None] & k_mask[None, :], other=0.0)   # [BT, BK]
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            wg = tl.load(w_gate + ks[:, None] * stride_wk, mask=w_mask, other=0.0)         # [BK, BN]
+            wu = tl.load(w_up + ks[:, None] * stride_wk, mask=w_mask, other=0.0)           # [BK, BN]
+            acc_gate += mma(x, wg, UPCAST)
+            acc_up += mma(x, wu, UPCAST)
+        act = (acc_gate * tl.sigmoid(acc_gate) * acc_up).to(act_ptr.dtype.element_ty)     # [BT, BN]
+        for j in tl.static_range(TOP_K):
+            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
+            rows = (tokens * TOP_K + j).to(tl.int64)
+            tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], act, mask=hit[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _decode_down_kernel(
+    act_ptr,                # [T*k, I]
+    w_ptr,                  # [E, H, I]
+    ids_ptr,                # [T, k] int (contiguous)
+    partial_ptr,            # [S, T*k, H] fp32 out
+    num_tokens, hidden, inter, k_per_split,
+    stride_at, stride_we, stride_wn, stride_wk, stride_ps, stride_pt,
+    TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    split = tl.program_id(2)
+    expert, owner = _owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
+    if owner:
+        tokens = tl.arange(0, BLOCK_T)
+        t_mask = tokens < num_tokens
+        source = tl.zeros([BLOCK_T], tl.int32) - 1        # a slot of each routed token (its act row)
+        for j in tl.static_range(TOP_K):
+            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
+            source = tl.where(hit, tokens * TOP_K + j, source)
+        routed = source >= 0
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] output features
+        n_mask = cols < hidden
+        offs_k = tl.arange(0, BLOCK_K)
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, inter)
+        w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn      # [1, BLOCK_N]
+        a_rows = act_ptr + source[:, None].to(tl.int64) * stride_at                       # [BLOCK_T, 1]
+        acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < k_end
+            a = tl.load(a_rows + ks[None, :], mask=routed[:, None] & k_mask[None, :], other=0.0)   # [BT, BK]
+            w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc += mma(a, w, UPCAST)                                                        # [BT, BN]
+        out = partial_ptr + split.to(tl.int64) * stride_ps
+        for j in tl.static_range(TOP_K):
+            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
+            rows = (tokens * TOP_K + j).to(tl.int64)
+            tl.store(out + rows[:, None] * stride_pt + cols[None, :], acc, mask=hit[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    partial_ptr,            # [S, T*k, H] (fp32, or the model dtype from the grouped path)
+    weights_ptr,            # [T, k] routing weights (contiguous)
+    out_ptr,                # [T, H]
+    hidden, num_splits, stride_ps, stride_pt, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < hidden
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = partial_ptr + (token * TOP_K + j).to(tl.int64) * stride_pt + cols
+        expert_out = tl.zeros([BLOCK_N], tl.float32)
+        for split in range(0, num_splits):
+            expert_out += tl.load(row + split * stride_ps, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.load(weights_ptr + token * TOP_K + j).to(tl.float32) * expert_out
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def upcast_dots(dtype: torch.dtype, device: torch.device) -> bool:
+    """Widen dot operands to fp32 (exact, "ieee"): fp32 inputs, and bf16 under the CPU interpreter
+    (whose bf16 tl.dot is wrong; products of bf16 values are exact in fp32, so the result matches a
+    tensor-core bf16 dot with fp32 accumulation)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and device.type != "cuda")
+
+
+def combine(partial: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, block_n: int = 256) -> torch.Tensor:
+    """out [T, H] = sum_j topk_weights[t, j] * sum_s partial[s, t*k + j] (fp32 sums, fixed order)."""
+    num_tokens, top_k = topk_weights.shape
+    hidden = out.shape[1]
+    weights = topk_weights.contiguous()
+    block_n = min(block_n, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        partial, weights, out, hidden, partial.shape[0], partial.stride(0), partial.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n)
+    return out
+
+
+def default_split_k(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, block_n: int,
+                    block_k: int) -> int:
+    """K-splits for the down projection: about 1024 programs doing work when min(T*k, E) experts are
+    active, each still looping over at least 4 BLOCK_K steps."""
+    active = max(1, min(num_tokens * top_k, num_experts))
+    programs = active * triton.cdiv(hidden, block_n)
+    return max(1, min(triton.cdiv(1024, programs), inter // (4 * block_k)))
+
+
+def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor, config: dict | None) -> dict:
+    num_experts, two_inter, hidden_size = w_gate_up.shape
+    cfg = get_config("decode", num_experts, hidden_size, two_inter // 2, hidden.shape[0], hidden.dtype, hidden.device)
+    config = config or {}
+    return {part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}
+
+
+def _common(num_tokens: int, top_k: int, hidden: torch.Tensor) -> dict:
+    assert num_tokens <= MAX_DECODE_TOKENS, f"the decode path takes at most {MAX_DECODE_TOKENS} tokens"
+    block_t = max(16, triton.next_power_of_2(num_tokens))       # tl.dot wants 16 rows at least
+    # SLOTS_PAD from BLOCK_T (not T) so every T <= 16 shares one compiled kernel
+    return dict(TOP_K=top_k, SLOTS_PAD=triton.next_power_of_2(block_t * top_k), BLOCK_T=block_t,
+                UPCAST=upcast_dots(hidden.dtype, hidden.device))
+
+
+def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor,
+                      config: dict | None = None) -> torch.Tensor:
+    """The first launch alone: act [T*k, I] (twin: ops.reference.moe.moe_activation_reference)."""
+    num_tokens, hidden_size = hidden.shape
+    inter = w_gate_up.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    cfg = _resolve_config(hidden, w_gate_up, config)["gate_up"]
+    cfg.pop("SPLIT_K", None)
+    act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)   # [T*k, I]
+    if num_tokens == 0:
+        return act
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    check_launchable(_decode_gate_up_kernel, hidden)
+    ids = topk_ids.contiguous()
+    grid = (num_tokens * top_k, triton.cdiv(inter, cfg["BLOCK_N"]))
+    _decode_gate_up_kernel[grid](
+        hidden, w_gate_up, ids, act, num_tokens, hidden_size, inter,
+        hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0),
+        **_common(num_tokens, top_k, hidden), **cfg)
+    return act
+
+
+def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """Same contract as ops.reference.moe.moe_experts_reference, for T <= MAX_DECODE_TOKENS.
+
+    config: {"gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages}, "down": {..., SPLIT_K}}, entries
+    overriding the tuned or default ones (moe_configs.get_config); SPLIT_K None: default_split_k.
+    Expert ids of a token are expected distinct (torch.topk's are); repeated ones still give the
+    reference's result.
+    """
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert w_down.shape == (num_experts, hidden_size, inter) and topk_ids.shape == topk_weights.shape
+    out = torch.empty_like(hidden)                                                    # [T, H]
+    if num_tokens == 0:
+        return out
+    act = decode_activation(hidden, w_gate_up, topk_ids, config)                      # [T*k, I]
+    cfg = _resolve_config(hidden, w_gate_up, config)["down"]
+    split_k = cfg.pop("SPLIT_K", None) or default_split_k(
+        num_tokens, top_k, num_experts, hidden_size, inter, cfg["BLOCK_N"], cfg["BLOCK_K"])
+    k_per_split = triton.cdiv(triton.cdiv(inter, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split_k = triton.cdiv(inter, k_per_split)
+    num_slots = num_tokens * top_k
+    partial = torch.empty((split_k, num_slots, hidden_size), dtype=torch.float32, device=hidden.device)
+    grid = (num_slots, triton.cdiv(hidden_size, cfg["BLOCK_N"]), split_k)
+    _decode_down_kernel[grid](
+        act, w_down, topk_ids.contiguous(), partial, num_tokens, hidden_size, inter, k_per_split,
+        act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), partial.stride(0), partial.stride(1),
+        **_common(num_tokens, top_k, hidden), **cfg)
+    return combine(partial, topk_weights, out)                                       # [T, H]

@@ -1,0 +1,181 @@
+"""The grouped path of the routed experts (larger batches, prefill): align, then two grouped GEMMs.
+
+Same contract as ops.reference.moe.moe_experts_reference. Launches (no host synchronisation; the
+grids are sized from shapes alone, blocks past num_padded exit at once):
+
+1. align (ops.triton.moe_align): token-slots sorted by expert and padded to BLOCK_M per expert.
+2. gate_up: one program per (BLOCK_M rows of the aligned layout, BLOCK_N of I). The rows gather their
+   tokens' hidden states, tl.dot against the expert's gate and up rows (two fp32 accumulators), and the
+   epilogue writes act = silu(gate) * up per slot ([T*k, I], model dtype).
+3. down: one program per (BLOCK_M rows, BLOCK_N of H): act rows @ W_down^T, per slot, model dtype
+   (as the reference rounds each expert's output).
+4. combine (ops.triton.moe_decode.combine): out[t] = sum_j w[t, j] * y[t*k + j] in fp32, fixed order.
+
+Program ids are swizzled in groups of GROUP_M row blocks so that consecutive programs share weight
+tiles in L2 (row blocks of one expert are adjacent in the aligned layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.ops.reference.moe import padded_capacity
+from moekv.ops.triton.common import check_launchable, mma
+from moekv.ops.triton.moe_align import moe_align
+from moekv.ops.triton.moe_configs import get_config
+from moekv.ops.triton.moe_decode import combine, upcast_dots
+
+
+@triton.jit
+def _swizzle(num_row_blocks, num_col_blocks, GROUP_M: tl.constexpr):
+    """(row block, column block) of this program, GROUP_M row blocks at a time."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_col_blocks
+    group = pid // per_group
+    first_row = group * GROUP_M
+    group_size = tl.minimum(num_row_blocks - first_row, GROUP_M)
+    row_block = first_row + (pid % per_group) % group_size
+    col_block = (pid % per_group) // group_size
+    return row_block, col_block
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_row_blocks"])   # one binary for every T
+def _grouped_gate_up_kernel(
+    x_ptr,                  # [T, H]
+    w_ptr,                  # [E, 2I, H] gate rows then up rows
+    sorted_ptr,             # [P] int32 slot of each aligned row (N: none)
+    block_experts_ptr,      # [P / BLOCK_M] int32
+    num_padded_ptr,         # [1] int32
+    act_ptr,                # [N, I] out
+    num_slots, hidden, inter, num_row_blocks,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_at,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+):
+    row_block, col_block = _swizzle(num_row_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if row_block * BLOCK_M < tl.load(num_padded_ptr):
+        expert = tl.load(block_experts_ptr + row_block).to(tl.int64)
+        slots = tl.load(sorted_ptr + row_block * BLOCK_M + tl.arange(0, BLOCK_M))            # [BLOCK_M]
+        s_mask = slots < num_slots
+        tokens = (slots // TOP_K).to(tl.int64)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = cols < inter
+        offs_k = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + tokens[:, None] * stride_xt                                        # [BLOCK_M, 1]
+        w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn                     # [1, BLOCK_N]
+        w_up = w_gate + inter * stride_wn
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < hidden
+            x = tl.load(x_rows + ks[None, :], mask=s_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            wg = tl.load(w_gate + ks[:, None] * stride_wk, mask=w_mask, other=0.0)              # [BK, BN]
+            wu = tl.load(w_up + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
+            acc_gate += mma(x, wg, UPCAST)
+            acc_up += mma(x, wu, UPCAST)
+        act = (acc_gate * tl.sigmoid(acc_gate) * acc_up).to(act_ptr.dtype.element_ty)        # [BM, BN]
+        rows = act_ptr + slots[:, None].to(tl.int64) * stride_at + cols[None, :]
+        tl.store(rows, act, mask=s_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_row_blocks"])
+def _grouped_down_kernel(
+    act_ptr,                # [N, I]
+    w_ptr,                  # [E, H, I]
+    sorted_ptr, block_experts_ptr, num_padded_ptr,
+    y_ptr,                  # [N, H] out: each slot's expert output (unweighted)
+    num_slots, hidden, inter, num_row_blocks,
+    stride_at, stride_we, stride_wn, stride_wk, stride_yt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+):
+    row_block, col_block = _swizzle(num_row_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if row_block * BLOCK_M < tl.load(num_padded_ptr):
+        expert = tl.load(block_experts_ptr + row_block).to(tl.int64)
+        slots = tl.load(sorted_ptr + row_block * BLOCK_M + tl.arange(0, BLOCK_M))            # [BLOCK_M]
+        s_mask = slots < num_slots
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = cols < hidden
+        offs_k = tl.arange(0, BLOCK_K)
+        a_rows = act_ptr + slots[:, None].to(tl.int64) * stride_at                          # [BLOCK_M, 1]
+        w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn                     # [1, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < inter
+            a = tl.load(a_rows + ks[None, :], mask=s_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
+            w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc += mma(a, w, UPCAST)
+        rows = y_ptr + slots[:, None].to(tl.int64) * stride_yt + cols[None, :]
+        tl.store(rows, acc.to(y_ptr.dtype.element_ty), mask=s_mask[:, None] & n_mask[None, :])
+
+
+def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor, top_k: int, config: dict | None) -> dict:
+    num_experts, two_inter, hidden_size = w_gate_up.shape
+    cfg = get_config("grouped", num_experts, hidden_size, two_inter // 2, hidden.shape[0], hidden.dtype,
+                     hidden.device, top_k)
+    config = config or {}
+    return {"BLOCK_M": config.get("BLOCK_M", cfg["BLOCK_M"]),
+            **{part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}}
+
+
+def grouped_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor,
+                       config: dict | None = None, aligned: tuple | None = None) -> torch.Tensor:
+    """Align (unless `aligned` is given) and the gate_up launch: act [T*k, I]
+    (twin: ops.reference.moe.moe_activation_reference)."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    cfg = _resolve_config(hidden, w_gate_up, top_k, config)
+    block_m, part = cfg["BLOCK_M"], cfg["gate_up"]
+    act = torch.empty((num_slots, inter), dtype=hidden.dtype, device=hidden.device)      # [N, I]
+    if num_tokens == 0:
+        return act
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    check_launchable(_grouped_gate_up_kernel, hidden)
+    sorted_slots, block_experts, num_padded = aligned or moe_align(topk_ids, num_experts, block_m)
+    num_row_blocks = padded_capacity(num_slots, num_experts, block_m) // block_m
+    grid = (num_row_blocks * triton.cdiv(inter, part["BLOCK_N"]),)
+    _grouped_gate_up_kernel[grid](
+        hidden, w_gate_up, sorted_slots, block_experts, num_padded, act, num_slots, hidden_size, inter,
+        num_row_blocks, hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2),
+        act.stride(0), TOP_K=top_k, BLOCK_M=block_m, UPCAST=upcast_dots(hidden.dtype, hidden.device), **part)
+    return act
+
+
+def moe_experts_grouped(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """Same contract as ops.reference.moe.moe_experts_reference, for any T.
+
+    config: {"BLOCK_M", "gate_up": {BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}, "down": {...}},
+    entries overriding the tuned or default ones (moe_configs.get_config).
+    """
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert w_down.shape == (num_experts, hidden_size, inter) and topk_ids.shape == topk_weights.shape
+    out = torch.empty_like(hidden)                                                    # [T, H]
+    if num_tokens == 0:
+        return out
+    cfg = _resolve_config(hidden, w_gate_up, top_k, config)
+    block_m, part = cfg["BLOCK_M"], cfg["down"]
+    num_slots = num_tokens * top_k
+    aligned = moe_align(topk_ids, num_experts, block_m)                               # [P], [P/BM], [1]
+    act = grouped_activation(hidden, w_gate_up, topk_ids, config, aligned)            # [N, I]
+    sorted_slots, block_experts, num_padded = aligned
+    num_row_blocks = padded_capacity(num_slots, num_experts, block_m) // block_m
+    expert_out = torch.empty((num_slots, hidden_size), dtype=hidden.dtype, device=hidden.device)   # [N, H]
+    grid = (num_row_blocks * triton.cdiv(hidden_size, part["BLOCK_N"]),)
+    _grouped_down_kernel[grid](
+        act, w_down, sorted_slots, block_experts, num_padded, expert_out, num_slots, hidden_size, inter,
+        num_row_blocks, act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), expert_out.stride(0),
+        BLOCK_M=block_m, UPCAST=upcast_dots(hidden.dtype, hidden.device), **part)
+    return combine(expert_out.unsqueeze(0), topk_weights, out)                       # [T, H]
