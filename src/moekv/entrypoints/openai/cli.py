@@ -1,0 +1,115 @@
+"""`moekv serve`: load a checkpoint and serve it over an OpenAI-compatible HTTP API (uvicorn).
+
+SIGINT and SIGTERM shut down gracefully: open streams get `--shutdown-timeout` seconds to finish,
+then are cut; the engine thread stops; the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from moekv.errors import ConfigError
+from moekv.paths import default_model_dir
+
+logger = logging.getLogger("moekv.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the bundled "
+                        "tiny-shakespeare-moe model)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
+                        "only; 0.0.0.0 exposes the server)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
+                        "checkpoint folder's name)")
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
+                        "(/health and /metrics stay open)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template file overriding the tokenizer's")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (model dtype), bf16, fp16, fp32, int4, int3, int2 (default auto)")
+    parser.add_argument("--dtype", default="auto", help="model weights dtype: auto, bf16, fp16, fp32")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    parser.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from memory)")
+    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
+    parser.add_argument("--seed", type=int, default=0, help="seed for requests that give none (default 0)")
+    parser.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                        help="largest accepted request body in bytes (default 1 MiB; larger -> 413)")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds open streams may run after SIGINT/SIGTERM (default 5)")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from moekv.engine.async_engine import AsyncEngine
+    from moekv.engine.engine import Engine
+    from moekv.entrypoints.llm import make_engine_config
+    from moekv.entrypoints.openai.server import build_app
+    from moekv.entrypoints.openai.serving import ServerConfig
+    from moekv.metrics import ServerMetrics
+
+    model = args.model or default_model_dir()
+    chat_template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise ConfigError(f"--chat-template: no such file: {path}")
+        chat_template = path.read_text()
+    if args.max_request_bytes < 1:
+        raise ConfigError("--max-request-bytes must be positive")
+    extra = {key: value for key, value in (("max_num_seqs", args.max_num_seqs),
+                                           ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                           ("num_pages", args.num_pages), ("page_size", args.page_size))
+             if value is not None}
+    engine = Engine(make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
+                                       args.seed, **extra))
+    capacity = engine.kv_manager.capacity_tokens
+    logger.info("KV cache capacity: %d tokens (%s); max concurrency at max_model_len=%d: %.2f requests",
+                capacity, engine.cache_config.kv_cache_dtype, engine.max_model_len, capacity / engine.max_model_len)
+    name = args.served_model_name or Path(model).resolve().name
+    metrics = ServerMetrics(name)
+    app = build_app(AsyncEngine(engine, metrics), ServerConfig(
+        served_model_name=name, model_path=str(model), api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes, chat_template=chat_template))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use it", args.host)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout,
+                            lifespan="on")
+    server = _graceful_server(config)
+    logger.info("serving %s as %r on http://%s:%d/v1", model, name, args.host, args.port)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _graceful_server(config):
+    """uvicorn's server, minus re-raising the captured signal after a graceful shutdown (uvicorn does
+    that so the process dies by the signal; a clean stop should exit with status 0)."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer(config)

@@ -1,0 +1,217 @@
+"""The FastAPI app: OpenAI-compatible routes, health, metrics, auth, body limit and error bodies.
+
+`build_app(async_engine, config)` returns an app whose lifespan starts and stops the engine thread.
+Every error leaves as `{"error": {"message", "type", "param", "code"}}` with no traceback text.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from moekv.engine.async_engine import AsyncEngine
+from moekv.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    dump,
+    error_body,
+)
+from moekv.entrypoints.openai.serving import ServerConfig, wrap_invalid
+from moekv.entrypoints.openai.serving_chat import OpenAIChat
+from moekv.entrypoints.openai.serving_completions import OpenAICompletions
+from moekv.errors import InvalidRequestError
+from moekv.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+
+logger = logging.getLogger("moekv.server")
+
+OPEN_PATHS = ("/health", "/metrics")   # never behind the API key
+
+
+def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
+    """An app serving `async_engine`. Pass the `metrics` the engine was built with (or none)."""
+    metrics = metrics if metrics is not None else async_engine.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="moekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    completions = OpenAICompletions(async_engine, config)
+    chat = OpenAIChat(async_engine, config)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body(async_engine.dead_reason or "the engine is not running", "server_error",
+                                       code="engine_unavailable"), status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = metrics.render() if metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=config.served_model_name, root=config.model_path or None,
+                         max_model_len=async_engine.engine.max_model_len)
+        return dump(ModelList(data=[card]))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return _respond(await completions.create(body, request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return _respond(await chat.create(body, request))
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def _respond(result) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return EventStream(result)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that notice a client going away even while no token is due.
+
+    Starlette only watches for `http.disconnect` under ASGI < 2.4; we always do, so an idle stream
+    (a request still queued) is cancelled at once, and its generator's exit aborts the requests.
+    """
+
+    def __init__(self, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        import anyio
+
+        async with anyio.create_task_group() as group:
+            async def stream_then_stop() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass   # the socket closed under us: the client is gone
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream_then_stop)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+# -- errors -------------------------------------------------------------------------------------------
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, exc: InvalidRequestError) -> Response:
+        error = wrap_invalid(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body("the request body is not valid JSON", code="invalid_json"), 400)
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = location[0] if location else None
+        same_param = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == location[:1]]
+        if len(same_param) > 1:   # a union: say what was expected in a few words, not every branch's path
+            reasons = list(dict.fromkeys(e.get("msg", "invalid value") for e in same_param))
+            message = f"{param}: invalid value ({'; '.join(reasons[:3])})"
+        else:
+            message = f"{'.'.join(location) or 'the request body'}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(error_body(message, param=param, code="invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal server error", "server_error", code="internal_error"), 500)
+
+
+# -- middleware (pure ASGI, so streaming and disconnect detection pass through untouched) ---------------
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, by its Content-Length or as it streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, self._message())  # FastAPI re-raises its own
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"the request body exceeds {self.max_bytes} bytes (--max-request-bytes)"
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = JSONResponse(error_body(self._message(), code="request_too_large"), status_code=413)
+        await response(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>`; /health and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.api_key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path", "") in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            message = "missing API key" if not header else "incorrect API key"
+            response = JSONResponse(error_body(f"{message}: send `Authorization: Bearer <key>`",
+                                               code="invalid_api_key"), status_code=401)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,190 @@
+"""Prometheus metrics of the server, named as vLLM names them (`vllm:` -> `moekv:`) where they mean the same.
+
+Request-level numbers (latencies, token counts, finished requests) are pushed by the async engine's
+thread as tokens are produced; engine-level numbers (queue lengths, KV cache usage, bits per value,
+expert load) are read at scrape time from the snapshot the engine thread publishes, so a scrape never
+touches the engine's mutable state.
+
+Every `ServerMetrics` owns its own `CollectorRegistry`: several apps in one process never clash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "EngineStats", "ServerMetrics", "parse_metrics"]
+
+# Bucket edges in seconds: fine where a small model on a CPU or a GPU lands, coarse in the tails.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                       0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+               120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state, published by the engine thread after every step.
+
+    Read by scrapes and `/health` from other threads; a frozen object is swapped atomically.
+    """
+
+    num_running: int = 0             # requests holding KV pages (prefilling or decoding)
+    num_waiting: int = 0             # queued or preempted requests
+    kv_cache_usage: float = 0.0      # share of KV pages in use, 0..1
+    num_preemptions: int = 0         # preemptions since start
+    kv_bits_per_value: float = 0.0   # all-in bits per stored key/value element at the current lengths
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics; thread-safe (prometheus-client metrics lock internally)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "moekv:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "moekv:inter_token_latency_seconds", "Time between two consecutive generated tokens.",
+            labels, buckets=INTER_TOKEN_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "moekv:e2e_request_latency_seconds", "Time from arrival to the end of a request.",
+            labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.prompt_tokens = Counter(
+            "moekv:prompt_tokens", "Prompt tokens of requests that produced their first token.",
+            labels, registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter(
+            "moekv:generation_tokens", "Generated tokens.", labels, registry=self.registry).labels(model_name)
+        self._request_success = Counter(
+            "moekv:request_success", "Finished requests, by finish reason (stop, length, abort).",
+            labels + ["finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)
+        self.request_failure = Counter(
+            "moekv:request_failure", "Requests the engine ended with an error.", labels,
+            registry=self.registry).labels(model_name)
+        self._stats_source: Callable[[], EngineStats] | None = None
+        self._expert_load_source: Callable[[], object] | None = None
+        self._kv_stats_source: Callable[[], dict[str, float]] | None = None
+        self.registry.register(_EngineCollector(self))
+
+    # -- pushed by the engine thread ----------------------------------------------------------------
+    def observe_first_token(self, seconds: float, num_prompt_tokens: int) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def observe_tokens(self, count: int, inter_token_seconds: float | None) -> None:
+        """`count` new tokens; `inter_token_seconds` is the gap per token since the previous ones."""
+        self.generation_tokens.inc(count)
+        if inter_token_seconds is not None:
+            for _ in range(count):
+                self.inter_token_latency.observe(inter_token_seconds)
+
+    def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None:
+        self.e2e_request_latency.observe(e2e_seconds)
+        if finish_reason in ("stop", "length", "abort"):
+            self._request_success.labels(self.model_name, finish_reason).inc()
+        else:
+            self.request_failure.inc()
+
+    # -- read at scrape time ------------------------------------------------------------------------
+    def bind(self, stats: Callable[[], EngineStats], expert_load: Callable[[], object] | None = None,
+             kv_stats: Callable[[], dict[str, float]] | None = None) -> None:
+        """Where scrapes read engine-level numbers: a stats snapshot, a [layers, experts] tensor, and
+        the cache format's counters (`KVCache.stats()`)."""
+        self._stats_source = stats
+        self._expert_load_source = expert_load
+        self._kv_stats_source = kv_stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Turns the engine's published snapshot into gauges and counters at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        m = self.metrics
+        stats = m._stats_source() if m._stats_source is not None else EngineStats()
+        name = [m.model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        yield gauge("moekv:num_requests_running", "Requests holding KV pages.", stats.num_running)
+        yield gauge("moekv:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge("moekv:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.", stats.kv_cache_usage)
+        yield gauge("moekv:kv_cache_bits_per_value", "All-in bits per stored key/value element.",
+                    stats.kv_bits_per_value)
+        yield counter("moekv:num_preemptions", "Preemptions (recompute) since start.", stats.num_preemptions)
+        kv_stats = m._kv_stats_source() if m._kv_stats_source is not None else {}
+        yield counter("moekv:kv_outlier_budget_hits", "Page-heads whose outlier budget overflowed (low-bit formats).",
+                      outlier_budget_hits(kv_stats))
+        if kv_stats:
+            family = GaugeMetricFamily("moekv:kv_cache_format_stat", "The KV cache format's own counters.",
+                                       labels=["model_name", "stat"])
+            for key, value in sorted(kv_stats.items()):
+                family.add_metric([m.model_name, key], float(value))
+            yield family
+        load = m._expert_load_source() if m._expert_load_source is not None else None
+        if load is not None:
+            family = GaugeMetricFamily("moekv:expert_load", "Routed token-slots per expert since start.",
+                                       labels=["model_name", "layer", "expert"])
+            for layer, row in enumerate(load.tolist()):
+                for expert, value in enumerate(row):
+                    family.add_metric([m.model_name, str(layer), str(expert)], float(value))
+            yield family
+
+
+def outlier_budget_hits(kv_stats: dict[str, float]) -> float:
+    """Outlier-budget hits (page-heads whose outliers overflowed the budget) from a format's stats.
+
+    Taken from an `outlier_budget_hits` count when the format reports one, else rebuilt from the
+    low-bit format's per-page-head rates: (key + value hit rate) x quantized page-heads, where
+    quantized page-heads = `pages_quantized` x `page_heads_per_page` (added by the async engine).
+    """
+    if "outlier_budget_hits" in kv_stats:
+        return float(kv_stats["outlier_budget_hits"])
+    rate = kv_stats.get("key_budget_hit_rate", 0.0) + kv_stats.get("value_budget_hit_rate", 0.0)
+    page_heads = kv_stats.get("pages_quantized", 0.0) * kv_stats.get("page_heads_per_page", 0.0)
+    return float(round(rate * page_heads))
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} and {"name": value} for unlabelled-by-others series.
+
+    Small and dependency-free on purpose: the load test and the tests read a few gauges with it.
+    A series with labels is stored under its full `name{...}` key and also summed under its bare name.
+    """
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, raw = line.rpartition(" ")
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        values[key] = value
+        bare = key.split("{", 1)[0]
+        if bare != key:
+            values[bare] = values.get(bare, 0.0) + value
+    return values

@@ -1,0 +1,86 @@
+"""Start `python -m moekv serve ...` as users do, wait for /health, and stop it with a signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from moekv.datasets import bundled_model_dir
+from tests.serve.helpers import free_port, write_char_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def bundled_model() -> Path | None:
+    """The bundled checkpoint if it is complete (weights and tokenizer), else None."""
+    try:
+        folder = bundled_model_dir()
+    except FileNotFoundError:
+        return None
+    needed = ("config.json", "tokenizer.json", "tokenizer_config.json")
+    if all((folder / name).is_file() for name in needed) and any(folder.glob("*.safetensors")):
+        return folder
+    return None
+
+
+def tiny_random_model(folder: Path) -> Path:
+    """A tiny random Mixtral checkpoint with the character tokenizer (when the bundled model is absent)."""
+    from tests.hf_fixtures import make_checkpoint
+
+    checkpoint, _ = make_checkpoint(folder, "mixtral", vocab_size=257, bos_token_id=None, eos_token_id=0,
+                                    max_position_embeddings=1024)
+    write_char_tokenizer(checkpoint)
+    return checkpoint
+
+
+class ServerProcess:
+    def __init__(self, model: Path, log_path: Path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.command = [sys.executable, "-m", "moekv", "serve", "--model", str(model), "--port", str(self.port),
+                        *extra]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 180.0) -> ServerProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop(signal.SIGKILL)
+        raise RuntimeError(f"the server did not become healthy in {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int | None:
+        """Send `sig`; returns the exit code, or None if it had to be killed after `timeout_s`."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is not None:
+            self._log.close()
+            return self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            return None
+        finally:
+            self._log.close()
