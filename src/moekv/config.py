@@ -139,8 +139,10 @@ class CacheConfig:
     cpu_cache_bytes: int = 1 << 30      # CPU: bytes given to KV pages when num_pages is None
     # Low-bit formats only:
     key_axis: str = "channel"           # "channel": per-channel key statistics over a page; "token": per token
-    outlier_fraction: float = 0.01      # key outlier capacity per (page, head), as a share of its values
-    value_outlier_fraction: float | None = None   # the same for values; None: outlier_fraction
+    # Outlier capacity per (page, head) as a share of its values: 0.125% (11 fp16 slots of a 128 x 64 page)
+    # keeps int3 at 3.30 bits/value all-in; measured in docs/kv-fidelity.md.
+    outlier_fraction: float = 0.00125   # keys
+    value_outlier_fraction: float | None = None   # values; None: outlier_fraction
     outlier_tau: float = 3.0            # a value qualifies as an outlier beyond tau * sigma of its group
     fp_sink_pages: int = 0              # keep the first N pages of each sequence in full precision
     token_group_size: int | None = None  # per-token quantization: head_dim values per group (None: head_dim)
@@ -206,27 +208,47 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Expert parallelism over torch.distributed."""
+    """Expert parallelism over torch.distributed (one process per rank, launched by torchrun).
+
+    See docs/expert-parallel.md: experts sharded over ranks, attention data-parallel, steps in lockstep.
+    """
 
     expert_parallel_size: int = 1
-    num_redundant_experts: int = 0
+    num_redundant_experts: int = 0      # extra expert slots for replicas of hot experts (EPLB)
+    expert_dispatch: str = "auto"       # "all_to_all" | "allgather" | "auto" (allgather for small steps)
+    allgather_max_tokens: int = 32      # auto: allgather while no rank has more tokens than this in a step
+    rebalance_interval: int = 0         # re-place experts from the recorded load every N steps (0: only
+                                        # when asked, LLM.rebalance())
 
     def __post_init__(self) -> None:
         if not isinstance(self.expert_parallel_size, int) or self.expert_parallel_size < 1:
             raise ConfigError(f"expert_parallel_size must be a positive integer, got {self.expert_parallel_size!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ConfigError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts!r}")
+        if self.num_redundant_experts and self.expert_parallel_size == 1:
+            raise ConfigError("num_redundant_experts needs expert_parallel_size > 1 (replicas live on other ranks)")
+        if self.expert_dispatch not in ("auto", "all_to_all", "allgather"):
+            raise ConfigError(f"expert_dispatch must be auto, all_to_all or allgather, got {self.expert_dispatch!r}")
+        if not isinstance(self.allgather_max_tokens, int) or self.allgather_max_tokens < 0:
+            raise ConfigError(f"allgather_max_tokens must be >= 0, got {self.allgather_max_tokens!r}")
+        if not isinstance(self.rebalance_interval, int) or self.rebalance_interval < 0:
+            raise ConfigError(f"rebalance_interval must be >= 0, got {self.rebalance_interval!r}")
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"                # auto (cuda when available), cpu, cuda, cuda:N
+    cpu_threads: int | None = None      # torch intra-op threads on the CPU; None: 1 for small models
+                                        # (hidden < 2048: thread hand-offs cost more than they save,
+                                        # ~20x slower on a loaded 2-core machine), else torch's default
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ConfigError(f"cpu_threads must be a positive integer or None, got {self.cpu_threads!r}")
 
     @property
     def resolved(self) -> str:

@@ -40,10 +40,20 @@ class Engine:
             from moekv.models.loader import load_model
 
             dtype = None if config.model.dtype == "auto" else torch_dtype(config.model.dtype)
-            model = load_model(model_dir, dtype=dtype, device=self.device)
+            # With expert offloading, load on the CPU: install_routing moves the experts to host memory
+            # and the rest of the model to the device, so the whole model never has to fit on it.
+            load_device = "cpu" if config.offload.cpu_offload_experts else self.device
+            model = load_model(model_dir, dtype=dtype, device=load_device)
             tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        from moekv.moe.prefetch import install_routing
+
+        self.routing = install_routing(model, config.offload, self.device)   # load stats, prediction, offload
         self.model = model.eval()
         self.arch = model.arch
+        if self.device.type == "cpu":
+            threads = config.device.cpu_threads
+            torch.set_num_threads(threads if threads is not None else
+                                  (1 if self.arch.hidden_size < 2048 else torch.get_num_threads()))
         self.tokenizer = tokenizer
         self.model_dtype = next(model.parameters()).dtype
         self.max_model_len = self._resolve_max_model_len()
@@ -287,3 +297,9 @@ class Engine:
     def expert_load(self) -> torch.Tensor:
         """[num_layers, num_experts] routed token-slots since start (reads the device counters)."""
         return self.model.expert_load.detach().cpu()
+
+    def routing_stats(self) -> dict:
+        """Expert load (total, decayed window, hot / cold experts), prediction recall per layer and
+        overall (1 and 2 layers ahead), expert-cache hits / misses / prefetches (see
+        moe.prefetch.runtime.RoutingRuntime.stats). Reads device counters: call between steps."""
+        return self.routing.stats()

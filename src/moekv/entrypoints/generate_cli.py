@@ -25,6 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the "
                         "model's chat template")
+    parser.add_argument("--cpu-offload-experts", action="store_true", help="keep routed experts in host memory "
+                        "with a device cache of expert slots per MoE layer")
+    parser.add_argument("--expert-cache-size", default=None, help="with --cpu-offload-experts: slots per MoE "
+                        "layer (4), a share of each layer's experts (50%%) or device memory for all slots (12GB); "
+                        "default 50%%")
+    parser.add_argument("--no-prefetch", action="store_true", help="with --cpu-offload-experts: load experts on "
+                        "demand only (no prediction-driven prefetch)")
+    parser.add_argument("--expert-parallel-size", type=int, default=1, help="shard experts over N ranks; launch "
+                        "with `torchrun --nproc-per-node N -m moekv generate ...` (see docs/expert-parallel.md)")
+    parser.add_argument("--num-redundant-experts", type=int, default=0, help="with --expert-parallel-size: extra "
+                        "expert slots for replicas of hot experts (default 0)")
+    parser.add_argument("--expert-dispatch", default="auto", choices=("auto", "all_to_all", "allgather"),
+                        help="with --expert-parallel-size: how tokens reach their experts' ranks (default auto)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed)
     started = time.perf_counter()
     llm = LLM(model=args.model or default_model_dir(), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              device=args.device, max_model_len=args.max_model_len)
+              device=args.device, max_model_len=args.max_model_len,
+              cpu_offload_experts=args.cpu_offload_experts, expert_cache_size=args.expert_cache_size,
+              prefetch=not args.no_prefetch, track_prediction=True,
+              expert_parallel_size=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
+              expert_dispatch=args.expert_dispatch)
     load_seconds = time.perf_counter() - started
     engine = llm.engine
     prompt = args.prompt
@@ -44,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
             print("error: --chat needs a tokenizer", file=sys.stderr)
             return 2
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if getattr(engine, "is_lockstep", False) and engine.rank != 0:   # expert parallel: rank 0 runs the prompt,
+        from moekv.entrypoints.ep_runner import follow                # the others join its steps
+
+        follow(engine)
+        return 0
     request_id = engine.add_request(prompt, params)
     request = engine.requests[request_id]
     sys.stdout.write(args.prompt)
@@ -98,6 +120,7 @@ def print_stats(engine, request, load_seconds, elapsed, ttft, bits) -> None:
     for key, value in engine.kv_cache.stats().items():
         table.add_row(f"KV {key}", f"{value:g}" if isinstance(value, float) else str(value))
     console = Console()
+    _add_routing_rows(table, engine.routing_stats())
     console.print(table)
     load = engine.expert_load().float()
     share = load / load.sum(dim=1, keepdim=True).clamp_min(1)
@@ -108,3 +131,22 @@ def print_stats(engine, request, load_seconds, elapsed, ttft, bits) -> None:
     for layer in range(share.shape[0]):
         experts.add_row(str(layer), *[f"{100 * v:.0f}" for v in share[layer].tolist()])
     console.print(experts)
+
+
+def _add_routing_rows(table, stats: dict) -> None:
+    """Prediction recall and expert-cache rows of the stats table (engine.routing_stats())."""
+    prediction = stats.get("prediction")
+    if prediction:
+        for distance, recall in prediction["overall"].items():
+            if recall is not None:
+                table.add_row(f"expert prediction recall ({distance} layer{'s' if distance > 1 else ''} ahead)",
+                              f"{100 * recall:.1f}% (top-{prediction['experts_predicted_per_token']} "
+                              f"predicted, top-{prediction['top_k']} routed)")
+    offload = stats.get("offload")
+    if offload:
+        table.add_row("expert cache", f"{offload['slots_per_layer']}/{offload['experts_per_layer']} experts per "
+                      f"layer on device{', prefetch' if offload['prefetch'] else ', on demand'}")
+        table.add_row("expert cache hit rate", f"{100 * offload['hit_rate']:.1f}% ({offload['hits']} hits, "
+                      f"{offload['misses']} misses)")
+        table.add_row("experts copied to device", f"{offload['copies']} ({offload['bytes_copied'] / 2**20:.1f} MiB; "
+                      f"{offload['prefetches']} prefetched, {offload['wasted_prefetches']} unused)")

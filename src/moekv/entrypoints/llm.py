@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from moekv.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, OffloadConfig, ParallelConfig,
+                           SchedulerConfig)
 from moekv.engine.engine import Engine
-from moekv.errors import InvalidRequestError
+from moekv.errors import InvalidRequestError, NotAvailableError
 from moekv.sampling import SamplingParams
 
 
@@ -37,13 +38,21 @@ class LLM:
 
     Extra keyword arguments go to the config they belong to: `page_size`, `num_pages`,
     `memory_fraction`, `outlier_fraction`, `key_axis` (CacheConfig); `max_num_seqs`,
-    `max_num_batched_tokens` (SchedulerConfig); `expert_parallel_size` (ParallelConfig).
+    `max_num_batched_tokens` (SchedulerConfig); `expert_parallel_size`, `num_redundant_experts`,
+    `expert_dispatch` (ParallelConfig: run under torchrun, docs/expert-parallel.md);
+    `cpu_offload_experts`, `expert_cache_size`, `prefetch`, `lookahead`, `extra_candidates`,
+    `eviction`, `track_prediction` (OffloadConfig).
     """
 
     def __init__(self, model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, **kwargs):
-        self.engine = Engine(make_engine_config(model, dtype, kv_cache_dtype, device, max_model_len, seed,
-                                                **kwargs))
+        config = make_engine_config(model, dtype, kv_cache_dtype, device, max_model_len, seed, **kwargs)
+        if config.parallel.expert_parallel_size > 1:      # one process per rank under torchrun: ep_runner
+            from moekv.entrypoints.ep_runner import build_engine
+
+            self.engine = build_engine(config)
+        else:
+            self.engine = Engine(config)
 
     @property
     def tokenizer(self):
@@ -71,6 +80,10 @@ class LLM:
             raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts",
                                       param="sampling_params")
         engine = self.engine
+        if getattr(engine, "is_lockstep", False):   # expert parallel: this rank's share, lockstep, all-gather
+            from moekv.entrypoints.ep_runner import generate_lockstep
+
+            return generate_lockstep(engine, prompts, sampling_params)
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompts, sampling_params):
@@ -87,24 +100,37 @@ class LLM:
                     pending.discard(out.request_id)
             if pending and not engine.has_unfinished():
                 raise RuntimeError("engine stopped with requests pending")  # a bug, not a user error
-        results = []
-        for prompt, request_id in zip(prompts, request_ids):
-            request = engine.requests[request_id]
-            results.append(GenerationOutput(
-                request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=request.prompt_token_ids,
-                outputs=[CompletionOutput(0, request.output_text, list(request.output_token_ids),
-                                          request.finish_reason,
-                                          list(request.output_logprobs) if request.params.logprobs is not None
-                                          else None)]))
-            engine.release(request_id)
-        return results
+        return collect_outputs(engine, prompts, request_ids)
+
+    def rebalance(self):
+        """Expert parallelism only, and collective (every rank calls it between generate calls):
+        re-place experts from the load recorded since the last rebalance and move their weights.
+        Returns one distributed.sharding.LayerRebalance per MoE layer."""
+        if not getattr(self.engine, "is_lockstep", False):
+            raise NotAvailableError("rebalance() needs expert_parallel_size > 1")
+        return self.engine.rebalance()
+
+
+def collect_outputs(engine: Engine, prompts: list, request_ids: list[str]) -> list[GenerationOutput]:
+    """The finished requests as GenerationOutputs in prompt order (and released from the engine)."""
+    results = []
+    for prompt, request_id in zip(prompts, request_ids):
+        request = engine.requests[request_id]
+        results.append(GenerationOutput(
+            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[CompletionOutput(0, request.output_text, list(request.output_token_ids),
+                                      request.finish_reason,
+                                      list(request.output_logprobs) if request.params.logprobs is not None
+                                      else None)]))
+        engine.release(request_id)
+    return results
 
 
 def make_engine_config(model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",
                        max_model_len: int | None = None, seed: int = 0, **kwargs) -> EngineConfig:
     """Sort keyword arguments into the config dataclass they belong to (unknown names are an error)."""
-    groups = {CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}}
+    groups = {CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}, OffloadConfig: {}, DeviceConfig: {}}
     for key, value in kwargs.items():
         owner = next((cls for cls in groups if key in cls.__dataclass_fields__), None)
         if owner is None:
@@ -115,5 +141,6 @@ def make_engine_config(model: str, dtype: str = "auto", kv_cache_dtype: str = "a
         cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, **groups[CacheConfig]),
         scheduler=SchedulerConfig(**groups[SchedulerConfig]),
         parallel=ParallelConfig(**groups[ParallelConfig]),
-        device=DeviceConfig(device=device),
+        device=DeviceConfig(device=device, **groups[DeviceConfig]),
+        offload=OffloadConfig(**groups[OffloadConfig]),
     )

@@ -1,0 +1,435 @@
+"""Expert offloading with speculative prefetch: prediction recall (bundled model) and decode speed.
+
+    # prediction recall on the bundled model's validation text (CPU is fine; ~2 min on 2 cores)
+    PYTHONPATH=src:. python benchmarks/bench_offload.py recall --device cpu --out benchmarks/results/offload-recall-cpu
+    # expert copies per layer and token by cache size and policy, simulated on the bundled model's trace
+    PYTHONPATH=src:. python benchmarks/bench_offload.py simulate --out benchmarks/results/offload-sim-cpu
+    # decode speed, Mixtral-8x7B shape, random weights, routing replayed from the bundled model (H200)
+    PYTHONPATH=src:. python benchmarks/bench_offload.py speed --device cuda --out benchmarks/results/offload-speed-h200
+    # the same at a tiny scale on the CPU (plumbing + self-checks, timings meaningless)
+    PYTHONPATH=src:. python benchmarks/bench_offload.py speed --tiny --device cpu
+
+speed: the model has Mixtral-8x7B's shape and random weights; its routers replay a trace recorded
+from the bundled trained model (moe.prefetch.trace: layer l replays trace layer l mod 6, shifted by
+(l div 6) * 997 tokens), and prefetch uses the guesses recorded with the trace. Per expert cache size
+(25 / 50 / 75% of each layer's experts) it times batch-1 decode with on-demand loading and with
+prediction-driven prefetch, next to all experts resident, and measures host-to-device bandwidth.
+When host memory cannot hold every layer's experts, the layers share one host copy (the bytes
+moved are the same; outputs then differ from the resident model, routing does not).
+Writes OUT.json and OUT.md. Prints a table; asserts nothing about speed (it checks correctness:
+tiny runs must generate the resident model's tokens, replayed recall must match the trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moekv import datasets
+from moekv.models.loader import build_random_model, load_model
+from moekv.models.registry import named_arch
+from moekv.moe.prefetch.manager import ExpertOffload, expert_bytes, resolve_cache_slots
+from moekv.moe.prefetch.predictor import ExpertPredictor, moe_layer_ids
+from moekv.moe.prefetch.trace import TracePredictor, record_trace, replay_trace, run_windows, simulate_cache
+from moekv.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN_STRIDE = 997
+
+
+# ---------------------------------------------------------------------------------------- common
+def provenance(command: list[str]) -> dict:
+    def git(*args):
+        try:
+            out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=REPO)
+            return out.stdout.strip() if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--", "src/moekv/moe", "benchmarks/bench_offload.py")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                        "cpu_threads": torch.get_num_threads(), "gpu": gpu, "torch": torch.__version__},
+            "commit": (f"{head}+uncommitted" if dirty else head) if head else "uncommitted",
+            "command": "python " + " ".join(command)}
+
+
+def write(out: str, report: dict, markdown: str) -> None:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown)
+    print(f"wrote {path.with_suffix('.json')} and {path.with_suffix('.md')}")
+
+
+def pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def bundled_tokens(max_tokens: int | None) -> tuple[Path, list[int]]:
+    model_dir = datasets.bundled_model_dir()
+    ids = Tokenizer(model_dir).encode(datasets.validation_text())
+    return model_dir, ids[:max_tokens] if max_tokens else ids
+
+
+# ---------------------------------------------------------------------------------------- recall
+class LinearMapPredictor(ExpertPredictor):
+    """A learned baseline: x_target ~ x_layer M (ridge fit on training text), then the target router."""
+
+    maps: dict[tuple[int, int], torch.Tensor] = {}
+
+    def predict(self, layer, target, residual, normed):
+        matrix = self.maps.get((layer, target))
+        return super().predict(layer, target, residual if matrix is None else residual @ matrix, normed)
+
+
+def fit_linear_maps(model, token_ids: list[int], window: int) -> dict:
+    captured: dict[int, list[torch.Tensor]] = {}
+    handles = [layer.post_attn_norm.register_forward_hook(
+        lambda m, args, out, i=i: captured.setdefault(i, []).append(args[0].float().cpu()))
+        for i, layer in enumerate(model.layers)]
+    run_windows(model, token_ids, window)
+    for handle in handles:
+        handle.remove()
+    hidden = {i: torch.cat(v) for i, v in captured.items()}                    # [N, H] per layer
+    maps = {}
+    for layer in hidden:
+        x = hidden[layer]
+        gram = x.T @ x
+        gram += 1e-2 * gram.diagonal().mean() * torch.eye(x.shape[1])
+        for target in (layer + 1, layer + 2):
+            if target in hidden:
+                maps[(layer, target)] = torch.linalg.solve(gram, x.T @ hidden[target]).to(model.device)
+    return maps
+
+
+def cmd_recall(args) -> None:
+    torch.set_num_threads(max(1, args.threads))
+    model_dir, ids = bundled_tokens(args.max_tokens)
+    model = load_model(model_dir, dtype=args.dtype, device=args.device)
+    variants = [("attn", "next"), ("attn", "current"), ("attn", "none"), ("layer_out", "next")]
+    predictors = {(s, n, e): ExpertPredictor(model, 2, e, source=s, norm=n)
+                  for s, n in variants for e in range(args.max_extra + 1)}
+    if args.learned:
+        text = datasets.default_corpus_path().read_text(encoding="utf-8")
+        train_ids = Tokenizer(model_dir).encode(datasets.split_text(text)[0][:args.learned_chars])
+        LinearMapPredictor.maps = fit_linear_maps(model, train_ids, args.window)
+        for e in range(args.max_extra + 1):
+            predictors[("attn+linear", "next", e)] = LinearMapPredictor(model, 2, e, source="attn")
+    started = time.perf_counter()
+    tokens = run_windows(model, ids, args.window)
+    rows = []
+    for (source, norm, extra), predictor in predictors.items():
+        recall = predictor.recall()
+        rows.append({"source": source, "norm": norm, "extra_candidates": extra,
+                     "experts_predicted": recall["experts_predicted_per_token"],
+                     "recall": recall["overall"], "precision": recall["precision"],
+                     "per_layer": recall["per_layer"]})
+    report = {**provenance(sys.argv), "model": str(model_dir.relative_to(REPO)) if model_dir.is_relative_to(REPO)
+              else str(model_dir), "text": "validation split (moekv.datasets.validation_text)",
+              "tokens": tokens, "window": args.window, "dtype": args.dtype, "device": args.device,
+              "top_k": model.arch.top_k, "num_experts": model.arch.num_experts,
+              "seconds": round(time.perf_counter() - started, 1), "results": rows}
+    lines = [f"# Expert prediction recall: {report['model']}", "",
+             f"{tokens} validation tokens in {args.window}-token windows, {args.dtype} on {args.device}; "
+             f"{report['date']}, commit {report['commit']}, machine {report['machine']['host']} "
+             f"({report['machine']['cpu']}).", "", f"Command: `{report['command']}`", "",
+             "Recall = share of routed (token, expert) pairs that were in that token's predicted set; "
+             "layer 0 is predicted from the token embeddings.", "",
+             "| source | norm | predicted / token | recall 1 ahead % | recall 2 ahead % | precision 1 ahead % "
+             "| per layer, 1 ahead % | per layer, 2 ahead % |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        per1 = " / ".join(pct(v) for v in row["per_layer"][1])
+        per2 = " / ".join(pct(v) for v in row["per_layer"][2])
+        lines.append(f"| {row['source']} | {row['norm']} | {row['experts_predicted']} | {pct(row['recall'][1])} | "
+                     f"{pct(row['recall'][2])} | {pct(row['precision'][1])} | {per1} | {per2} |")
+    print("\n".join(lines[10:]))
+    if args.out:
+        write(args.out, report, "\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------------- simulate
+def cmd_simulate(args) -> None:
+    model_dir, ids = bundled_tokens(args.max_tokens)
+    model = load_model(model_dir, dtype=torch.float32, device=args.device)
+    trace = record_trace(model, ids, window=512, extra_candidates=1)
+    top_k, num_experts = model.arch.top_k, model.arch.num_experts
+    rows = [simulate_cache(trace, round(p * num_experts / 100), width, source, args.eviction)
+            for p in (25, 50, 75) for width, source in [(None, "attn"), (1, "attn"), (top_k, "attn"),
+                                                        (top_k + 1, "attn"), (top_k, "layer_out")]]
+    report = {**provenance(sys.argv), "tokens": trace.num_tokens, "layers": trace.num_layers, "rows": rows}
+    lines = ["# Expert-cache copies, simulated on the bundled model's routing", "",
+             f"Batch-1 decode over {trace.num_tokens} validation tokens, each layer its own cache "
+             f"({args.eviction}); moe.prefetch.trace.simulate_cache (tested equal to the offloaded model's "
+             f"counters). {report['date']}, commit {report['commit']}.", "", f"Command: `{report['command']}`", "",
+             "| slots | prefetch | copies / layer / token | misses / layer / token | hit rate % | "
+             "wasted prefetches / layer / token |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        mode = "on demand" if row["prefetch_width"] is None else f"top-{row['prefetch_width']} ({row['source']})"
+        lines.append(f"| {row['slots']} / {num_experts} | {mode} | {row['copies_per_layer_token']:.3f} | "
+                     f"{row['misses_per_layer_token']:.3f} | {pct(row['hit_rate'])} | "
+                     f"{row['wasted_prefetches_per_layer_token']:.3f} |")
+    print("\n".join(lines[6:]))
+    if args.out:
+        write(args.out, report, "\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------------- speed
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def decode(model, prompt: list[int], warmup: int, tokens: int, on_warm=None) -> dict:
+    """Greedy batch-1 decode; seconds per step after `warmup` steps, and every generated token.
+    `on_warm()` runs before the first timed step (e.g. to reset counters)."""
+    from moekv.kvcache.base import AttentionMetadata, KVCacheSpec
+    from moekv.kvcache.formats.full_precision import FullPrecisionKVCache
+    from moekv.kvcache.manager import KVCacheManager, pages_needed
+
+    arch, device = model.arch, model.device
+    page_size, total = 16, len(prompt) + warmup + tokens + 1
+    num_pages = pages_needed(total, page_size) + 1
+    spec = KVCacheSpec(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                       page_size=page_size, dtype=model.embed_tokens.weight.dtype)
+    cache = FullPrecisionKVCache(spec, num_pages, device)
+    manager = KVCacheManager(num_pages, page_size, on_pages_freed=cache.pages_freed)
+    seq, generated, times = list(prompt), [], []
+    start = 0
+    for step in range(warmup + tokens + 1):                      # step 0 is the prefill
+        manager.grow("s", len(seq))
+        meta = AttentionMetadata.build(query_lens=[len(seq) - start], context_lens=[start],
+                                       block_tables=[manager.block_table("s")], page_size=page_size,
+                                       device=device, request_ids=["s"])
+        if step == warmup + 1 and on_warm is not None:
+            on_warm()
+        sync(device)
+        began = time.perf_counter()
+        hidden = model(torch.tensor(seq[start:], device=device), torch.arange(start, len(seq), device=device),
+                       cache, meta)
+        token = int(model.compute_logits(hidden[-1:]).argmax())  # host sync
+        elapsed = time.perf_counter() - began
+        if step > warmup:
+            times.append(elapsed)
+        start = len(seq)
+        seq.append(token)
+        generated.append(token)
+    return {"seconds_per_token": sum(times) / len(times), "token_seconds": times, "tokens": generated}
+
+
+def h2d_bandwidth(nbytes: int, device: torch.device, reps: int = 10) -> float:
+    """GB/s of host (pinned on CUDA) -> device copies of `nbytes` (one expert)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    sync(device)
+    began = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    sync(device)
+    return nbytes * reps / (time.perf_counter() - began) / 1e9
+
+
+def host_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def expected_recall(model, width: int, first: int, num_tokens: int, source: str) -> float:
+    """Recall the replay must show over trace rows first.., computed straight from the trace tables."""
+    hits = total = 0
+    for layer in moe_layer_ids(model):
+        router = model.layers[layer].mlp.router
+        table = router.predicted.get((source, 1))
+        if table is None:
+            continue
+        saved, router.cursor = router.cursor, first
+        routed, guess = router.rows(router.routed, num_tokens), router.rows(table, num_tokens)[:, :width]
+        router.cursor = saved
+        hits += int((routed.unsqueeze(-1) == guess.unsqueeze(1)).any(-1).sum())
+        total += routed.numel()
+    return hits / total
+
+
+def cmd_speed(args) -> None:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.tiny:
+        arch = named_arch("mixtral-8x7b", num_layers=8, hidden_size=128, expert_intermediate_size=256,
+                          num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=512)
+    else:
+        arch = named_arch("mixtral-8x7b", **({"num_layers": args.num_layers} if args.num_layers else {}))
+    model_dir, ids = bundled_tokens(args.trace_tokens)
+    trace_model = load_model(model_dir, dtype=torch.float32, device=device)
+    extras = sorted({int(e) for e in args.extra_candidates.split(",")})
+    trace = record_trace(trace_model, ids, window=512, extra_candidates=max(extras))
+    del trace_model
+    print(f"trace: {trace.num_tokens} tokens x {trace.num_layers} layers; recall 1 ahead (top-{arch.top_k}) "
+          f"{pct(trace.recall(1, arch.top_k))}%, 2 ahead {pct(trace.recall(2, arch.top_k))}%")
+    variants = [("on-demand", None, None)] + [("prefetch", "attn", e) for e in extras] + \
+        ([("prefetch", "layer_out", 0)] if args.layer_out else [])
+    model = build_random_model(arch, dtype, device, seed=0)
+    mapping = replay_trace(model, trace, TOKEN_STRIDE)
+    prompt = torch.randint(0, arch.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    per_expert = expert_bytes(arch, dtype)
+    num_moe = len(moe_layer_ids(model))
+    host_needed = per_expert * arch.num_experts * num_moe
+    shared = args.host_experts == "shared" or (args.host_experts == "auto" and
+                                               host_needed > 0.5 * host_memory_bytes())
+
+    def reset_cursors():
+        for layer in moe_layer_ids(model):
+            model.layers[layer].mlp.router.cursor = 0
+
+    runs = []
+    reset_cursors()
+    resident = decode(model, prompt, args.warmup, args.tokens)
+    runs.append({"mode": "resident", "cache_percent": 100, "slots": arch.num_experts,
+                 "ms_per_token": 1e3 * resident["seconds_per_token"]})
+    bandwidth = h2d_bandwidth(per_expert, device)
+    shared_host = None
+    if shared:
+        first = model.layers[moe_layer_ids(model)[0]].mlp.experts
+        from moekv.moe.prefetch.offload import to_host
+        shared_host = (to_host(first.w_gate_up), to_host(first.w_down))
+    offload = None
+    for percent in [int(p) for p in args.cache.split(",")]:
+        slots = resolve_cache_slots(f"{percent}%", arch.num_experts, per_expert, num_moe)
+        for mode, source, extra in variants:
+            if offload is not None:          # let the previous slots go as each layer is replaced
+                offload.close()
+                offload.layers.clear()
+            offload = ExpertOffload(model, slots, args.eviction, device=device,
+                                    host_weights=(lambda layer: shared_host) if shared else None)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            predictor = None
+            if extra is not None:
+                predictor = TracePredictor(model, args.lookahead, extra, source=source)
+                offload.attach_predictor(predictor)
+            def on_warm(offload=offload, predictor=predictor):      # counters cover the timed steps only
+                offload.reset_stats()
+                if predictor is not None:
+                    predictor.reset()
+
+            reset_cursors()
+            result = decode(model, prompt, args.warmup, args.tokens, on_warm)
+            stats = offload.stats()
+            steps = args.tokens
+            run = {"mode": mode, "source": source, "extra_candidates": extra, "cache_percent": percent, "slots": slots,
+                   "ms_per_token": 1e3 * result["seconds_per_token"], "hit_rate": stats["hit_rate"],
+                   "copies_per_token": stats["copies"] / steps, "wasted_prefetches": stats["wasted_prefetches"],
+                   "prefetches": stats["prefetches"], "misses": stats["misses"]}
+            run["copy_ms_per_token"] = 1e3 * run["copies_per_token"] * per_expert / (bandwidth * 1e9)
+            compute_ms = runs[0]["ms_per_token"]   # simple model: on-demand = compute + copies; prefetch at best
+            run["model_ms_per_token"] = (compute_ms + run["copy_ms_per_token"] if extra is None   # overlaps them
+                                         else max(compute_ms, run["copy_ms_per_token"]))
+            if predictor is not None:
+                run["recall_1_ahead"] = predictor.recall()["overall"][1]
+                predictor.remove()
+            runs.append(run)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items()})
+            if not shared:     # same weights -> the same greedy tokens as with every expert resident
+                assert result["tokens"] == resident["tokens"], f"{mode} {percent}%: tokens differ from resident"
+            if predictor is not None and args.lookahead == 1 and extra == 0:
+                expect = expected_recall(model, arch.top_k, args.prompt_len + args.warmup, args.tokens, source)
+                assert abs(run["recall_1_ahead"] - expect) < 1e-6, (run["recall_1_ahead"], expect)
+    by_cache = {}
+    for run in runs[1:]:
+        by_cache.setdefault(run["cache_percent"], {})[(run["mode"], run["source"], run["extra_candidates"])] = run
+    for percent, modes in by_cache.items():
+        base = modes[("on-demand", None, None)]["ms_per_token"]
+        for run in modes.values():
+            run["speedup_vs_on_demand"] = base / run["ms_per_token"]
+    report = {**provenance(sys.argv), "arch": "mixtral-8x7b" + (" (tiny)" if args.tiny else ""),
+              "num_layers": arch.num_layers, "dtype": args.dtype, "device": str(device),
+              "expert_bytes": per_expert, "h2d_gb_per_s": bandwidth, "host_experts": "shared" if shared else "per-layer",
+              "trace": {"tokens": trace.num_tokens, "layers": trace.num_layers, "stride": TOKEN_STRIDE,
+                        "recall_top_k": {f"{src} {d} ahead": trace.recall(d, arch.top_k, src)
+                                         for src in ("attn", "layer_out") for d in (1, 2)},
+                        "layer_map": mapping},
+              "prompt_len": args.prompt_len, "warmup": args.warmup, "tokens": args.tokens,
+              "lookahead": args.lookahead, "eviction": args.eviction, "runs": runs}
+    lines = [f"# Expert offload decode speed: {report['arch']}, {args.dtype}, {device}", "",
+             f"{report['date']}, commit {report['commit']}, {report['machine']['gpu'] or report['machine']['cpu']}; "
+             f"host->device {bandwidth:.1f} GB/s; expert {per_expert / 2**20:.0f} MiB; host experts "
+             f"{report['host_experts']}; batch 1, prompt {args.prompt_len}, {args.tokens} timed tokens after "
+             f"{args.warmup} warm-up.", "", f"Command: `{report['command']}`", "",
+             "| cache | mode | ms / token | vs on-demand | hit rate % | copies / token | copy ms / token | "
+             "model ms / token | recall 1 ahead % |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        label = run["mode"] + (f" ({run['source']})" if run.get("source") else "") + \
+            (f" +{run['extra_candidates']}" if run.get("extra_candidates") else "")
+        speedup = f"{run['speedup_vs_on_demand']:.2f}x" if "speedup_vs_on_demand" in run else "-"
+        lines.append(f"| {run['cache_percent']}% ({run['slots']}) | {label} | {run['ms_per_token']:.2f} | {speedup} | "
+                     f"{pct(run.get('hit_rate'))} | {run.get('copies_per_token', 0):.2f} | "
+                     f"{run.get('copy_ms_per_token', 0):.2f} | {run.get('model_ms_per_token', run['ms_per_token']):.2f} | "
+                     f"{pct(run.get('recall_1_ahead'))} |")
+    print("\n".join(lines[4:]))
+    if args.out:
+        write(args.out, report, "\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    recall = sub.add_parser("recall", help="prediction recall on the bundled model's validation text")
+    recall.add_argument("--device", default="cpu")
+    recall.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    recall.add_argument("--window", type=int, default=512)
+    recall.add_argument("--max-tokens", type=int, default=None, help="default: the whole validation split")
+    recall.add_argument("--max-extra", type=int, default=2)
+    recall.add_argument("--learned", action="store_true", help="also fit the linear-map baseline on training text")
+    recall.add_argument("--learned-chars", type=int, default=150_000)
+    recall.add_argument("--threads", type=int, default=torch.get_num_threads())
+    recall.add_argument("--out", default=None)
+    simulate = sub.add_parser("simulate", help="expert copies per token by cache size and prefetch policy")
+    simulate.add_argument("--device", default="cpu")
+    simulate.add_argument("--max-tokens", type=int, default=8192)
+    simulate.add_argument("--eviction", default="lru", choices=("lru", "lfu"))
+    simulate.add_argument("--out", default=None)
+    speed = sub.add_parser("speed", help="decode time per token: resident vs on-demand vs prefetch")
+    speed.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    speed.add_argument("--dtype", default=None, help="default bf16 (fp32 with --tiny)")
+    speed.add_argument("--tiny", action="store_true", help="a tiny Mixtral-like shape (CPU plumbing check)")
+    speed.add_argument("--num-layers", type=int, default=None, help="override Mixtral's 32 layers")
+    speed.add_argument("--cache", default="25,50,75", help="expert cache sizes, percent of each layer's experts")
+    speed.add_argument("--extra-candidates", default="0,1", help="prefetch variants: experts beyond top-k")
+    speed.add_argument("--lookahead", type=int, default=1, choices=(1, 2))
+    speed.add_argument("--no-layer-out", dest="layer_out", action="store_false",
+                       help="skip the prefetch variant predicting from each layer's output")
+    speed.add_argument("--eviction", default="lru", choices=("lru", "lfu"))
+    speed.add_argument("--prompt-len", type=int, default=16)
+    speed.add_argument("--warmup", type=int, default=4)
+    speed.add_argument("--tokens", type=int, default=16)
+    speed.add_argument("--trace-tokens", type=int, default=8192)
+    speed.add_argument("--host-experts", default="auto", choices=("auto", "per-layer", "shared"))
+    speed.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.command == "recall":
+        cmd_recall(args)
+    elif args.command == "simulate":
+        cmd_simulate(args)
+    else:
+        args.dtype = args.dtype or ("fp32" if args.tiny else "bf16")
+        cmd_speed(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Speculative expert routing: at layer l, guess the experts layers l+1 (and l+2) will route to.
+
+The guess applies the target layer's own router to a hidden state that is already known at layer l
+(the residual stream changes slowly from layer to layer):
+
+    source "attn":      x = the residual after layer l's attention (the input of its post_attn_norm),
+                        known before layer l's MoE block runs -> copies overlap with that block.
+    source "layer_out": x = the residual after all of layer l (including its MoE output): a little
+                        more accurate, but only known one MoE block later.
+    norm "next":        logits = (x * g_target) W_target^T  with g_target the target layer's
+                        post_attn_norm weight. RMSNorm's 1/rms(x) is one positive number per token,
+                        which never changes a token's top-k, so it is left out.
+    norm "current":     use layer l's own normed hidden (the MoE input) with the target router.
+    norm "none":        logits = x W_target^T.
+
+The token embeddings (the residual before layer 0) predict layer 0 (and layer 1 two ahead).
+
+Each token's prediction is its top (top_k + extra_candidates) experts. Recall (the share of routed
+(token, expert) pairs that were predicted for that token) is counted per layer and distance in
+device tensors; nothing here synchronises with the host. `listeners` receive every prediction
+(the offload manager turns them into copies).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekv.layers.moe import MoEBlock
+
+SOURCES = ("attn", "layer_out")
+NORMS = ("next", "current", "none")
+
+# listener(source_layer, target_layer, distance, predicted_ids [T, P] int64 on the device)
+PredictionListener = Callable[[int, int, int, torch.Tensor], None]
+
+
+def recall_counts(predicted: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """How many routed (token, expert) pairs were predicted for their token.
+
+    predicted [T, P], routed [T, k] (expert ids) -> 0-dim int64 tensor on their device (no sync).
+    """
+    hit = (routed.unsqueeze(-1) == predicted.unsqueeze(1)).any(dim=-1)    # [T, k] bool
+    return hit.sum()
+
+
+def moe_layer_ids(model: nn.Module) -> list[int]:
+    """Indices of the layers whose MLP is a routed MoE block."""
+    return [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock)]
+
+
+class ExpertPredictor:
+    """Predicts upcoming layers' experts from forward hooks on a built MoEForCausalLM.
+
+    Counters (device, int64, [num_layers, lookahead]): `hits[l, d-1]` routed pairs of layer l that
+    the prediction made d layers earlier contained; `routed[l, d-1]` routed pairs of layer l that
+    had such a prediction. `predicted[l, d-1]` counts predicted pairs (for precision).
+    """
+
+    def __init__(self, model: nn.Module, lookahead: int = 1, extra_candidates: int = 0,
+                 source: str = "attn", norm: str = "next"):
+        assert lookahead in (1, 2) and source in SOURCES and norm in NORMS and extra_candidates >= 0
+        arch = model.arch
+        self.model = model
+        self.lookahead = lookahead
+        self.source = source
+        self.norm = norm
+        self.top_k = arch.top_k
+        self.width = min(arch.num_experts, arch.top_k + extra_candidates)   # P: experts predicted per token
+        self.moe_layers = set(moe_layer_ids(model))
+        device = model.device
+        shape = (arch.num_layers, lookahead)
+        self.hits = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.routed = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.predicted = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.listeners: list[PredictionListener] = []
+        self._pending: dict[tuple[int, int], torch.Tensor] = {}   # (target layer, distance) -> [T, P]
+        self._handles = [model.embed_tokens.register_forward_hook(self._layer_hook(-1))]   # predicts layer 0
+        for index, layer in enumerate(model.layers):
+            if source == "attn":
+                hook = layer.post_attn_norm.register_forward_hook(self._norm_hook(index))
+            else:
+                hook = layer.register_forward_hook(self._layer_hook(index))
+            self._handles.append(hook)
+            if index in self.moe_layers:
+                self._handles.append(layer.mlp.router.register_forward_hook(self._router_hook(index)))
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _norm_hook(self, index: int):
+        def hook(module, inputs, output):
+            self._on_hidden(index, inputs[0], output)
+        return hook
+
+    def _layer_hook(self, index: int):
+        def hook(module, inputs, output):
+            self._on_hidden(index, output, None)
+        return hook
+
+    def _router_hook(self, index: int):
+        def hook(module, inputs, output):
+            self._on_routed(index, output[1])
+        return hook
+
+    def _on_hidden(self, layer: int, residual: torch.Tensor, normed: torch.Tensor | None) -> None:
+        """residual [T, H] (and layer's normed MoE input [T, H] for source "attn")."""
+        for distance in range(1, self.lookahead + 1):
+            target = layer + distance
+            if target not in self.moe_layers:
+                continue
+            ids = self.predict(layer, target, residual, normed)                # [T, P] (None: no guess)
+            if ids is None:
+                continue
+            self._pending[(target, distance)] = ids
+            for listener in self.listeners:
+                listener(layer, target, distance, ids)
+
+    def _on_routed(self, layer: int, routed_ids: torch.Tensor) -> None:
+        """routed_ids [T, k]: what layer's router chose; compare with the pending predictions."""
+        num_pairs = routed_ids.numel()
+        for distance in range(1, self.lookahead + 1):
+            ids = self._pending.pop((layer, distance), None)
+            if ids is None or ids.shape[0] != routed_ids.shape[0]:
+                continue
+            self.hits[layer, distance - 1] += recall_counts(ids, routed_ids)
+            self.routed[layer, distance - 1] += num_pairs
+            self.predicted[layer, distance - 1] += ids.numel()
+
+    # -- the guess (subclasses may replace it, e.g. a routing-trace replay) ------------------------
+    def predict(self, layer: int, target: int, residual: torch.Tensor,
+                normed: torch.Tensor | None) -> torch.Tensor | None:
+        """-> predicted expert ids [T, P] int64 for `target`, from hidden states at `layer`."""
+        router_weight = self.model.layers[target].mlp.router.weight                # [E, H]
+        if self.norm == "current" and normed is not None:
+            x = normed                                                              # [T, H]
+        elif self.norm == "none":
+            x = residual
+        else:
+            x = residual * self.model.layers[target].post_attn_norm.weight          # [T, H]
+        logits = F.linear(x.to(router_weight.dtype), router_weight)                # [T, E]
+        return torch.topk(logits.float(), self.width, dim=-1).indices               # [T, P]
+
+    # -- stats (these read the device counters: call outside the step) ----------------------------
+    def reset(self) -> None:
+        for counter in (self.hits, self.routed, self.predicted):
+            counter.zero_()
+
+    def recall(self) -> dict:
+        """{"per_layer": {distance: [recall or None per layer]}, "overall": {distance: recall}, ...}."""
+        hits, routed, predicted = (t.detach().cpu() for t in (self.hits, self.routed, self.predicted))
+        out = {"experts_predicted_per_token": self.width, "top_k": self.top_k, "lookahead": self.lookahead,
+               "source": self.source, "norm": self.norm, "per_layer": {}, "overall": {}, "precision": {},
+               "routed_pairs": {}}
+        for d in range(self.lookahead):
+            h, r, p = hits[:, d], routed[:, d], predicted[:, d]
+            out["per_layer"][d + 1] = [float(h[l] / r[l]) if r[l] > 0 else None for l in range(len(r))]
+            total = int(r.sum())
+            out["overall"][d + 1] = float(h.sum() / total) if total else None
+            out["precision"][d + 1] = float(h.sum() / p.sum()) if p.sum() > 0 else None
+            out["routed_pairs"][d + 1] = total
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending.clear()

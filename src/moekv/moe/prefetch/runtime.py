@@ -1,0 +1,87 @@
+"""install_routing(): what the engine calls once after building the model.
+
+It always attaches the expert-load tracker (a decayed window over model.expert_load), and, as
+OffloadConfig asks, the expert predictor (recall statistics, prefetch hints) and expert offloading.
+`RoutingRuntime.stats()` is what `Engine.routing_stats()` returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekv.config import OffloadConfig
+from moekv.errors import ConfigError
+from moekv.moe.load_stats import ExpertLoadTracker
+from moekv.moe.prefetch.manager import ExpertOffload, expert_bytes, resolve_cache_slots
+from moekv.moe.prefetch.predictor import ExpertPredictor, moe_layer_ids
+
+DEFAULT_PREDICTOR_SOURCE = "attn"    # see docs/expert-offload.md for the measured alternatives
+
+
+class RoutingRuntime:
+    """The routing add-ons of one model: load tracker, predictor, offload (each optional)."""
+
+    def __init__(self, model: torch.nn.Module, load: ExpertLoadTracker | None,
+                 predictor: ExpertPredictor | None, offload: ExpertOffload | None):
+        self.model = model
+        self.load = load
+        self.predictor = predictor
+        self.offload = offload
+        self._hook = model.register_forward_pre_hook(self._begin_step)
+
+    def _begin_step(self, module, args) -> None:
+        if self.load is not None:
+            self.load.update()                 # folds the previous step's routed slots into the window
+        if self.offload is not None:
+            self.offload.begin_step()
+
+    def stats(self) -> dict:
+        """Load, prediction recall and expert-cache counters (reads device counters: not in a step)."""
+        top_k = getattr(getattr(self.model, "arch", None), "top_k", 2)
+        return {
+            "expert_load": self.load.snapshot(top_k) if self.load is not None else None,
+            "prediction": self.predictor.recall() if self.predictor is not None else None,
+            "offload": self.offload.stats() if self.offload is not None else None,
+        }
+
+    def reset(self) -> None:
+        if self.predictor is not None:
+            self.predictor.reset()
+        if self.offload is not None:
+            self.offload.reset_stats()
+
+    def remove_hooks(self) -> None:
+        self._hook.remove()
+        if self.predictor is not None:
+            self.predictor.remove()
+        if self.offload is not None:
+            self.offload.close()
+
+
+def install_routing(model: torch.nn.Module, config: OffloadConfig, device: torch.device | str | None = None,
+                    predictor_source: str = DEFAULT_PREDICTOR_SOURCE) -> RoutingRuntime:
+    """Attach the load tracker, and the predictor / offloading that `config` asks for, to `model`.
+
+    With offloading the routed experts move to host memory (pinned when CUDA is available), their
+    device slots are allocated on `device` and the rest of the model is moved there (so the model
+    may be loaded on the CPU first). Without offloading the model is left where it is.
+    """
+    device = torch.device(device) if device is not None else None
+    has_moe = hasattr(model, "layers") and bool(moe_layer_ids(model))
+    if (config.cpu_offload_experts or config.track_prediction) and not has_moe:
+        raise ConfigError("cpu_offload_experts / track_prediction need a model with routed MoE layers")
+    predictor = offload = None
+    if config.cpu_offload_experts:
+        arch = model.arch
+        slots = resolve_cache_slots(config.expert_cache_size, arch.num_experts,
+                                    expert_bytes(arch, model.dtype), len(moe_layer_ids(model)))
+        offload = ExpertOffload(model, slots, config.eviction, predictor=None, device=device or model.device)
+    if offload is not None and device is not None:
+        model.to(device)                       # non-expert weights; host expert copies are not module state
+    if config.predicts:
+        predictor = ExpertPredictor(model, config.lookahead, config.extra_candidates, source=predictor_source)
+        if offload is not None and config.prefetch:
+            offload.attach_predictor(predictor)
+    expert_load = getattr(model, "expert_load", None)
+    load = ExpertLoadTracker(expert_load, config.load_decay) if isinstance(expert_load, torch.Tensor) else None
+    return RoutingRuntime(model, load, predictor, offload)
