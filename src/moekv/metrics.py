@@ -74,6 +74,7 @@ class ServerMetrics:
         self._stats_source: Callable[[], EngineStats] | None = None
         self._expert_load_source: Callable[[], object] | None = None
         self._kv_stats_source: Callable[[], dict[str, float]] | None = None
+        self._routing_source: Callable[[], dict | None] | None = None
         self.registry.register(_EngineCollector(self))
 
     # -- pushed by the engine thread ----------------------------------------------------------------
@@ -97,12 +98,15 @@ class ServerMetrics:
 
     # -- read at scrape time ------------------------------------------------------------------------
     def bind(self, stats: Callable[[], EngineStats], expert_load: Callable[[], object] | None = None,
-             kv_stats: Callable[[], dict[str, float]] | None = None) -> None:
-        """Where scrapes read engine-level numbers: a stats snapshot, a [layers, experts] tensor, and
-        the cache format's counters (`KVCache.stats()`)."""
+             kv_stats: Callable[[], dict[str, float]] | None = None,
+             routing: Callable[[], dict | None] | None = None) -> None:
+        """Where scrapes read engine-level numbers: a stats snapshot, a [layers, experts] tensor, the
+        cache format's counters (`KVCache.stats()`) and the routing stats (`Engine.routing_stats()`:
+        expert-prediction recall, expert-cache counters)."""
         self._stats_source = stats
         self._expert_load_source = expert_load
         self._kv_stats_source = kv_stats
+        self._routing_source = routing
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -152,6 +156,41 @@ class _EngineCollector:
                 for expert, value in enumerate(row):
                     family.add_metric([m.model_name, str(layer), str(expert)], float(value))
             yield family
+        routing = m._routing_source() if m._routing_source is not None else None
+        if routing:
+            yield from _routing_metrics(m.model_name, routing)
+
+
+def _routing_metrics(model_name: str, routing: dict) -> Iterable[Metric]:
+    """Expert-prediction recall (overall and per layer, per lookahead) and expert-cache counters."""
+    prediction = routing.get("prediction")
+    if prediction:
+        overall = GaugeMetricFamily("moekv:expert_prediction_recall",
+                                    "Share of routed experts predicted `lookahead` layers earlier.",
+                                    labels=["model_name", "lookahead"])
+        per_layer = GaugeMetricFamily("moekv:expert_prediction_recall_per_layer",
+                                      "Expert-prediction recall of each layer.",
+                                      labels=["model_name", "lookahead", "layer"])
+        for distance, value in prediction.get("overall", {}).items():
+            if value is not None:
+                overall.add_metric([model_name, str(distance)], float(value))
+        for distance, values in prediction.get("per_layer", {}).items():
+            for layer, value in enumerate(values):
+                if value is not None:
+                    per_layer.add_metric([model_name, str(distance), str(layer)], float(value))
+        yield overall
+        yield per_layer
+    offload = routing.get("offload")
+    if offload:
+        for key, doc in (("hits", "Needed experts found resident in the device expert cache."),
+                         ("misses", "Needed experts loaded on demand (the MoE block waited)."),
+                         ("prefetches", "Experts copied ahead of need because they were predicted."),
+                         ("wasted_prefetches", "Prefetched experts evicted before any use."),
+                         ("bytes_copied", "Expert bytes copied host -> device.")):
+            if key in offload:
+                family = CounterMetricFamily(f"moekv:expert_cache_{key}", doc, labels=["model_name"])
+                family.add_metric([model_name], float(offload[key]))
+                yield family
 
 
 def outlier_budget_hits(kv_stats: dict[str, float]) -> float:

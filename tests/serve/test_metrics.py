@@ -50,3 +50,17 @@ def test_percentiles_interpolate():
     stats = percentiles([float(v) for v in range(1, 102)])     # 1..101
     assert (stats["p50"], stats["p90"], stats["p99"], stats["mean"]) == (51.0, 91.0, 100.0, 51.0)
     assert percentiles([])["p50"] is None
+
+
+def test_routing_metrics_recall_and_expert_cache():
+    metrics = ServerMetrics("m")
+    routing = {"prediction": {"overall": {1: 0.8, 2: 0.7}, "per_layer": {1: [None, 0.75, 0.85], 2: [None, None, 0.7]}},
+               "offload": {"hits": 30, "misses": 6, "prefetches": 9, "wasted_prefetches": 2, "bytes_copied": 1024}}
+    metrics.bind(lambda: EngineStats(), routing=lambda: routing)
+    values = parse_metrics(metrics.render().decode())
+    assert values['moekv:expert_prediction_recall{lookahead="1",model_name="m"}'] == 0.8
+    assert values['moekv:expert_prediction_recall{lookahead="2",model_name="m"}'] == 0.7
+    assert values['moekv:expert_prediction_recall_per_layer{layer="2",lookahead="1",model_name="m"}'] == 0.85
+    assert 'moekv:expert_prediction_recall_per_layer{layer="0",lookahead="1",model_name="m"}' not in values
+    assert values["moekv:expert_cache_hits_total"] == 30 and values["moekv:expert_cache_misses_total"] == 6
+    assert values["moekv:expert_cache_bytes_copied_total"] == 1024

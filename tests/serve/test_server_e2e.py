@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from moekv.bench.serve import BenchConfig, run_benchmark
+from moekv.metrics import parse_metrics
 from moekv.tokenizer import Tokenizer
 from tests.serve.helpers import wait_idle
 from tests.serve.subprocess_server import ServerProcess, bundled_model, tiny_random_model
@@ -130,7 +131,10 @@ def test_errors(server, client):
     assert httpx.post(url, json={"model": NAME, "prompt": "x"}).status_code == 401
     assert httpx.post(url, json={"model": NAME, "prompt": "x"}, headers={"Authorization": "Bearer no"}).status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert "moekv:kv_cache_usage_perc" in httpx.get(f"{server.url}/metrics").text
+    metrics_text = httpx.get(f"{server.url}/metrics").text
+    assert "moekv:kv_cache_usage_perc" in metrics_text
+    recall = parse_metrics(metrics_text).get('moekv:expert_prediction_recall{lookahead="1",model_name="' + NAME + '"}')
+    assert recall is not None and 0.0 < recall <= 1.0     # the server ran requests, so the predictor counted
 
 
 def test_closing_a_stream_frees_its_pages(server, client):

@@ -135,7 +135,7 @@ class AsyncEngine:
         self.stats = EngineStats()                         # swapped by the engine thread
         self._bits_time = 0.0
         if metrics is not None:
-            metrics.bind(lambda: self.stats, self._expert_load, self._kv_stats)
+            metrics.bind(lambda: self.stats, self._expert_load, self._kv_stats, self._routing_stats)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -394,6 +394,13 @@ class AsyncEngine:
         if stats:
             stats["page_heads_per_page"] = float(self.engine.arch.num_layers * self.engine.arch.num_kv_heads)
         return stats
+
+    def _routing_stats(self):
+        try:
+            return self.engine.routing_stats()
+        except Exception:
+            logger.debug("routing_stats() failed", exc_info=True)
+            return None
 
     def _expert_load(self):
         try:

@@ -40,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     parser.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from memory)")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
+    parser.add_argument("--cpu-offload-experts", action="store_true",
+                        help="keep routed experts in host memory with a device expert cache (docs/expert-offload.md)")
+    parser.add_argument("--expert-cache-size", default=None,
+                        help="with --cpu-offload-experts: slots per MoE layer (int), a share ('50%%') or bytes ('12GB')")
+    parser.add_argument("--no-prefetch", action="store_true", help="with --cpu-offload-experts: load experts on "
+                        "demand only, no prediction-driven prefetch")
+    parser.add_argument("--no-expert-prediction-stats", action="store_true",
+                        help="do not run the next-layer expert predictor for the recall metrics")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that give none (default 0)")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20,
                         help="largest accepted request body in bytes (default 1 MiB; larger -> 413)")
@@ -73,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
                                            ("max_num_batched_tokens", args.max_num_batched_tokens),
                                            ("num_pages", args.num_pages), ("page_size", args.page_size))
              if value is not None}
+    extra.update(cpu_offload_experts=args.cpu_offload_experts, prefetch=not args.no_prefetch,
+                 track_prediction=not args.no_expert_prediction_stats)
+    if args.expert_cache_size is not None:
+        extra["expert_cache_size"] = int(args.expert_cache_size) if args.expert_cache_size.isdigit() \
+            else args.expert_cache_size
     engine = Engine(make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
                                        args.seed, **extra))
     capacity = engine.kv_manager.capacity_tokens
