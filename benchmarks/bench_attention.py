@@ -1,0 +1,578 @@
+"""Decode attention over the paged KV cache: torch SDPA (bf16, contiguous cache) vs the Triton kernels
+(full-precision pages, int4 / int3 / int2 pages), plus the cost of quantizing full pages.
+
+    PYTHONPATH=src:. python benchmarks/bench_attention.py --out benchmarks/results          # timings
+    PYTHONPATH=src:. python benchmarks/bench_attention.py --check --out benchmarks/results  # correctness
+
+Timings: median of CUDA-graph replays; "cold" (the default) zeroes a 512 MiB buffer before every
+call inside the graph so nothing is served from L2, and the flush alone is timed and subtracted.
+Achieved TB/s counts the bytes the kernel actually reads (codes, scales, zero points, the outlier
+slots up to each page's count, staging tail pages, block tables). Writes attention-bench.{json,md,png}
+(or attention-check.log with --check). Prints a table; asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+if "--dry" in sys.argv:                    # plumbing test on a CPU: Triton's interpreter, tiny shapes
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from moekv.kvcache.base import AttentionMetadata
+from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.ops.reference import lowbit as lowbit_reference
+from moekv.ops.reference.attention import paged_attention_full_precision as fp_reference
+from moekv.ops.triton import lowbit_attention, lowbit_quantize
+from moekv.ops.triton.attention_decode import paged_decode_full_precision
+
+HQ, HKV, D = 32, 8, 128
+SCALE = 1.0 / math.sqrt(D)
+SHAPES = [(1, 16384), (1, 131072), (8, 32768), (32, 16384), (128, 16384)]
+CURVE = [(1, L) for L in (2048, 8192, 16384, 32768, 65536, 131072)]
+BITS = (4, 3, 2)
+FP_PAGE, LOWBIT_PAGE = 16, 128
+# Run 1 (see docs/attention-kernels.md) swept more; these are the survivors and the open questions.
+FP_CONFIGS = [dict(BLOCK_N=128, num_warps=4, num_stages=2), dict(BLOCK_N=64, num_warps=4, num_stages=3),
+              dict(BLOCK_N=128, num_warps=4, num_stages=2, waves=4)]
+LOWBIT_CONFIGS = [dict(num_warps=4), dict(num_warps=4, BLOCK_C=32), dict(num_warps=4, BLOCK_C=16),
+                  dict(num_warps=8), dict(num_warps=4, BLOCK_N=64), dict(num_warps=4, waves=4)]
+DIAGNOSTICS = {"no outliers": dict(outliers=False), "no key codes": dict(skip="keys"),
+               "no value codes": dict(skip="values"), "no codes": dict(skip="both"),
+               "no codes, no outliers": dict(skip="both", outliers=False),
+               "no outliers, 8 warps": dict(outliers=False, num_warps=8),
+               "no outliers, BLOCK_N 64": dict(outliers=False, BLOCK_N=64)}
+TUNING = ((32, 16384), (1, 16384))           # the first one's winners serve every other shape
+SWEPT_BITS = (3,)                          # other widths take int3's winner
+DEVICE = "cuda"
+DRY_SHAPES = [(1, 300), (2, 260)]
+T0 = time.perf_counter()
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- timing
+class Timer:
+    def __init__(self, cold: bool, reps: int = 10, trials: int = 5):
+        self.cold, self.reps, self.trials = cold, reps, trials
+        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEVICE) if cold and DEVICE == "cuda" else None
+        self._flush_ms = None
+
+    def _graph_ms(self, body) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            body()                                            # warm up (compiles, allocator)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.reps):
+                body()
+        times = []
+        for _ in range(self.trials):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / self.reps)
+        del graph
+        return statistics.median(times)
+
+    def __call__(self, fn) -> float:
+        """Median milliseconds of one call of fn."""
+        if DEVICE == "cpu":                                   # --dry: wall clock of one call
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        if not self.cold:
+            return self._graph_ms(fn)
+        if self._flush_ms is None:
+            self._flush_ms = self._graph_ms(self.flush.zero_)
+
+        def body():
+            self.flush.zero_()
+            fn()
+        return max(self._graph_ms(body) - self._flush_ms, 1e-4)
+
+
+def copy_bandwidth(timer: Timer) -> float:
+    """Device-to-device copy bandwidth in TB/s (read + write bytes)."""
+    if DEVICE == "cpu":
+        return 1.0
+    src = torch.empty(2**28, dtype=torch.float32, device=DEVICE)                # 1 GiB
+    dst = torch.empty_like(src)
+    ms = Timer(cold=False, reps=5)(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * 2**30 / ms / 1e9                                                  # 1 GiB read + 1 GiB written
+
+
+# ---------------------------------------------------------------- caches
+def shuffled_tables(batch: int, pages_per_seq: int, generator) -> tuple[list[list[int]], int]:
+    num_pages = batch * pages_per_seq
+    perm = torch.randperm(num_pages, generator=generator).tolist()
+    return [perm[i * pages_per_seq:(i + 1) * pages_per_seq] for i in range(batch)], num_pages
+
+
+def random_kv(shape, heavy_channels: bool = True) -> torch.Tensor:
+    """bf16 rows; keys get a few heavy channels (8x), the outlier pattern per-channel keys are built for."""
+    x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+    if heavy_channels:
+        x[..., :4] *= 8.0
+    return x
+
+
+def build_fp(batch: int, length: int, generator):
+    tables, num_pages = shuffled_tables(batch, -(-length // FP_PAGE), generator)
+    key_pages = torch.randn((num_pages, FP_PAGE, HKV, D), device=DEVICE, dtype=torch.bfloat16)
+    value_pages = torch.randn_like(key_pages)
+    meta = AttentionMetadata.build([1] * batch, [length - 1] * batch, tables, FP_PAGE, DEVICE)
+    nbytes = 2 * batch * length * HKV * D * 2 + meta.block_tables.numel() * 4
+    return key_pages, value_pages, meta, nbytes
+
+
+def lowbit_specs(bits: int) -> tuple[QuantSpec, QuantSpec]:
+    capacity = QuantSpec.capacity_for(0.01, LOWBIT_PAGE, D)
+    return (QuantSpec(bits=bits, axis="channel", head_dim=D, page_size=LOWBIT_PAGE, outlier_capacity=capacity),
+            QuantSpec(bits=bits, axis="token", head_dim=D, page_size=LOWBIT_PAGE, outlier_capacity=capacity))
+
+
+def build_lowbit(batch: int, length: int, bits: int, generator, chunk: int = 1024):
+    """A decode step's state: context of length-1 tokens per sequence (full pages low-bit, the tail
+    page in a staging slot), the new token passed in full precision."""
+    key_spec, value_spec = lowbit_specs(bits)
+    pages_per_seq = -(-length // LOWBIT_PAGE)
+    tables, num_pages = shuffled_tables(batch, pages_per_seq, generator)
+    stores = []
+    for spec in (key_spec, value_spec):
+        store = PackedPages.empty(spec, num_pages, HKV, DEVICE)
+        for start in range(0, num_pages, chunk):
+            n = min(chunk, num_pages - start)
+            rows = random_kv((n, HKV, LOWBIT_PAGE, D), heavy_channels=spec is key_spec)
+            packed, _ = lowbit_quantize.quantize_pages(rows, spec)
+            store.store(torch.arange(start, start + n, device=DEVICE), packed)
+        stores.append(store)
+    context = length - 1
+    full = context // LOWBIT_PAGE
+    slot_of_page = torch.full((num_pages,), -1, dtype=torch.int32, device=DEVICE)
+    staging_shape = (batch, LOWBIT_PAGE, HKV, D)
+    staging_keys = torch.randn(staging_shape, device=DEVICE, dtype=torch.bfloat16)
+    staging_values = torch.randn_like(staging_keys)
+    if context % LOWBIT_PAGE:
+        tails = torch.tensor([t[full] for t in tables], device=DEVICE)
+        slot_of_page[tails] = torch.arange(batch, dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, LOWBIT_PAGE, DEVICE)
+    query = torch.randn((batch, HQ, D), device=DEVICE, dtype=torch.bfloat16)
+    key = torch.randn((batch, HKV, D), device=DEVICE, dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    args = (query, key, value, stores[0], stores[1], key_spec, value_spec, staging_keys, staging_values,
+            slot_of_page, meta)
+    return args, lowbit_bytes_read(stores, (key_spec, value_spec), tables, full, context, batch)
+
+
+def lowbit_bytes_read(stores, specs, tables, full_pages: int, context: int, batch: int, block_c: int = 16) -> int:
+    """Bytes the low-bit kernel reads for one decode step (per the kernel's loads)."""
+    ids = torch.tensor([t[:full_pages] for t in tables], device=DEVICE).flatten()
+    total = 0
+    for store, spec in zip(stores, specs):
+        per_page_head = LOWBIT_PAGE * spec.words_per_row * 4
+        if spec.axis == "channel":
+            per_page_head += 2 * D * 2
+        else:
+            per_page_head += 2 * LOWBIT_PAGE * spec.num_groups + 2
+        per_page_head += 2                                                        # outlier count
+        total += per_page_head * ids.numel() * HKV
+        counts = store.outlier_count.index_select(0, ids).long()                 # [n, H]
+        total += int(((counts + block_c - 1) // block_c * block_c).sum().item()) * 4
+    tail = context - full_pages * LOWBIT_PAGE
+    total += 2 * batch * tail * HKV * D * 2                                       # staging rows
+    total += batch * (len(tables[0]) * 8 + HKV * 2 * D * 2)                      # tables, slot map, new token
+    return total
+
+
+# ---------------------------------------------------------------- benchmark
+def sdpa_fns(batch: int, length: int):
+    """Two spellings of GQA decode in torch SDPA over a contiguous bf16 cache; the faster is the baseline."""
+    k = torch.randn((batch, HKV, length, D), device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q_rows = torch.randn((batch, HKV, HQ // HKV, D), device=DEVICE, dtype=torch.bfloat16)   # group as rows
+    q_gqa = q_rows.reshape(batch, HQ, 1, D)
+    fns = {"rows": lambda: F.scaled_dot_product_attention(q_rows, k, v, scale=SCALE)}
+    try:
+        F.scaled_dot_product_attention(q_gqa, k, v, scale=SCALE, enable_gqa=True)
+        fns["enable_gqa"] = lambda: F.scaled_dot_product_attention(q_gqa, k, v, scale=SCALE, enable_gqa=True)
+    except Exception:                                                             # older torch
+        pass
+    return fns, 2 * batch * length * HKV * D * 2
+
+
+def best(timer: Timer, fns: dict, sweep: dict | None = None) -> tuple[float, str]:
+    results = sweep if sweep is not None else {}
+    for name, fn in fns.items():
+        try:
+            results[name] = timer(fn)
+        except Exception as exc:                                                  # a config that fails to compile
+            print(f"    {name}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+    if not results:
+        return float("nan"), "all failed"
+    name = min(results, key=results.get)
+    return results[name], name
+
+
+def run_benchmark(args) -> dict:
+    timer = Timer(cold=not args.hot)
+    gen = torch.Generator().manual_seed(0)
+    bandwidth = copy_bandwidth(timer)
+    print(f"copy bandwidth {bandwidth:.2f} TB/s", flush=True)
+    shapes = SHAPES if not args.quick else SHAPES[:1]
+    shapes = shapes + ([] if args.quick else [s for s in CURVE if s not in SHAPES])
+    shapes = [s for s in TUNING if s in shapes] + [s for s in shapes if s not in TUNING]
+    if args.dry:
+        shapes = DRY_SHAPES
+    rows, fp_cfg, lowbit_cfg = [], None, {}
+    for batch, length in shapes:
+        tuning = (batch, length) in (*TUNING, *DRY_SHAPES) and not args.no_sweep
+        row = {"batch": batch, "context": length}
+        fns, nbytes = sdpa_fns(batch, length)
+        row["sdpa_ms"], row["sdpa_variant"] = best(timer, fns)
+        row["sdpa_bytes"] = nbytes
+        del fns
+        torch.cuda.empty_cache()
+        key_pages, value_pages, meta, nbytes = build_fp(batch, length, gen)
+        query = torch.randn((batch, HQ, D), device=DEVICE, dtype=torch.bfloat16)
+        configs = FP_CONFIGS if tuning else [fp_cfg or FP_CONFIGS[0]]
+        fns = {json.dumps(c): (lambda c=c: paged_decode_full_precision(
+            query, key_pages, value_pages, meta.block_tables, meta.seq_lens, meta.max_seq_len, SCALE, config=c))
+            for c in configs}
+        row["bf16_paged_sweep"] = {}
+        row["bf16_paged_ms"], cfg = best(timer, fns, row["bf16_paged_sweep"])
+        row["bf16_paged_config"], row["bf16_paged_bytes"] = cfg, nbytes
+        if tuning and fp_cfg is None:
+            fp_cfg = json.loads(cfg)
+        del key_pages, value_pages, fns
+        torch.cuda.empty_cache()
+        for bits in sorted(BITS, key=lambda b: b not in SWEPT_BITS):        # swept widths first
+            lb_args, nbytes = build_lowbit(batch, length, bits, gen)
+            configs = [lowbit_cfg.get(3, LOWBIT_CONFIGS[0])]
+            if tuning and bits in SWEPT_BITS:
+                configs = LOWBIT_CONFIGS
+            elif tuning:
+                configs = [LOWBIT_CONFIGS[0]] + [c for c in [lowbit_cfg.get(3)] if c and c != LOWBIT_CONFIGS[0]]
+            fns = {json.dumps(c): (lambda c=c: lowbit_attention.paged_attention_lowbit(*lb_args, SCALE, config=c))
+                   for c in configs}
+            row[f"int{bits}_sweep"] = {}
+            ms, cfg = best(timer, fns, row[f"int{bits}_sweep"])
+            if tuning and bits == 3 and batch > 1:
+                row["int3_diagnostics"] = {name: timer(lambda c=c: lowbit_attention.paged_attention_lowbit(
+                    *lb_args, SCALE, config=c)) for name, c in DIAGNOSTICS.items()}
+            if tuning and bits not in lowbit_cfg and cfg in fns:
+                lowbit_cfg[bits] = json.loads(cfg)
+            row[f"int{bits}_ms"], row[f"int{bits}_config"], row[f"int{bits}_bytes"] = ms, cfg, nbytes
+            row[f"int{bits}_outliers_per_page_head"] = float(lb_args[3].outlier_count.float().mean())
+            if bits == 3 and (length == 16384 or args.dry):
+                row.update(quantize_cost(timer, batch, bits, ms, gen))
+            del lb_args, fns
+            torch.cuda.empty_cache()
+        add_derived(row, bandwidth)
+        rows.append(row)
+        print(f"[{time.perf_counter() - T0:.0f}s] " + short_row(row), flush=True)
+        with open(os.path.join(args.out, "attention-bench.partial.json"), "w") as f:
+            json.dump(rows, f)
+    return finish({"copy_bandwidth_tbps": bandwidth, "rows": rows, "cold_l2": not args.hot})
+
+
+NAMES = ["bf16_paged", *[f"int{b}" for b in BITS], "sdpa"]
+
+
+def add_derived(row: dict, bandwidth: float) -> None:
+    """Achieved TB/s, bandwidth floor and speed-up over SDPA of each kernel in a row."""
+    for name in NAMES:
+        row[f"{name}_tbps"] = row[f"{name}_bytes"] / row[f"{name}_ms"] / 1e9
+        row[f"{name}_floor_ms"] = row[f"{name}_bytes"] / bandwidth / 1e9
+        row[f"{name}_speedup"] = row["sdpa_ms"] / row[f"{name}_ms"]
+
+
+def finish(result: dict) -> dict:
+    """Floors at the read bandwidth the run showed reachable: the larger of the copy measurement and
+    the best TB/s any bf16 kernel achieved (SDPA or the paged kernel)."""
+    achieved = max((r[f"{n}_bytes"] / r[f"{n}_ms"] / 1e9 for r in result["rows"] for n in ("sdpa", "bf16_paged")),
+                   default=0.0)
+    result["floor_bandwidth_tbps"] = max(result["copy_bandwidth_tbps"], achieved)
+    for row in result["rows"]:
+        add_derived(row, result["floor_bandwidth_tbps"])
+    return result
+
+
+def quantize_cost(timer: Timer, batch: int, bits: int, attention_ms: float, gen) -> dict:
+    """Quantizing one full page per sequence (K and V, all heads) vs one decode step's attention."""
+    key_spec, value_spec = lowbit_specs(bits)
+    keys, values = random_kv((batch, HKV, LOWBIT_PAGE, D)), random_kv((batch, HKV, LOWBIT_PAGE, D), False)
+    ms = timer(lambda: (lowbit_quantize.quantize_pages(keys, key_spec),
+                        lowbit_quantize.quantize_pages(values, value_spec)))
+    start = time.perf_counter()
+    lowbit_reference.quantize_pages(keys, key_spec), lowbit_reference.quantize_pages(values, value_spec)
+    synchronize()
+    reference_ms = (time.perf_counter() - start) * 1e3
+    return {"quantize_pages_ms": ms, "quantize_reference_ms": reference_ms,
+            "quantize_share_of_step": ms / attention_ms, "quantize_share_amortized": ms / attention_ms / LOWBIT_PAGE}
+
+
+def short_row(row) -> str:
+    parts = [f"B={row['batch']:>3} L={row['context']:>6}  sdpa {row['sdpa_ms']:.4f} ms"]
+    for name in ["bf16_paged", *[f"int{b}" for b in BITS]]:
+        parts.append(f"{name} {row[f'{name}_ms']:.4f} ms ({row[f'{name}_speedup']:.2f}x, {row[f'{name}_tbps']:.2f} TB/s)")
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------- correctness at real shapes
+def run_check(log, sweep_configs: bool = True) -> bool:
+    from tests.ops.helpers import build_fp_case
+    from tests.ops.lowbit_cases import build_case
+    from moekv.ops.triton.attention import paged_attention_full_precision as fp_kernel
+
+    ok = True
+
+    def report(name, out, ref, tol):
+        nonlocal ok
+        err = (out.float() - ref.float()).abs()
+        rel_max = (err.max() / ref.float().abs().max()).item()
+        rel_mean = (err.mean() / ref.float().abs().mean()).item()
+        passed = bool(torch.isfinite(out.float()).all()) and rel_max <= tol[0] and rel_mean <= tol[1]
+        ok &= passed
+        log(f"{'PASS' if passed else 'FAIL'} {name}: max err/max {rel_max:.2e} (tol {tol[0]:.0e}), "
+            f"mean err/mean {rel_mean:.2e} (tol {tol[1]:.0e})")
+
+    tol = {torch.bfloat16: (2e-2, 1e-2), torch.float16: (2e-3, 1e-3), torch.float32: (1e-5, 1e-5)}
+    small = DEVICE == "cpu"                                   # --dry
+    fp_lens = [0, 99, 300, 100] if small else [0, 99, 4096, 16383]
+    lowbit_lens = [0, 130, 300] if small else [0, 200, 5000, 16383]
+    configs = LOWBIT_CONFIGS[:2] if small else LOWBIT_CONFIGS
+    configs = configs if sweep_configs else [{}]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        case = build_fp_case(fp_lens, [1] * len(fp_lens), HKV, HQ // HKV, D, FP_PAGE, dtype, DEVICE)
+        report(f"fp decode {dtype} context {fp_lens}", fp_kernel(*case, SCALE), fp_reference(*case, SCALE), tol[dtype])
+        case = build_fp_case([0, 300, 1000], [70 if small else 700, 129, 1], HKV, HQ // HKV, D, FP_PAGE, dtype,
+                             DEVICE, seed=1)
+        report(f"fp prefill {dtype} chunks {70 if small else 700}/129/1", fp_kernel(*case, SCALE), fp_reference(*case, SCALE), tol[dtype])
+    for bits in BITS:
+        for dtype, kind in ((torch.bfloat16, "normal"), (torch.bfloat16, "outlier_channels"), (torch.float16, "large"),
+                            (torch.float32, "outlier_channels")):
+            case = build_case(lowbit_lens, [1] * len(lowbit_lens), HKV, HQ // HKV, D, bits, LOWBIT_PAGE, dtype=dtype,
+                              kind=kind, outlier_fraction=0.01, device=DEVICE)
+            ref = lowbit_reference.paged_attention_lowbit(*case.args(), SCALE)
+            for cfg in configs if (dtype, kind) == (torch.bfloat16, "normal") else [{}]:
+                out = lowbit_attention.paged_attention_lowbit(*case.args(), SCALE, config=cfg)
+                report(f"int{bits} decode {dtype} {kind} context {lowbit_lens} {cfg}", out, ref, tol[dtype])
+        case = build_case([0, 300, 1000], [40 if small else 300, 129, 1], HKV, HQ // HKV, D, bits, LOWBIT_PAGE, dtype=torch.bfloat16,
+                          outlier_fraction=0.01, device=DEVICE, seed=1)
+        report(f"int{bits} prefill bf16", lowbit_attention.paged_attention_lowbit(*case.args(), SCALE),
+               lowbit_reference.paged_attention_lowbit(*case.args(), SCALE), tol[torch.bfloat16])
+        for spec in lowbit_specs(bits):
+            x = random_kv((16 if DEVICE == "cpu" else 64, HKV, LOWBIT_PAGE, D), spec.axis == "channel").float()
+            got, got_q = lowbit_quantize.quantize_pages(x, spec)
+            # the oracle is the reference on the CPU: torch's CUDA division by a scalar multiplies by the
+            # reciprocal (not IEEE), which moves fp16 round-up scales by one step now and then
+            on_gpu, _ = lowbit_reference.quantize_pages(x, spec)
+            want, want_q = lowbit_reference.quantize_pages(x.cpu(), spec)
+            want = PackedPages(**{n: t.to(DEVICE) for n, t in want.tensors().items()},
+                               **({"scale_base": None} if want.scale_base is None else {}))
+            want_q = want_q.to(DEVICE)
+            log(f"     reference on {DEVICE} vs on cpu: " + ", ".join(
+                f"{n} {'same' if torch.equal(t, want.tensors()[n]) else 'differs'}" for n, t in on_gpu.tensors().items()))
+            same = {name: bool(torch.equal(t, got.tensors()[name])) for name, t in want.tensors().items()}
+            step = (want.scale.float().max().item() if spec.axis == "channel" else
+                    lowbit_reference.token_scale_zero(want.scale, want.zero, want.scale_base, spec)[1].abs().max().item())
+            diff = (lowbit_reference.dequantize_pages(got, spec) - lowbit_reference.dequantize_pages(want, spec)).abs()
+            exact = all(same.values()) and bool(torch.equal(got_q, want_q))
+            passed = exact or (spec.axis == "token" and diff.max().item() <= 1.01 * step + 1e-3)
+            ok &= passed
+            log(f"{'PASS' if passed else 'FAIL'} quantize int{bits} {spec.axis}: bit-exact {exact} {same}, "
+                f"max dequantized diff {diff.max().item():.3e}, codes equal {(got.codes == want.codes).float().mean().item():.5f}")
+    return ok
+
+
+def dump_kernels(out_dir: str, log) -> None:
+    """Registers, spills and shared memory of every kernel variant this process compiled, plus the
+    TTGIR of the first low-bit attention and full-precision decode kernels (to read their layouts)."""
+    from moekv.ops.triton import attention_decode, attention_prefill
+    written = set()
+    for name, fn in [("lowbit_attention", lowbit_attention._lowbit_attention_kernel),
+                     ("fp_decode", attention_decode._fp_decode_kernel),
+                     ("fp_prefill", attention_prefill._fp_prefill_kernel),
+                     ("quantize", lowbit_quantize._quantize_kernel)]:
+        try:      # triton keeps, per device, a tuple whose first dict maps specialisation keys to kernels
+            compiled = [item for caches in getattr(fn, "device_caches", {}).values()
+                        for item in next(c for c in caches if isinstance(c, dict)).items()]
+        except Exception as exc:
+            log(f"{name}: no kernel cache to read ({exc})")
+            continue
+        for key, kernel in compiled:
+            try:
+                md = kernel.metadata
+                log(f"{name}: regs {kernel.n_regs} spills {kernel.n_spills} shared {md.shared} warps "
+                    f"{md.num_warps} stages {md.num_stages} key {str(key)[-260:]}")
+                if name in ("lowbit_attention", "fp_decode") and name not in written:
+                    with open(os.path.join(out_dir, f"{name}.ttgir"), "w") as f:
+                        f.write(f"// key {key}\n" + kernel.asm["ttgir"])
+                    written.add(name)
+            except Exception as exc:
+                log(f"{name}: could not read ({exc})")
+
+
+# ---------------------------------------------------------------- outputs
+def environment(argv) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        commit = commit + ("+uncommitted" if dirty else "")
+    except Exception:
+        commit = "uncommitted"
+    import triton
+    return {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
+            "command": "PYTHONPATH=src:. python " + " ".join(argv)}
+
+
+def write_markdown(path, env, result) -> None:
+    lines = [f"# Decode attention, Hq={HQ} Hkv={HKV} D={D}", "",
+             f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton {env['triton']}",
+             f"Command: `{env['command']}`", "", *([result["note"], ""] if result.get("note") else []),
+             f"Median of CUDA-graph replays, {'cold L2 (flushed before each call)' if result['cold_l2'] else 'hot L2'}; "
+             f"copy bandwidth {result['copy_bandwidth_tbps']:.2f} TB/s (read + write); floors at "
+             f"{result['floor_bandwidth_tbps']:.2f} TB/s, the best read bandwidth seen in the run. Speed-up = SDPA "
+             "time / kernel time; TB/s over the bytes each kernel reads; floor = those bytes at that bandwidth.", "",
+             "| B | L | SDPA bf16 ms | paged bf16 ms (x, TB/s) | int4 ms (x, TB/s) | int3 ms (x, TB/s) | int2 ms (x, TB/s) | int3 floor ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        cells = [str(r["batch"]), str(r["context"]), f"{r['sdpa_ms']:.4f}"]
+        for name in ["bf16_paged", "int4", "int3", "int2"]:
+            cells.append(f"{r[name + '_ms']:.4f} ({r[name + '_speedup']:.2f}x, {r[name + '_tbps']:.2f})")
+        cells.append(f"{r['int3_floor_ms']:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Page quantization (one full page per sequence, K and V, all heads, Triton kernel) vs the int3 "
+              "decode step's attention time:", "", "| B | L | quantize ms | reference quantizer ms | share of a step | "
+              "amortised over the 128 steps that fill a page |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "quantize_pages_ms" in r:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['quantize_pages_ms']:.4f} | "
+                         f"{r['quantize_reference_ms']:.2f} | {100 * r['quantize_share_of_step']:.1f}% | "
+                         f"{100 * r['quantize_share_amortized']:.2f}% |")
+    lines += ["", "Launch configs chosen (swept at B=1 and B=32, L=16k):", ""]
+    for r in result["rows"][:1]:
+        for name in ["bf16_paged", "int4", "int3", "int2"]:
+            lines.append(f"- {name}: `{r[name + '_config']}`")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_plot(path, result) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted([r for r in result["rows"] if r["batch"] == 1], key=lambda r: r["context"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    ax = axes[0]
+    lengths = [r["context"] for r in rows]
+    for name, label in [("sdpa", "SDPA bf16 (contiguous)"), ("bf16_paged", "paged bf16"), ("int4", "int4"),
+                        ("int3", "int3"), ("int2", "int2")]:
+        line, = ax.plot(lengths, [r[name + "_ms"] for r in rows], marker="o", label=label)
+        if name in ("sdpa", "int3", "int2"):
+            ax.plot(lengths, [r[name + "_floor_ms"] for r in rows], ls="--", color=line.get_color(), alpha=0.6,
+                    label=f"{label} bandwidth floor")
+    ax.set(xscale="log", yscale="log", xlabel="context length (B=1)", ylabel="ms", title="decode attention, B=1")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    shapes = [r for r in result["rows"] if (r["batch"], r["context"]) in SHAPES]
+    names = ["bf16_paged", "int4", "int3", "int2"]
+    for i, name in enumerate(names):
+        ax.bar([j + 0.2 * i for j in range(len(shapes))], [r[name + "_speedup"] for r in shapes], width=0.2, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.3 for j in range(len(shapes))], [f"B={r['batch']}\nL={r['context'] // 1024}k" for r in shapes])
+    ax.set(ylabel="speed-up over SDPA bf16", title="target shapes")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the result files")
+    parser.add_argument("--check", action="store_true", help="kernel-vs-reference checks at real shapes")
+    parser.add_argument("--hot", action="store_true", help="do not flush L2 between calls")
+    parser.add_argument("--quick", action="store_true", help="one shape only")
+    parser.add_argument("--no-sweep", action="store_true", help="default launch configs only")
+    parser.add_argument("--dry", action="store_true", help="plumbing test on a CPU (interpreter, tiny shapes)")
+    parser.add_argument("--shapes", help="BxL,BxL,... instead of the default shapes")
+    parser.add_argument("--lowbit-configs", help="JSON list of low-bit launch configs to sweep (int3)")
+    parser.add_argument("--fp-configs", help="JSON list of full-precision launch configs to sweep")
+    parser.add_argument("--no-diag", action="store_true", help="skip the int3 diagnostics")
+    parser.add_argument("--check-configs", action="store_true", help="--check also runs every sweep config")
+    parser.add_argument("--render", help="re-write the markdown and plot of a saved attention-bench.json")
+    args = parser.parse_args(argv)
+    global SHAPES, CURVE, LOWBIT_CONFIGS, FP_CONFIGS, DIAGNOSTICS
+    if args.shapes:
+        SHAPES = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
+        CURVE = []
+    if args.lowbit_configs:
+        LOWBIT_CONFIGS = json.loads(args.lowbit_configs)
+    if args.fp_configs:
+        FP_CONFIGS = json.loads(args.fp_configs)
+    if args.no_diag:
+        DIAGNOSTICS = {}
+    global DEVICE
+    os.makedirs(args.out, exist_ok=True)
+    if args.render:                                           # no GPU needed
+        with open(args.render) as f:
+            result = finish(json.load(f))
+        with open(os.path.join(args.out, "attention-bench.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        write_markdown(os.path.join(args.out, "attention-bench.md"), result["environment"], result)
+        write_plot(os.path.join(args.out, "attention-bench.png"), result)
+        return 0
+    if args.dry:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("bench_attention needs a CUDA GPU (or --dry)", file=sys.stderr)
+        return 2
+    env = environment(sys.argv)
+    if args.check:
+        with open(os.path.join(args.out, "attention-check.log"), "w") as f:
+            def log(line):
+                print(line, flush=True)
+                f.write(line + "\n")
+            log(json.dumps(env))
+            ok = run_check(log, args.check_configs)
+            log("ALL PASS" if ok else "SOME CHECKS FAILED")
+            dump_kernels(args.out, log)
+        return 0 if ok else 1
+    result = run_benchmark(args)
+    result["environment"] = env
+    with open(os.path.join(args.out, "attention-bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    write_markdown(os.path.join(args.out, "attention-bench.md"), env, result)
+    try:
+        write_plot(os.path.join(args.out, "attention-bench.png"), result)
+    except Exception as exc:
+        print(f"plot failed: {exc}")
+    with open(os.path.join(args.out, "attention-bench.md")) as f:
+        print(f.read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

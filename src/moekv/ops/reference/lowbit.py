@@ -1,0 +1,188 @@
+"""Reference (pure PyTorch) low-bit KV ops: quantize pages, dequantize pages, paged attention.
+
+The oracle the Triton kernels are tested against; each kernel mirrors one of these signatures.
+Layout and formulas: kvcache/formats/lowbit_layout.py and docs/kv-format.md. All arithmetic is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekv.kvcache.base import AttentionMetadata, causal_attention_reference
+from moekv.kvcache.formats.lowbit_layout import SCALE_CODE_STEPS, PackedPages, QuantSpec
+from moekv.kvcache.formats.lowbit_pack import pack_codes, unpack_codes
+
+FP16_MAX = 65504.0
+FP16_TINY = 2.0 ** -24         # smallest positive fp16 (subnormal): the floor of a channel scale
+SCALE_BASE_FLOOR = 2.0 ** -14  # smallest normal fp16: the floor of a token-axis scale_base
+
+
+def _fp16_rounded(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x (fp32, finite) -> fp16 rounded toward +inf (up) or -inf, saturated to +-65504."""
+    h = x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    toward = torch.full_like(h, float("inf") if up else float("-inf"))
+    wrong_side = h.float() < x if up else h.float() > x
+    h = torch.where(wrong_side, torch.nextafter(h, toward), h)
+    return h.clamp(-FP16_MAX, FP16_MAX)
+
+
+def token_scale_zero(scale_code: torch.Tensor, zero_code: torch.Tensor, scale_base: torch.Tensor,
+                     spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode token-axis scale/zero: codes [N, H, P, G] uint8, scale_base [N, H] fp16 -> S, Z [N, H, P, G] fp32.
+
+    S = scale_base * 2 ** (-scale_code / 16);  Z = -(S * zero_code) * 2 ** -(8 - bits).
+    """
+    base = scale_base.float()[:, :, None, None]                                   # [N, H, 1, 1]
+    scale = base * torch.exp2(-scale_code.float() / SCALE_CODE_STEPS)             # [N, H, P, G]
+    zero = -(scale * zero_code.float()) * 2.0 ** -spec.zero_fraction_bits          # [N, H, P, G]
+    return scale, zero
+
+
+def _grouped(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, int]:
+    """View x [N, H, P, D] so one quantization group runs along the returned dim."""
+    if spec.axis == "channel":
+        return x, 2                                                                # groups: [N, H, :, D]
+    return x.unflatten(-1, (spec.num_groups, spec.group_size)), -1                 # [N, H, P, G, g]
+
+
+def _select_outliers(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """The budgeted outliers of each (page, head): values beyond tau * std of their group; when more
+    qualify than `outlier_capacity`, the largest |x - mean| / std win.
+
+    Returns mask [N, H, P*D] bool, kept flat indices [N, H, C] (sorted, unused = P*D), qualifying [N, H] int32.
+    """
+    n, h = grouped.shape[:2]
+    mean = grouped.mean(dim, keepdim=True)
+    std = grouped.std(dim, keepdim=True, correction=0)
+    deviation = (grouped - mean).abs() / torch.where(std > 0, std, torch.ones_like(std))
+    deviation = deviation.reshape(n, h, -1)                                        # [N, H, P*D]
+    qualifies = deviation > spec.outlier_tau
+    num_qualifying = qualifies.sum(-1, dtype=torch.int32)                           # [N, H]
+    mask = torch.zeros_like(qualifies)
+    size = deviation.shape[-1]
+    if spec.outlier_capacity == 0:
+        return mask, torch.empty(n, h, 0, dtype=torch.long, device=grouped.device), num_qualifying
+    score = torch.where(qualifies, deviation, torch.full_like(deviation, -1.0))
+    top_score, top_idx = score.topk(spec.outlier_capacity, dim=-1)                  # [N, H, C]
+    kept = top_score > spec.outlier_tau
+    mask.scatter_(-1, top_idx, kept)
+    kept_idx = torch.where(kept, top_idx, torch.full_like(top_idx, size)).sort(-1).values
+    return mask, kept_idx, num_qualifying
+
+
+def quantize_pages(x: torch.Tensor, spec: QuantSpec) -> tuple[PackedPages, torch.Tensor]:
+    """Quantize full pages: x [N, H, P, D] (any float dtype, finite) -> (PackedPages of N pages,
+    num_qualifying [N, H] int32: values that passed tau; > spec.outlier_capacity means the budget bound).
+    """
+    n, h, p, d = x.shape
+    if (p, d) != (spec.page_size, spec.head_dim):
+        raise ValueError(f"pages of shape [P={p}, D={d}] do not match the spec's [{spec.page_size}, {spec.head_dim}]")
+    xf = x.float().clamp(-FP16_MAX, FP16_MAX)                                      # saturate: see docs
+    grouped, dim = _grouped(xf, spec)
+    outlier, kept_idx, num_qualifying = _select_outliers(grouped, dim, spec)
+    inlier = ~outlier.view(grouped.shape)
+    lo = torch.where(inlier, grouped, torch.full_like(grouped, float("inf"))).amin(dim, keepdim=True)
+    hi = torch.where(inlier, grouped, torch.full_like(grouped, float("-inf"))).amax(dim, keepdim=True)
+    lo = torch.where(torch.isinf(lo), torch.zeros_like(lo), lo)                    # a group of outliers only
+    hi = torch.where(torch.isinf(hi), torch.zeros_like(hi), hi)
+    levels = spec.levels
+    if spec.axis == "channel":
+        zero16 = _fp16_rounded(lo, up=False)                                       # [N, H, 1, D]
+        scale16 = _fp16_rounded(((hi - zero16.float()) / levels).clamp_min(FP16_TINY), up=True)
+        scale, zero = scale16.float(), zero16.float()
+        stored_scale, stored_zero, scale_base = scale16.squeeze(2), zero16.squeeze(2), None
+    else:
+        lo, hi = lo.clamp(max=0.0).squeeze(-1), hi.clamp(min=0.0).squeeze(-1)     # [N, H, P, G]
+        frac = 2.0 ** spec.zero_fraction_bits
+        needed = ((hi - lo) / (levels - 1.0 / frac)).clamp_min(FP16_TINY)         # [N, H, P, G]
+        scale_base = _fp16_rounded(needed.amax(dim=(2, 3)).clamp_min(SCALE_BASE_FLOOR), up=True)   # [N, H]
+        base = scale_base.float()[:, :, None, None]
+        scale_code = torch.floor(-SCALE_CODE_STEPS * torch.log2(needed / base)).clamp(0, 255)
+        scale_code = scale_code.to(torch.uint8)
+        scale, _ = token_scale_zero(scale_code, scale_code, scale_base, spec)
+        scale_code = torch.where(scale < needed, scale_code.clamp_min(1) - 1, scale_code)  # guard log2 rounding
+        scale, _ = token_scale_zero(scale_code, scale_code, scale_base, spec)
+        zero_code = torch.ceil(-lo * frac / scale).clamp(0, 255).to(torch.uint8)
+        scale, zero = token_scale_zero(scale_code, zero_code, scale_base, spec)
+        stored_scale, stored_zero = scale_code, zero_code
+        scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)                      # [N, H, P, G, 1]
+    codes = ((grouped - zero) / scale).round().clamp(0, levels)                    # grouped shape
+    dequantized = codes * scale + zero
+    codes = codes.reshape(n, h, p, d).to(torch.uint8)
+    capacity = spec.outlier_capacity
+    valid = kept_idx < p * d                                                       # [N, H, C]
+    idx = torch.where(valid, kept_idx, torch.zeros_like(kept_idx))
+    residual = (grouped - dequantized).reshape(n, h, p * d).gather(-1, idx)        # [N, H, C]
+    residual = torch.where(valid, residual.clamp(-FP16_MAX, FP16_MAX), torch.zeros_like(residual))
+    packed = PackedPages(
+        codes=pack_codes(codes, spec.bits), scale=stored_scale, zero=stored_zero, scale_base=scale_base,
+        outlier_vals=residual.to(torch.float16).reshape(n, h, capacity),
+        outlier_idx=torch.where(idx >= 1 << 15, idx - (1 << 16), idx).to(torch.int16).reshape(n, h, capacity),
+        outlier_count=valid.sum(-1).to(torch.int16))
+    return packed, num_qualifying
+
+
+def dequantize_pages(packed: PackedPages, spec: QuantSpec) -> torch.Tensor:
+    """PackedPages of N pages -> [N, H, P, D] fp32: S * code + Z, plus each outlier's fp16 residual."""
+    codes = unpack_codes(packed.codes, spec.bits, spec.head_dim, torch.float32)   # [N, H, P, D]
+    n, h, p, d = codes.shape
+    if spec.axis == "channel":
+        x = codes * packed.scale.float().unsqueeze(2) + packed.zero.float().unsqueeze(2)
+    else:
+        scale, zero = token_scale_zero(packed.scale, packed.zero, packed.scale_base, spec)   # [N, H, P, G]
+        grouped = codes.unflatten(-1, (spec.num_groups, spec.group_size))          # [N, H, P, G, g]
+        x = (grouped * scale.unsqueeze(-1) + zero.unsqueeze(-1)).flatten(-2)
+    if spec.outlier_capacity:
+        idx = packed.outlier_idx.long() & 0xFFFF                                   # [N, H, C]
+        x = x.reshape(n, h, p * d).scatter_add(-1, idx, packed.outlier_vals.float()).view(n, h, p, d)
+    return x
+
+
+def gather_context(pages: PackedPages, spec: QuantSpec, staging: torch.Tensor, slot_of_page: list[int],
+                   block_table: list[int], num_tokens: int) -> torch.Tensor:
+    """One sequence's first `num_tokens` cached rows [num_tokens, H, D] fp32: low-bit pages dequantized,
+    pages with a staging slot read from `staging` [S, P, H, D]."""
+    count = -(-num_tokens // spec.page_size)
+    table = block_table[:count]
+    rows: list[torch.Tensor | None] = [None] * count
+    lowbit = [i for i, page in enumerate(table) if slot_of_page[page] < 0]
+    if lowbit:
+        ids = torch.tensor([table[i] for i in lowbit], dtype=torch.long, device=staging.device)
+        dequantized = dequantize_pages(pages.select(ids), spec).transpose(1, 2)   # [n, P, H, D]
+        for j, i in enumerate(lowbit):
+            rows[i] = dequantized[j]
+    for i, page in enumerate(table):
+        if rows[i] is None:
+            rows[i] = staging[slot_of_page[page]].float()                          # [P, H, D]
+    if not rows:
+        return staging.new_zeros((0,) + tuple(staging.shape[2:]), dtype=torch.float32)
+    return torch.cat(rows, dim=0)[:num_tokens]
+
+
+def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           key_pages: PackedPages, value_pages: PackedPages,
+                           key_spec: QuantSpec, value_spec: QuantSpec,
+                           staging_keys: torch.Tensor, staging_values: torch.Tensor,
+                           staging_slot_of_page: torch.Tensor, meta: AttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    """Causal attention of the step's new tokens over their cached context plus themselves.
+
+    query [T, Hq, D]; key/value [T, Hkv, D]: the new tokens, used in full precision (not yet cached);
+    key/value_pages: the layer's low-bit storage [num_pages, Hkv, ...]; staging_keys/values
+    [S, P, Hkv, D]; staging_slot_of_page [num_pages] int32 (-1: read the low-bit page, else that slot).
+    Context of sequence i = its first context_lens[i] tokens. Returns [T, Hq, D] in query's dtype.
+    """
+    out = torch.empty_like(query)
+    slot_of_page = staging_slot_of_page.tolist()
+    start = 0
+    for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
+        rows = slice(start, start + num_new)
+        table = meta.block_tables_host[seq]
+        keys = gather_context(key_pages, key_spec, staging_keys, slot_of_page, table, context_len)
+        values = gather_context(value_pages, value_spec, staging_values, slot_of_page, table, context_len)
+        keys = torch.cat([keys, key[rows].float()], dim=0)                        # [L, Hkv, D]
+        values = torch.cat([values, value[rows].float()], dim=0)
+        out[rows] = causal_attention_reference(query[rows], keys, values, context_len, scale).to(query.dtype)
+        start += num_new
+    return out

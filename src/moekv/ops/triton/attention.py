@@ -1,0 +1,23 @@
+"""Host entry of the full-precision paged attention kernels: decode steps (every query length 1) use
+the split-K decode kernel, anything else (prefill chunks, mixed steps) the prefill kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from moekv.kvcache.base import AttentionMetadata
+from moekv.ops.triton.attention_decode import paged_decode_full_precision
+from moekv.ops.triton.attention_prefill import paged_prefill_full_precision
+
+
+def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Same contract as ops.reference.attention.paged_attention_full_precision.
+
+    query [T, Hq, D]; key/value_pages [num_pages, P, Hkv, D] already holding the new tokens -> [T, Hq, D].
+    """
+    if meta.is_decode:
+        return paged_decode_full_precision(query, key_pages, value_pages, meta.block_tables, meta.seq_lens,
+                                           meta.max_seq_len, scale)
+    return paged_prefill_full_precision(query, key_pages, value_pages, meta.block_tables, meta.query_start_loc,
+                                        meta.context_lens, meta.max_query_len, scale)

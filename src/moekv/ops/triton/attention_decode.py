@@ -1,0 +1,148 @@
+"""Decode attention over full-precision paged KV (bf16 / fp16 / fp32 pages), the Triton twin of
+ops.reference.attention.paged_attention_full_precision for steps where every query length is 1.
+
+One program per (sequence, kv head, split): it loads the q_per_kv query heads of its KV head as a
+[BLOCK_H, D] matrix (padded to 16 rows for tl.dot), walks its share of the sequence's block table
+BLOCK_N tokens at a time (a block may span pages: each token row is gathered through the table)
+and keeps an online softmax in base 2 (the scale and log2(e) are folded into q). With more than one
+split the partial results are merged by split_k.combine_splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
+
+from moekv.ops.triton.split_k import combine_splits, plan_splits
+
+
+
+@triton.jit
+def _fp_decode_kernel(
+    q_ptr,                  # [B, Hq, D]
+    k_ptr, v_ptr,           # [num_pages, P, Hkv, D]
+    block_tables_ptr,       # [B, max_pages] int32
+    seq_lens_ptr,           # [B] int32 (tokens in the cache, the new one included)
+    out_ptr,                # [B, Hq, D] (one split) or partial [B, Hq, S, D] fp32
+    lse_ptr,                # [B, Hq, S] fp32 (split mode only)
+    qk_scale,               # softmax scale * log2(e)
+    tokens_per_split,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_bt,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h                                     # [BLOCK_H] query heads
+
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = q * qk_scale                                                     # [BLOCK_H, BLOCK_D]
+    if HALF:
+        q = q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for block_start in range(start, end, BLOCK_N):
+        tokens = block_start + offs_n                                    # [BLOCK_N]
+        n_mask = tokens < end
+        page = tl.load(table + tokens // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = tokens % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kv_head * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)          # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kv_head * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), UPCAST)                                   # [BLOCK_H, BLOCK_N] fp32
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if HALF:
+            p = p.to(v.dtype)
+        acc = acc * alpha[:, None] + mma(p, v, UPCAST)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    out_mask = h_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        base = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+        tl.store(base, out, mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    else:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Launch parameters (tuned on an H200, see docs/attention-kernels.md)."""
+    block_n = 64 if head_dim <= 128 and dtype != torch.float32 else 32
+    return {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2}
+
+
+def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                                scale: float, num_splits: int | None = None, config: dict | None = None
+                                ) -> torch.Tensor:
+    """query [B, Hq, D]; key/value_pages [num_pages, P, Hkv, D]; block_tables [B, max_pages] int32;
+    seq_lens [B] int32 -> [B, Hq, D] in query's dtype. `num_splits` None: chosen from the GPU size."""
+    batch, num_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, _ = key_pages.shape
+    assert key_pages.stride(-1) == 1 and value_pages.stride(-1) == 1 and query.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    cfg = dict(default_config(head_dim, key_pages.dtype), **(config or {}))
+    block_n = cfg.pop("BLOCK_N")
+    waves = cfg.pop("waves", 2)
+    if num_splits is None:
+        num_splits, tokens_per_split = plan_splits(batch, num_kv_heads, max_seq_len, block_n, query.device,
+                                                   waves=waves)
+    else:
+        tokens_per_split = -(-max(-(-max(max_seq_len, 1) // num_splits), 1) // block_n) * block_n
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    check_launchable(_fp_decode_kernel, query)
+    half, upcast = dot_modes(query, key_pages.dtype)
+    common = dict(PAGE_SIZE=page_size, GROUP=group, BLOCK_H=pow2(group), HEAD_DIM=head_dim,
+                  BLOCK_D=pow2(head_dim), BLOCK_N=block_n, HALF=half, UPCAST=upcast, **cfg)
+    grid = (batch, num_kv_heads, num_splits)
+    page_strides = (key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
+                    value_pages.stride(0), value_pages.stride(1), value_pages.stride(2))
+    if num_splits == 1:
+        _fp_decode_kernel[grid](
+            query, key_pages, value_pages, block_tables, seq_lens, out, out, scale * LOG2E,
+            tokens_per_split, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1), 0, 0, 0, SPLIT=False, **common)
+        return out
+    partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    _fp_decode_kernel[grid](
+        query, key_pages, value_pages, block_tables, seq_lens, partial, lse, scale * LOG2E,
+        tokens_per_split, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        SPLIT=True, **common)
+    return combine_splits(partial, lse, out)

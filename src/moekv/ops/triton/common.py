@@ -1,0 +1,46 @@
+"""Small pieces shared by the attention kernels."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634      # softmax runs in base 2: the scale and log2(e) are folded into q
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr):
+    """a [M, K] @ b [K, N] with an fp32 result. UPCAST: multiply in fp32 (ieee, no tf32)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+def dot_modes(query: torch.Tensor, pages_dtype: torch.dtype) -> tuple[bool, bool]:
+    """(HALF, UPCAST) for a kernel's dots.
+
+    HALF: query and pages share a 16-bit dtype, so q and the probabilities are rounded to it before
+    the dots (as a tensor-core kernel does). UPCAST: dot operands are widened to fp32 and multiplied
+    exactly -- for fp32 or mixed dtypes, and for bf16 under the CPU interpreter, whose bf16 tl.dot
+    is wrong (triton 3.9 holds bf16 as uint16 there); the products of bf16 values are exact in fp32,
+    so the result matches a tensor-core bf16 dot with fp32 accumulation.
+    """
+    half = query.dtype == pages_dtype and pages_dtype in (torch.float16, torch.bfloat16)
+    upcast = (not half) or (not query.is_cuda and pages_dtype == torch.bfloat16)
+    return half, upcast
+
+
+def pow2(n: int, floor: int = 16) -> int:
+    """The block size covering n: a power of two, at least `floor` (tl.dot wants 16)."""
+    return max(floor, triton.next_power_of_2(max(n, 1)))
+
+
+def check_launchable(kernel, tensor: torch.Tensor) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter (TRITON_INTERPRET=1
+    set before moekv.ops.triton was imported); anything else is a clear error, not a driver crash."""
+    if tensor.is_cuda or type(kernel).__name__ == "InterpretedFunction":
+        return
+    raise RuntimeError("moekv Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 in the environment before "
+                       "moekv.ops.triton is first imported (CPU interpreter); use the reference backend instead")

@@ -1,0 +1,242 @@
+"""Page-fill quantization into the low-bit format, the Triton twin of ops.reference.lowbit.quantize_pages.
+
+One program per (page, kv head): the page's [P, D] values stay in registers while the kernel finds
+the outliers (|x - mean| > tau * std of the group, at most `outlier_capacity`, the largest
+deviations winning), takes min/max over the inliers, derives the fp16 (channel axis) or uint8-coded
+(token axis) scale and zero point exactly as the reference does, rounds the codes, packs them into
+32-bit words and writes the outliers' fp16 residuals compacted in ascending index order.
+
+Agreement with the reference run on the CPU (tests/ops/test_lowbit_quantize.py; on an H200 by
+benchmarks/bench_attention.py --check): bit-exact codes, scales, zero points and outliers on the
+channel axis; on the token axis the GPU's exp2/log2 differ from torch's in the last ulp, so a few
+codes and residuals differ (each value within one quantization step; bit-exact in the CPU
+interpreter). Two more places may differ at ties: a deviation that lands exactly on tau * std after
+different summation orders, and (budget exceeded) equal deviations at the capacity cut, where the
+kernel keeps the lowest indices and torch.topk leaves the order unspecified. (torch's CUDA run of
+the reference is not bit-identical to its CPU run: CUDA division by a scalar uses the reciprocal.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.kvcache.formats.lowbit_layout import SCALE_CODE_STEPS, PackedPages
+from moekv.ops.triton.common import check_launchable
+
+FP16_MAX = 65504.0
+
+
+@triton.jit
+def _fp16_rounded(x, UP: tl.constexpr):
+    """fp32 x -> fp16 rounded toward +inf (UP) or -inf, saturated to +-65504 (as the reference)."""
+    h = tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16)
+    bits = h.to(tl.int16, bitcast=True).to(tl.int32)
+    negative = bits < 0
+    if UP:
+        wrong = h.to(tl.float32) < x
+        step = tl.where(negative, -1, 1)
+    else:
+        wrong = h.to(tl.float32) > x
+        step = tl.where(negative, 1, -1)
+    bits = tl.where(wrong, bits + step, bits)
+    h = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.minimum(tl.maximum(h, -65504.0), 65504.0)
+
+
+@triton.jit
+def _round_half_even(y):
+    """torch.round for |y| < 2**22 (y is clamped to a few levels around the code range first)."""
+    r = tl.floor(y + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _group_stat(x, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """Sum of x [P, D] over each quantization group, broadcast back to [P, D]."""
+    if AXIS_CHANNEL:
+        return tl.broadcast_to(tl.sum(x, axis=0)[None, :], (P, D))
+    else:
+        grouped = tl.reshape(x, (P, G, D // G))
+        return tl.reshape(tl.broadcast_to(tl.sum(grouped, axis=2)[:, :, None], (P, G, D // G)), (P, D))
+
+
+@triton.jit
+def _group_extreme(x, IS_MAX: tl.constexpr, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                   G: tl.constexpr):
+    """Min or max of x [P, D] over each group: [D] (channel axis) or [P, G] (token axis)."""
+    if AXIS_CHANNEL:
+        if IS_MAX:
+            return tl.max(x, axis=0)
+        else:
+            return tl.min(x, axis=0)
+    else:
+        grouped = tl.reshape(x, (P, G, D // G))
+        if IS_MAX:
+            return tl.max(grouped, axis=2)
+        else:
+            return tl.min(grouped, axis=2)
+
+
+@triton.jit
+def _pack_plane(fields, P: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
+    """fields [P, D] int32 (< 2**WIDTH) -> words [P, D * WIDTH // 32] int32 (field j at bit (j % (32/W)) * W)."""
+    per_word: tl.constexpr = 32 // WIDTH
+    grouped = tl.reshape(fields, (P, D // per_word, per_word))
+    shifted = grouped << (tl.arange(0, per_word) * WIDTH)[None, None, :]
+    return tl.sum(shifted, axis=2)                       # disjoint fields: the sum is the bitwise or
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, stride_xn, stride_xh, stride_xp,
+    codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
+    qualifying_ptr, tau,
+    NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
+):
+    page = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    page_head = page * NUM_HEADS + head
+    offs_p = tl.arange(0, P)
+    offs_d = tl.arange(0, D)
+    x = tl.load(x_ptr + page * stride_xn + head * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :])
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0)                # [P, D]
+    levels: tl.constexpr = (1 << BITS) - 1
+    flat_index = offs_p[:, None] * D + offs_d[None, :]                              # [P, D]
+
+    # ---- outliers: deviation beyond tau * std of the group, at most CAPACITY ----
+    mean = tl.math.div_rn(_group_stat(x, AXIS_CHANNEL, P, D, G), tl.full([P, D], GROUP_LEN, tl.float32))
+    centered = x - mean
+    var = tl.math.div_rn(_group_stat(centered * centered, AXIS_CHANNEL, P, D, G),
+                         tl.full([P, D], GROUP_LEN, tl.float32))
+    std = tl.sqrt_rn(var)
+    deviation = tl.math.div_rn(tl.abs(centered), tl.where(std > 0, std, 1.0))
+    qualifies = deviation > tau
+    num_qualifying = tl.sum(tl.sum(qualifies.to(tl.int32), axis=1), axis=0)
+    tl.store(qualifying_ptr + page_head, num_qualifying)
+    if CAPACITY == 0:
+        outlier = flat_index < 0
+    elif num_qualifying <= CAPACITY:
+        outlier = qualifies
+    else:
+        # the CAPACITY largest deviations: binary search over the (monotonic) bits of the non-negative
+        # fp32 deviations for the CAPACITY-th largest, ties at the cut going to the lowest indices
+        bits = deviation.to(tl.int32, bitcast=True)
+        lo = tl.full([], 0, tl.int32)
+        hi = tl.full([], 0x7F800000, tl.int32)
+        for _ in range(31):
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum(tl.sum((bits >= mid).to(tl.int32), axis=1), axis=0) >= CAPACITY
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        above = bits > lo
+        at_cut = bits == lo
+        room = CAPACITY - tl.sum(tl.sum(above.to(tl.int32), axis=1), axis=0)
+        tie_rank = tl.reshape(tl.cumsum(tl.reshape(at_cut.to(tl.int32), (P * D,)), axis=0), (P, D))
+        outlier = above | (at_cut & (tie_rank <= room))
+
+    # ---- scale and zero point over the inliers ----
+    lo_x = _group_extreme(tl.where(outlier, float("inf"), x), False, AXIS_CHANNEL, P, D, G)
+    hi_x = _group_extreme(tl.where(outlier, float("-inf"), x), True, AXIS_CHANNEL, P, D, G)
+    lo_x = tl.where(lo_x == float("inf"), 0.0, lo_x)                               # a group of outliers only
+    hi_x = tl.where(hi_x == float("-inf"), 0.0, hi_x)
+    if AXIS_CHANNEL:
+        zero = _fp16_rounded(lo_x, False)                                          # [D]
+        scale = _fp16_rounded(tl.maximum(tl.math.div_rn(hi_x - zero, tl.full([D], levels, tl.float32)),
+                                         2.0 ** -24), True)
+        tl.store(scale_ptr + page_head * D + offs_d, scale.to(tl.float16))
+        tl.store(zero_ptr + page_head * D + offs_d, zero.to(tl.float16))
+        scale_full = tl.broadcast_to(scale[None, :], (P, D))
+        zero_full = tl.broadcast_to(zero[None, :], (P, D))
+    else:
+        frac: tl.constexpr = 1 << (8 - BITS)
+        lo_x = tl.minimum(lo_x, 0.0)                                               # [P, G]
+        hi_x = tl.maximum(hi_x, 0.0)
+        needed = tl.maximum(tl.math.div_rn(hi_x - lo_x, tl.full([P, G], levels - 1.0 / frac, tl.float32)),
+                            2.0 ** -24)
+        base = _fp16_rounded(tl.maximum(tl.max(tl.max(needed, axis=1), axis=0), 2.0 ** -14), True)
+        tl.store(base_ptr + page_head, base.to(tl.float16))
+        code = tl.floor(-16.0 * tl.log2(tl.math.div_rn(needed, tl.full([P, G], 1.0, tl.float32) * base)))
+        code = tl.minimum(tl.maximum(code, 0.0), 255.0)
+        step_scale = base * tl.exp2(-code / 16.0)
+        code = tl.where(step_scale < needed, tl.maximum(code, 1.0) - 1.0, code)    # guard log2 rounding
+        step_scale = base * tl.exp2(-code / 16.0)
+        zero_code = tl.minimum(tl.maximum(tl.ceil(tl.math.div_rn(-lo_x * frac, step_scale)), 0.0), 255.0)
+        zero_group = -(step_scale * zero_code) * (1.0 / frac)
+        token_rows = page_head * (P * G) + offs_p[:, None] * G + tl.arange(0, G)[None, :]
+        tl.store(scale_ptr + token_rows, code.to(tl.uint8))
+        tl.store(zero_ptr + token_rows, zero_code.to(tl.uint8))
+        scale_full = tl.reshape(tl.broadcast_to(step_scale[:, :, None], (P, G, D // G)), (P, D))
+        zero_full = tl.reshape(tl.broadcast_to(zero_group[:, :, None], (P, G, D // G)), (P, D))
+
+    # ---- codes ----
+    ratio = tl.math.div_rn(x - zero_full, scale_full)
+    ratio = tl.minimum(tl.maximum(ratio, -1.0), levels + 1.0)
+    codes_f = tl.minimum(tl.maximum(_round_half_even(ratio), 0.0), levels * 1.0)
+    codes = codes_f.to(tl.int32)
+    rows = codes_ptr + page_head * (P * WORDS) + offs_p[:, None] * WORDS
+    if BITS == 4:
+        tl.store(rows + tl.arange(0, D // 8)[None, :], _pack_plane(codes, P, D, 4))
+    elif BITS == 2:
+        tl.store(rows + tl.arange(0, D // 16)[None, :], _pack_plane(codes, P, D, 2))
+    else:
+        tl.store(rows + tl.arange(0, D // 16)[None, :], _pack_plane(codes & 3, P, D, 2))
+        tl.store(rows + D // 16 + tl.arange(0, D // 32)[None, :], _pack_plane(codes >> 2, P, D, 1))
+
+    # ---- outliers: fp16 residuals, compacted in ascending index order ----
+    if CAPACITY > 0:
+        dequantized = codes_f * scale_full + zero_full
+        residual = tl.minimum(tl.maximum(x - dequantized, -65504.0), 65504.0)
+        flat_outlier = tl.reshape(outlier.to(tl.int32), (P * D,))
+        position = tl.reshape(tl.cumsum(flat_outlier, axis=0), (P, D)) - 1
+        count = tl.sum(flat_outlier, axis=0)
+        slot_base = page_head * CAPACITY
+        tl.store(outlier_vals_ptr + slot_base + position, residual.to(tl.float16), mask=outlier)
+        index16 = tl.where(flat_index >= 32768, flat_index - 65536, flat_index).to(tl.int16)
+        tl.store(outlier_idx_ptr + slot_base + position, index16, mask=outlier)
+        tl.store(outlier_count_ptr + page_head, count.to(tl.int16))
+        for c0 in range(0, CAPACITY, BLOCK_C):                                    # unused slots: 0 at index 0
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            unused = (offs_c >= count) & (offs_c < CAPACITY)
+            tl.store(outlier_vals_ptr + slot_base + offs_c, tl.zeros([BLOCK_C], tl.float16), mask=unused)
+            tl.store(outlier_idx_ptr + slot_base + offs_c, tl.zeros([BLOCK_C], tl.int16), mask=unused)
+
+
+def supports(spec) -> bool:
+    """Page sizes and head dims the kernel handles (powers of two; head_dim a multiple of 32)."""
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    return (pow2(spec.page_size) and spec.page_size >= 16 and pow2(spec.head_dim) and spec.head_dim >= 32
+            and spec.page_size * spec.head_dim <= 32768 and SCALE_CODE_STEPS == 16
+            and (spec.axis == "channel" or pow2(spec.num_groups)))
+
+
+def quantize_pages(x: torch.Tensor, spec) -> tuple[PackedPages, torch.Tensor]:
+    """Same contract as ops.reference.lowbit.quantize_pages: x [N, H, P, D] (any float dtype, finite)
+    -> (PackedPages of N pages, num_qualifying [N, H] int32)."""
+    num_pages, num_heads, page_size, head_dim = x.shape
+    if (page_size, head_dim) != (spec.page_size, spec.head_dim):
+        raise ValueError(f"pages of shape [P={page_size}, D={head_dim}] do not match the spec's "
+                         f"[{spec.page_size}, {spec.head_dim}]")
+    assert x.stride(-1) == 1
+    packed = PackedPages.empty(spec, num_pages, num_heads, x.device)
+    qualifying = torch.empty((num_pages, num_heads), dtype=torch.int32, device=x.device)
+    if num_pages == 0:
+        return packed, qualifying
+    check_launchable(_quantize_kernel, x)
+    base = packed.scale_base if packed.scale_base is not None else packed.scale
+    elements = page_size * head_dim
+    _quantize_kernel[(num_pages, num_heads)](
+        x, x.stride(0), x.stride(1), x.stride(2),
+        packed.codes, packed.scale, packed.zero, base, packed.outlier_vals, packed.outlier_idx,
+        packed.outlier_count, qualifying, float(spec.outlier_tau),
+        NUM_HEADS=num_heads, P=page_size, D=head_dim, G=spec.num_groups if spec.axis == "token" else 1,
+        BITS=spec.bits, AXIS_CHANNEL=spec.axis == "channel",
+        GROUP_LEN=page_size if spec.axis == "channel" else spec.group_size, CAPACITY=spec.outlier_capacity,
+        BLOCK_C=min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))), WORDS=spec.words_per_row,
+        num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)
+    return packed, qualifying

@@ -1,0 +1,135 @@
+"""Device helpers that read the low-bit page format (docs/kv-format.md) inside attention kernels:
+unpack a tile of packed code rows, turn codes into a tensor-core operand, and apply the sparse
+fp16 outliers as corrections. Nothing here writes a dequantized page anywhere.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# How codes become a dot operand (CODE_MODE):
+CODES_FP32 = 0          # int -> fp32 (exact path: fp32 / mixed dtypes)
+CODES_FP16_MAGIC = 1    # (code | 0x6400) read as fp16 = 1024 + code, minus 1024: no int->float convert
+CODES_FP16_CVT = 2      # int -> fp16 by a plain convert (kept for comparison in the benchmark)
+
+
+@triton.jit
+def unpack_codes(row_ptrs, row_mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, GATHER: tl.constexpr):
+    """row_ptrs [BLOCK_N]: int32 pointers to packed rows -> codes [BLOCK_N, BLOCK_D] int32.
+
+    A plane of k-bit fields holds 32 // k fields per word, field j in word j // (32 // k) at bit
+    (j % (32 // k)) * k; int3 = 2-bit plane (low bits) then 1-bit plane (high bit).
+    Columns >= HEAD_DIM (padding up to BLOCK_D) read as 0. Two ways to the same tile:
+    GATHER=False loads each word once and splits it with a [N, W, fields] -> [N, D] reshape;
+    GATHER=True loads, for every column, the word holding it (repeats hit L1) and shifts per column.
+    """
+    if BITS == 3:
+        low_words: tl.constexpr = (HEAD_DIM + 15) // 16
+        lo = _plane(row_ptrs, row_mask, 0, 2, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
+        hi = _plane(row_ptrs, row_mask, low_words, 1, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
+        codes = lo | (hi << 2)
+    else:
+        codes = _plane(row_ptrs, row_mask, 0, BITS, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
+    return codes
+
+
+@triton.jit
+def _plane(row_ptrs, row_mask, FIRST_WORD: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr):
+    """The WIDTH-bit fields of one bit plane starting at word FIRST_WORD of each row: [N, BLOCK_D] int32."""
+    per_word: tl.constexpr = 32 // WIDTH
+    field_mask: tl.constexpr = (1 << WIDTH) - 1
+    if GATHER:
+        offs_d = tl.arange(0, BLOCK_D)
+        words = tl.load(row_ptrs[:, None] + FIRST_WORD + (offs_d // per_word)[None, :],
+                        mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0)
+        fields = (words >> ((offs_d % per_word) * WIDTH)[None, :]) & field_mask
+    else:
+        offs_w = tl.arange(0, BLOCK_D // per_word)
+        words = tl.load(row_ptrs[:, None] + FIRST_WORD + offs_w[None, :],
+                        mask=row_mask[:, None] & (offs_w[None, :] < (HEAD_DIM + per_word - 1) // per_word),
+                        other=0)
+        fields = (words[:, :, None] >> (tl.arange(0, per_word) * WIDTH)[None, None, :]) & field_mask
+        fields = tl.reshape(fields, (BLOCK_N, BLOCK_D))
+    return fields
+
+
+@triton.jit
+def code_operand(codes, CODE_MODE: tl.constexpr):
+    """int32 codes -> a dot operand holding the codes exactly (fp16 for the 16-bit modes).
+
+    The magic mode ORs the code into the mantissa of 1024.0 (fp16 0x6400) and subtracts 1024 in fp16,
+    which is exact. (Keeping the +1024 and taking it out through row sums after the dot was tried
+    first: the tensor cores' fp32 accumulation then loses ~1e-3 relative on int2 values.)
+    """
+    if CODE_MODE == 1:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    elif CODE_MODE == 2:
+        return codes.to(tl.float16)
+    else:
+        return codes.to(tl.float32)
+
+
+@triton.jit
+def token_scale_zero(scale_code, zero_code, scale_base, BITS: tl.constexpr):
+    """Token-axis codes (uint8) and the page's scale_base (fp32) -> (S / scale_base, S, Z) in fp32:
+    S = scale_base * 2 ** (-scale_code / 16), Z = -(S * zero_code) / 2 ** (8 - BITS) (docs/kv-format.md)."""
+    relative = tl.exp2(-scale_code.to(tl.float32) * (1.0 / 16.0))
+    scale = scale_base * relative
+    zero = -(scale * zero_code.to(tl.float32)) * (1.0 / (1 << (8 - BITS)))
+    return relative, scale, zero
+
+
+@triton.jit
+def key_outlier_scores(s, vals_ptr, idx_ptr, count, q_rows, row_mask, qk_scale, offs_n,
+                       HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """s [M, N] += q . residual for each key outlier (token t, channel d): s[:, t] += q[:, d] * r.
+
+    q_rows [M]: pointers to the rows' query vectors (read again from L1/L2: only BLOCK_C columns).
+    The scatter onto tokens is a dot with a one-hot [BLOCK_C, N] matrix, BLOCK_C outliers at a time.
+    """
+    for c0 in range(0, count, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_mask = offs_c < count
+        idx = tl.load(idx_ptr + offs_c, mask=c_mask, other=0).to(tl.int32) & 0xFFFF
+        resid = tl.load(vals_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        token = idx // HEAD_DIM
+        channel = idx % HEAD_DIM
+        q_sel = tl.load(q_rows[:, None] + channel[None, :], mask=row_mask[:, None] & c_mask[None, :],
+                        other=0.0).to(tl.float32)                              # [M, BLOCK_C]
+        weighted = q_sel * (resid * qk_scale)[None, :]
+        onehot = tl.where(token[:, None] == offs_n[None, :], 1.0, 0.0)          # [BLOCK_C, N]
+        s += tl.dot(weighted, onehot, input_precision=PRECISION)
+    return s
+
+
+@triton.jit
+def value_outlier_output(pv, p, vals_ptr, idx_ptr, count, offs_n, offs_d,
+                         HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr,
+                         GATHER_P: tl.constexpr):
+    """pv [M, D] += p[:, t] * r at column d for each value outlier (token t, channel d).
+
+    Gather p[:, t] by tl.gather (GATHER_P) or a dot with a one-hot [N, BLOCK_C]; scatter onto
+    channels by a dot with a one-hot [BLOCK_C, D]. offs_n: the block's token rows within the page.
+    """
+    for c0 in range(0, count, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_mask = offs_c < count
+        idx = tl.load(idx_ptr + offs_c, mask=c_mask, other=0).to(tl.int32) & 0xFFFF
+        resid = tl.load(vals_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+        token = idx // HEAD_DIM
+        channel = idx % HEAD_DIM
+        if GATHER_P:
+            first = tl.min(offs_n, axis=0)                                     # block's first row
+            column = tl.minimum(tl.maximum(token - first, 0), p.shape[1] - 1)  # block-local column
+            in_block = (token >= first) & (token < first + p.shape[1])
+            p_sel = tl.gather(p, tl.broadcast_to(column[None, :], (p.shape[0], BLOCK_C)), axis=1)
+            p_sel = tl.where(in_block[None, :], p_sel, 0.0)                    # [M, BLOCK_C]
+        else:
+            pick_token = tl.where(offs_n[:, None] == token[None, :], 1.0, 0.0)  # [N, BLOCK_C]
+            p_sel = tl.dot(p, pick_token, input_precision=PRECISION)           # [M, BLOCK_C]
+        put_channel = tl.where(channel[:, None] == offs_d[None, :], 1.0, 0.0)  # [BLOCK_C, D]
+        pv += tl.dot(p_sel * resid[None, :], put_channel, input_precision=PRECISION)
+    return pv

@@ -1,0 +1,108 @@
+"""Builds low-bit cache states for kernel tests: pages quantized by the reference quantizer, the
+partly filled tail page of each sequence (and, if asked, its first pages) in fp staging pages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekv.kvcache.base import AttentionMetadata
+from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.ops.reference import lowbit as reference
+
+
+@dataclass
+class LowBitCase:
+    query: torch.Tensor             # [T, Hq, D]
+    key: torch.Tensor               # [T, Hkv, D] new tokens
+    value: torch.Tensor
+    key_pages: PackedPages
+    value_pages: PackedPages
+    key_spec: QuantSpec
+    value_spec: QuantSpec
+    staging_keys: torch.Tensor      # [S, P, Hkv, D]
+    staging_values: torch.Tensor
+    slot_of_page: torch.Tensor      # [num_pages] int32
+    meta: AttentionMetadata
+
+    def args(self):
+        return (self.query, self.key, self.value, self.key_pages, self.value_pages, self.key_spec,
+                self.value_spec, self.staging_keys, self.staging_values, self.slot_of_page, self.meta)
+
+
+def make_data(shape, dtype, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """Random KV rows [..., H, D]: "normal", "outlier_channels" (a few channels 50x), "large" (~1e4)."""
+    x = torch.randn(shape, generator=generator)
+    if kind == "outlier_channels":
+        channels = torch.randperm(shape[-1], generator=generator)[:3]
+        x[..., channels] *= 50.0
+    elif kind == "large":
+        x = x * 1e4
+    return x.to(dtype)
+
+
+def build_case(context_lens: list[int], query_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
+               bits: int, page_size: int, dtype: torch.dtype = torch.float32, kind: str = "normal",
+               key_axis: str = "channel", group_size: int | None = None, outlier_fraction: float = 0.02,
+               sink_pages: int = 0, seed: int = 0, device: str = "cpu") -> LowBitCase:
+    gen = torch.Generator().manual_seed(seed)
+    # "large": values ~1e4; keys ~1e4 only in fp32 -- with 16-bit queries, logits that large make the softmax
+    # an argmax that any rounding of q may flip (an ill-posed comparison), so keys stay normal there
+    key_kind = "normal" if kind == "large" and dtype != torch.float32 else kind
+    capacity = QuantSpec.capacity_for(outlier_fraction, page_size, head_dim)
+    key_spec = QuantSpec(bits=bits, axis=key_axis, head_dim=head_dim, page_size=page_size,
+                         group_size=group_size, outlier_capacity=capacity)
+    value_spec = QuantSpec(bits=bits, axis="token", head_dim=head_dim, page_size=page_size,
+                           group_size=group_size, outlier_capacity=capacity)
+    pages_needed = [-(-(c + q) // page_size) for c, q in zip(context_lens, query_lens)]
+    num_pages = sum(pages_needed) + 3
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    key_pages = PackedPages.empty(key_spec, num_pages, num_kv_heads, "cpu")
+    value_pages = PackedPages.empty(value_spec, num_pages, num_kv_heads, "cpu")
+    num_slots = sum(pages_needed) + 1
+    staging_shape = (num_slots, page_size, num_kv_heads, head_dim)
+    staging_keys = torch.zeros(staging_shape, dtype=dtype)
+    staging_values = torch.zeros(staging_shape, dtype=dtype)
+    slot_of_page = torch.full((num_pages,), -1, dtype=torch.int32)
+    tables, next_page, next_slot = [], 0, 0
+    for ctx, pages in zip(context_lens, pages_needed):
+        table = perm[next_page:next_page + pages]
+        next_page += pages
+        tables.append(table)
+        keys = make_data((pages * page_size, num_kv_heads, head_dim), dtype, key_kind, gen)
+        values = make_data((pages * page_size, num_kv_heads, head_dim), dtype, kind, gen)
+        for index, page in enumerate(table):
+            rows = slice(index * page_size, (index + 1) * page_size)
+            full = (index + 1) * page_size <= ctx
+            if full and index >= sink_pages:
+                ids = torch.tensor([page])
+                for pages_of, spec, x in ((key_pages, key_spec, keys), (value_pages, value_spec, values)):
+                    packed, _ = reference.quantize_pages(x[rows].transpose(0, 1).unsqueeze(0), spec)
+                    pages_of.store(ids, packed)
+            elif index * page_size < ctx or index < sink_pages:
+                slot_of_page[page] = next_slot
+                staging_keys[next_slot] = keys[rows]
+                staging_values[next_slot] = values[rows]
+                next_slot += 1
+    total = sum(query_lens)
+    query = make_data((total, num_kv_heads * group, head_dim), dtype, "normal", gen)
+    key = make_data((total, num_kv_heads, head_dim), dtype, key_kind, gen)
+    value = make_data((total, num_kv_heads, head_dim), dtype, kind, gen)
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, page_size, "cpu")
+    case = LowBitCase(query, key, value, key_pages, value_pages, key_spec, value_spec, staging_keys,
+                      staging_values, slot_of_page, meta)
+    return to_device(case, device) if device != "cpu" else case
+
+
+def to_device(case: LowBitCase, device) -> LowBitCase:
+    def move(p: PackedPages) -> PackedPages:
+        return PackedPages(**{name: t.to(device) for name, t in p.tensors().items()},
+                           **({"scale_base": None} if p.scale_base is None else {}))
+
+    m = case.meta
+    meta = AttentionMetadata.build(m.query_lens_host, m.context_lens_host, m.block_tables_host,
+                                   case.key_spec.page_size, device)
+    return LowBitCase(case.query.to(device), case.key.to(device), case.value.to(device), move(case.key_pages),
+                      move(case.value_pages), case.key_spec, case.value_spec, case.staging_keys.to(device),
+                      case.staging_values.to(device), case.slot_of_page.to(device), meta)

@@ -1,0 +1,72 @@
+"""Triton page-fill quantization vs the reference quantizer (ops.reference.lowbit.quantize_pages).
+
+Channel axis: bit-exact (codes, fp16 scales/zeros, outlier residuals/indices/counts). Token axis:
+bit-exact here too, but the kernel's scale codes come from log2/exp2 whose last-ulp rounding may
+differ on a GPU, so there the check is one scale step (see ops/triton/lowbit_quantize.py).
+The oracle always runs on the CPU: torch's CUDA division by a scalar is not IEEE-exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.ops import dispatch
+from moekv.ops.reference import lowbit as reference
+from moekv.ops.triton.lowbit_quantize import quantize_pages
+from tests.ops.lowbit_cases import make_data
+
+
+def compare(x: torch.Tensor, spec: QuantSpec) -> None:
+    expected, expected_qualifying = reference.quantize_pages(x.cpu(), spec)
+    expected = PackedPages(**{name: t.to(x.device) for name, t in expected.tensors().items()},
+                           **({"scale_base": None} if expected.scale_base is None else {}))
+    expected_qualifying = expected_qualifying.to(x.device)
+    packed, qualifying = quantize_pages(x, spec)
+    assert torch.equal(qualifying, expected_qualifying)
+    exact = x.device.type == "cpu" or spec.axis == "channel"
+    for name, want in expected.tensors().items():
+        got = packed.tensors()[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        if exact:
+            assert torch.equal(got, want), name
+    if not exact:   # token axis on a GPU: decodes within a quantization step of the reference
+        step = reference.token_scale_zero(expected.scale, expected.zero, expected.scale_base, spec)[0]
+        error = (reference.dequantize_pages(packed, spec) - reference.dequantize_pages(expected, spec)).abs()
+        assert (error <= 1.01 * step.repeat_interleave(spec.group_size, -1) + 1e-3).all()
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("axis,group_size", [("channel", None), ("token", None), ("token", 16)])
+@pytest.mark.parametrize("kind", ["normal", "outlier_channels", "large"])
+def test_quantize_matches_reference(device, bits, axis, group_size, kind):
+    spec = QuantSpec(bits=bits, axis=axis, head_dim=64, page_size=16, group_size=group_size,
+                     outlier_capacity=QuantSpec.capacity_for(0.02, 16, 64))
+    x = make_data((3, 2, 16, 64), torch.float32, kind, torch.Generator().manual_seed(bits)).to(device)
+    compare(x, spec)
+
+
+@pytest.mark.parametrize("capacity", [0, 2])
+def test_quantize_budget(device, capacity):
+    # more values qualify than the budget holds (or none fit): the largest deviations win
+    spec = QuantSpec(bits=3, axis="channel", head_dim=64, page_size=16, outlier_capacity=capacity)
+    x = make_data((2, 2, 16, 64), torch.float32, "outlier_channels", torch.Generator().manual_seed(9)).to(device)
+    compare(x, spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_half_inputs_and_strided_layout(device, dtype):
+    # the cache hands pages over as a transposed view [N, H, P, D] of [N, P, H, D] rows
+    spec = QuantSpec(bits=4, axis="channel", head_dim=128, page_size=32, outlier_capacity=41)
+    rows = make_data((2, 32, 2, 128), dtype, "outlier_channels", torch.Generator().manual_seed(3)).to(device)
+    compare(rows.transpose(1, 2), spec)
+
+
+def test_dispatch_switch(device, triton_backend):
+    spec = QuantSpec(bits=2, axis="token", head_dim=64, page_size=16, outlier_capacity=10)
+    x = make_data((1, 2, 16, 64), torch.float32, "normal", torch.Generator().manual_seed(4)).to(device)
+    packed, _ = dispatch.quantize_pages(x, spec)
+    dispatch.set_backend("reference")
+    expected, _ = dispatch.quantize_pages(x, spec)
+    assert torch.equal(packed.codes, expected.codes)
