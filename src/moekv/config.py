@@ -139,10 +139,10 @@ class CacheConfig:
     cpu_cache_bytes: int = 1 << 30      # CPU: bytes given to KV pages when num_pages is None
     # Low-bit formats only:
     key_axis: str = "channel"           # "channel": per-channel key statistics over a page; "token": per token
-    # Outlier capacity per (page, head) as a share of its values: 0.125% (11 fp16 slots of a 128 x 64 page)
-    # keeps int3 at 3.30 bits/value all-in; measured in docs/kv-fidelity.md.
-    outlier_fraction: float = 0.00125   # keys
-    value_outlier_fraction: float | None = None   # values; None: outlier_fraction
+    # Outlier capacity: fp16 slots per (page, head) as a share of its values (measured: docs/kv-fidelity.md).
+    outlier_fraction: float | None = None   # keys; None: 0 with key_axis "channel" (per-channel ranges absorb
+                                            # key outliers: no measured gain), value_outlier_fraction with "token"
+    value_outlier_fraction: float = 0.0025  # values: 21 slots of a 128 x 64 page; int3 = 3.29 bits/value
     outlier_tau: float = 3.0            # a value qualifies as an outlier beyond tau * sigma of its group
     fp_sink_pages: int = 0              # keep the first N pages of each sequence in full precision
     token_group_size: int | None = None  # per-token quantization: head_dim values per group (None: head_dim)
@@ -159,14 +159,14 @@ class CacheConfig:
             raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         if self.key_axis not in KEY_AXIS_MODES:
             raise ConfigError(f"key_axis must be one of {KEY_AXIS_MODES}, got {self.key_axis!r}")
-        if not 0.0 <= self.outlier_fraction <= 0.5:
-            raise ConfigError(f"outlier_fraction must be in [0, 0.5], got {self.outlier_fraction!r}")
+        if self.outlier_fraction is not None and not 0.0 <= self.outlier_fraction <= 0.5:
+            raise ConfigError(f"outlier_fraction must be in [0, 0.5] or None, got {self.outlier_fraction!r}")
         if self.outlier_tau <= 0:
             raise ConfigError(f"outlier_tau must be positive, got {self.outlier_tau!r}")
         if self.fp_sink_pages < 0:
             raise ConfigError(f"fp_sink_pages must be >= 0, got {self.fp_sink_pages!r}")
-        if self.value_outlier_fraction is not None and not 0.0 <= self.value_outlier_fraction <= 0.5:
-            raise ConfigError(f"value_outlier_fraction must be in [0, 0.5] or None, got {self.value_outlier_fraction!r}")
+        if not 0.0 <= self.value_outlier_fraction <= 0.5:
+            raise ConfigError(f"value_outlier_fraction must be in [0, 0.5], got {self.value_outlier_fraction!r}")
         if self.token_group_size is not None and (not isinstance(self.token_group_size, int)
                                                   or self.token_group_size < 1):
             raise ConfigError(f"token_group_size must be a positive integer or None, got {self.token_group_size!r}")
@@ -182,8 +182,11 @@ class CacheConfig:
         return int(self.kv_cache_dtype[3:]) if self.is_low_bit else None
 
     @property
-    def resolved_value_outlier_fraction(self) -> float:
-        return self.outlier_fraction if self.value_outlier_fraction is None else self.value_outlier_fraction
+    def key_outlier_fraction(self) -> float:
+        """outlier_fraction, or its default for the key axis."""
+        if self.outlier_fraction is not None:
+            return self.outlier_fraction
+        return 0.0 if self.key_axis == "channel" else self.value_outlier_fraction
 
     @property
     def resolved_page_size(self) -> int:
@@ -216,7 +219,8 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     num_redundant_experts: int = 0      # extra expert slots for replicas of hot experts (EPLB)
     expert_dispatch: str = "auto"       # "all_to_all" | "allgather" | "auto" (allgather for small steps)
-    allgather_max_tokens: int = 32      # auto: allgather while no rank has more tokens than this in a step
+    allgather_max_tokens: int | None = None   # auto: allgather while no rank has more tokens than this in a
+                                        # step; None: the measured default of the backend (distributed.expert_parallel)
     rebalance_interval: int = 0         # re-place experts from the recorded load every N steps (0: only
                                         # when asked, LLM.rebalance())
 
@@ -229,8 +233,9 @@ class ParallelConfig:
             raise ConfigError("num_redundant_experts needs expert_parallel_size > 1 (replicas live on other ranks)")
         if self.expert_dispatch not in ("auto", "all_to_all", "allgather"):
             raise ConfigError(f"expert_dispatch must be auto, all_to_all or allgather, got {self.expert_dispatch!r}")
-        if not isinstance(self.allgather_max_tokens, int) or self.allgather_max_tokens < 0:
-            raise ConfigError(f"allgather_max_tokens must be >= 0, got {self.allgather_max_tokens!r}")
+        if self.allgather_max_tokens is not None and (not isinstance(self.allgather_max_tokens, int)
+                                                      or self.allgather_max_tokens < 0):
+            raise ConfigError(f"allgather_max_tokens must be >= 0 or None, got {self.allgather_max_tokens!r}")
         if not isinstance(self.rebalance_interval, int) or self.rebalance_interval < 0:
             raise ConfigError(f"rebalance_interval must be >= 0, got {self.rebalance_interval!r}")
 

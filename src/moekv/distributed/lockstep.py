@@ -1,0 +1,116 @@
+"""The engine of one rank under expert parallelism: data-parallel attention, lockstep steps.
+
+Each rank runs its own scheduler and KV pages for its share of the sequences (attention is
+local), while every MoE layer is a collective over all ranks. So all ranks step together:
+
+1. schedule locally, then one control collective (`runtime.begin_step`) tells every rank every
+   rank's token count for this step;
+2. a rank with tokens runs its forward; a rank without joins each MoE layer's collectives with
+   0 tokens (`runtime.join_remaining_layers`); when no rank has tokens nobody runs anything;
+3. `has_unfinished()` is itself collective (any rank with work), so every rank's loop
+   `while engine.has_unfinished(): engine.step()` stops at the same iteration.
+
+A forward that stops early on one rank (non-finite KV detected after the last attention layer)
+first catches up on the remaining MoE collectives, then recovers as the base engine does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from moekv.config import EngineConfig
+from moekv.distributed.expert_parallel import ExpertParallelRuntime
+from moekv.distributed.placement import ExpertPlacement
+from moekv.distributed.sharding import LayerRebalance, rebalance
+from moekv.engine.engine import Engine
+from moekv.scheduler.scheduler import Scheduler
+from moekv.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger("moekv.distributed")
+
+
+class LockstepScheduler(Scheduler):
+    """The local scheduler; after each decision, every rank learns every rank's token count."""
+
+    def __init__(self, config, kv_manager, runtime: ExpertParallelRuntime):
+        super().__init__(config, kv_manager)
+        self.runtime = runtime
+        self.last_token_counts: list[int] | None = None
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        self.last_token_counts = self.runtime.begin_step(out.num_tokens)
+        return out
+
+
+class LockstepEngine(Engine):
+    """An Engine whose steps run in lockstep with the other ranks' (see the module docstring)."""
+
+    is_lockstep = True
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer, runtime: ExpertParallelRuntime):
+        super().__init__(config, model=model, tokenizer=tokenizer)
+        self.runtime = runtime
+        self.scheduler = LockstepScheduler(config.scheduler, self.kv_manager, runtime)
+        self.rebalance_interval = config.parallel.rebalance_interval
+        self.global_steps = 0
+        self.last_rebalance: list[LayerRebalance] = []
+
+    @property
+    def rank(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.runtime.world_size
+
+    def has_unfinished(self) -> bool:
+        """Collective: True on every rank while any rank has a waiting or running request."""
+        return self.runtime.any_rank(self.scheduler.has_work())
+
+    def has_local_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self):
+        try:
+            outputs = super().step()
+            counts = self.scheduler.last_token_counts
+            if counts is not None and counts[self.rank] == 0 and any(counts):
+                self.runtime.join_remaining_layers()        # idle this step: 0 tokens to every MoE layer
+        finally:
+            self.runtime.end_step()
+            self.scheduler.last_token_counts = None
+        self.global_steps += 1
+        if self.rebalance_interval and self.global_steps % self.rebalance_interval == 0:
+            self.rebalance()
+        return outputs
+
+    def _recover_from_corruption(self, sched, exc):
+        self.runtime.join_remaining_layers()                # the forward stopped early: catch up first
+        return super()._recover_from_corruption(sched, exc)
+
+    # -- load balancing -----------------------------------------------------------------------
+    def global_expert_load(self) -> torch.Tensor:
+        """Collective: [num_layers, num_experts] routed token-slots summed over all ranks."""
+        import torch.distributed as dist
+
+        load = self.model.expert_load.clone()
+        dist.all_reduce(load, group=self.runtime.group.device_group)
+        return load.cpu()
+
+    def rebalance(self, min_gain: float = 0.0) -> list[LayerRebalance]:
+        """Collective: re-place experts from the recorded load and move their weights (between steps)."""
+        self.last_rebalance = rebalance(self.model, self.runtime, min_gain=min_gain)
+        moved = sum(r.experts_moved for r in self.last_rebalance)
+        if self.rank == 0 and self.last_rebalance:
+            worst_before = max(r.imbalance_before for r in self.last_rebalance)
+            worst_after = max(r.imbalance_after for r in self.last_rebalance)
+            logger.info("expert rebalance: %d expert copies moved; worst layer imbalance %.2f -> %.2f",
+                        moved, worst_before, worst_after)
+        return self.last_rebalance
+
+    def placements(self) -> dict[int, ExpertPlacement]:
+        """The current placement of every MoE layer."""
+        return {experts.layer_idx: experts.placement for experts in self.runtime.layers}

@@ -1,0 +1,129 @@
+"""Expert-parallel generation under torchrun, for tests/distributed (one process per rank, gloo).
+
+    torchrun --standalone --nproc-per-node N tests/distributed/ep_worker.py SPEC.json OUT_DIR
+
+SPEC = {"scenarios": [...]}; each scenario has a "name" and a "kind":
+  "random": a tiny random Mixtral (helpers.tiny_arch(num_experts, top_k)), sharded after it is built;
+            greedy generation of helpers.prompts_and_params(); with "rebalance", then rebalance() and
+            generate again.
+  "llm":    LLM(model, expert_parallel_size=N, **kwargs).generate(prompts) (the offline API path);
+            with "rebalance", then LLM.rebalance() and generate again.
+  "serve":  entrypoints.ep_serve without HTTP: rank 0 adds requests to a LeaderEngine and steps it.
+Every rank checks that its outputs equal rank 0's; rank 0 writes OUT_DIR/<name>.json.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from moekv.distributed.groups import init_expert_parallel, shutdown  # noqa: E402
+from moekv.sampling import SamplingParams  # noqa: E402
+from tests.distributed.helpers import engine_config, prompts_and_params, tiny_arch  # noqa: E402
+
+
+def run_random(spec: dict, world: int) -> dict:
+    from moekv.distributed.lockstep import LockstepEngine
+    from moekv.distributed.sharding import shard_experts
+    from moekv.entrypoints.ep_runner import generate_lockstep, initial_placements, make_runtime
+    from moekv.models.loader import build_random_model
+
+    arch = tiny_arch(spec["num_experts"], spec.get("top_k", 2))
+    config = engine_config(world, num_redundant_experts=spec.get("redundant", 0),
+                           expert_dispatch=spec.get("dispatch", "auto"),
+                           allgather_max_tokens=spec.get("allgather_max_tokens"),
+                           rebalance_interval=spec.get("rebalance_interval", 0))
+    group = init_expert_parallel(world, "cpu")
+    runtime = make_runtime(config.parallel, group)
+    model = build_random_model(arch, dtype=torch.float32, seed=spec["seed"])
+    model = shard_experts(model, runtime, initial_placements(arch, world, config.parallel.num_redundant_experts),
+                          group.device)
+    engine = LockstepEngine(config, model, None, runtime)
+    prompts, params = prompts_and_params()
+    result = {"tokens": _tokens(generate_lockstep(engine, prompts, params)),
+              "placement": {str(k): v.to_dict() for k, v in engine.placements().items()},
+              "exchange_calls": dict(runtime.exchange_calls),
+              "local_slots": {str(e.layer_idx): e.w_gate_up.shape[0] for e in runtime.layers},
+              "steps": engine.global_steps, "interval_rebalances": len(engine.last_rebalance)}
+    if spec.get("rebalance"):
+        # make one expert hot in the recorded load, so the balancer has to move or replicate it
+        engine.model.expert_load[:, spec.get("hot_expert", 0)] += 1000
+        reports = engine.rebalance()
+        result["rebalance"] = [{"layer": r.layer, "before": r.imbalance_before, "after": r.imbalance_after,
+                                "moved": r.experts_moved} for r in reports]
+        result["placement_after"] = {str(k): v.to_dict() for k, v in engine.placements().items()}
+        result["tokens_after"] = _tokens(generate_lockstep(engine, prompts, params))
+    return result
+
+
+def run_llm(spec: dict, world: int) -> dict:
+    from moekv.entrypoints.llm import LLM
+
+    llm = LLM(spec["model"], expert_parallel_size=world, device="cpu", **spec.get("kwargs", {}))
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(spec["prompts"], params)
+    result = {"tokens": _tokens(outputs), "request_ids": [o.request_id for o in outputs]}
+    if spec.get("rebalance"):
+        reports = llm.rebalance()
+        result["moved"] = sum(r.experts_moved for r in reports)
+        result["tokens_after"] = _tokens(llm.generate(spec["prompts"], params))
+    return result
+
+
+def run_serve(spec: dict, world: int) -> dict:
+    """The serving machinery without HTTP: rank 0 drives a LeaderEngine, the others follower_loop."""
+    from moekv.entrypoints.ep_serve import serve_rank
+    from moekv.entrypoints.llm import make_engine_config
+
+    config = make_engine_config(spec["model"], device="cpu", expert_parallel_size=world)
+    leader = serve_rank(config)
+    tokens = None
+    if leader is not None:
+        params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+        ids = [leader.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(spec["prompts"][:2])]
+        leader.step()                          # requests join while others run
+        ids += [leader.add_request(p, params, request_id=f"r{i + 2}") for i, p in enumerate(spec["prompts"][2:])]
+        aborted = leader.add_request(spec["prompts"][0], params, request_id="to-abort")
+        leader.abort(aborted)
+        while leader.has_unfinished():
+            leader.step()
+        tokens = [list(leader.requests[i].output_token_ids) for i in ids]
+        owners = {i: leader.owner.get(i, 0) for i in ids}
+        for request_id in ids + [aborted]:
+            leader.release(request_id)
+        leader.stop_followers()
+        box = [{"tokens": tokens, "owners": owners, "left": len(leader.requests)}]
+    else:
+        box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def main() -> None:
+    faulthandler.enable()          # a crash inside a collective prints every rank's Python stack
+    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    for scenario in json.loads(spec_path.read_text())["scenarios"]:
+        runner = {"random": run_random, "llm": run_llm, "serve": run_serve}[scenario["kind"]]
+        result = runner(scenario, world)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result["tokens"])
+        result["ranks_agree"] = all(tokens == gathered[0] for tokens in gathered)
+        if dist.get_rank() == 0:
+            (out_dir / f"{scenario['name']}.json").write_text(json.dumps(result))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
