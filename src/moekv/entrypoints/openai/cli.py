@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "demand only, no prediction-driven prefetch")
     parser.add_argument("--no-expert-prediction-stats", action="store_true",
                         help="do not run the next-layer expert predictor for the recall metrics")
+    parser.add_argument("--expert-parallel-size", type=int, default=1,
+                        help="shard experts over N ranks; launch with torchrun --nproc-per-node N -m moekv serve "
+                             "(rank 0 serves HTTP; docs/expert-parallel.md)")
+    parser.add_argument("--num-redundant-experts", type=int, default=0,
+                        help="with --expert-parallel-size: replicas of the hottest experts on other ranks")
+    parser.add_argument("--expert-dispatch", default="auto", choices=["auto", "all_to_all", "allgather"],
+                        help="with --expert-parallel-size: how tokens reach their experts' ranks")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that give none (default 0)")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20,
                         help="largest accepted request body in bytes (default 1 MiB; larger -> 413)")
@@ -86,8 +93,20 @@ def run(args: argparse.Namespace) -> int:
     if args.expert_cache_size is not None:
         extra["expert_cache_size"] = int(args.expert_cache_size) if args.expert_cache_size.isdigit() \
             else args.expert_cache_size
-    engine = Engine(make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
-                                       args.seed, **extra))
+    if args.expert_parallel_size > 1:
+        extra.update(expert_parallel_size=args.expert_parallel_size,
+                     num_redundant_experts=args.num_redundant_experts, expert_dispatch=args.expert_dispatch)
+    config = make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
+                                args.seed, **extra)
+    leader = None
+    if config.parallel.expert_parallel_size > 1:
+        from moekv.entrypoints.ep_serve import serve_rank
+
+        engine = leader = serve_rank(config)     # ranks > 0 step with rank 0 inside, until it stops them
+        if leader is None:
+            return 0
+    else:
+        engine = Engine(config)
     capacity = engine.kv_manager.capacity_tokens
     logger.info("KV cache capacity: %d tokens (%s); max concurrency at max_model_len=%d: %.2f requests",
                 capacity, engine.cache_config.kv_cache_dtype, engine.max_model_len, capacity / engine.max_model_len)
@@ -103,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
                             lifespan="on")
     server = _graceful_server(config)
     logger.info("serving %s as %r on http://%s:%d/v1", model, name, args.host, args.port)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if leader is not None:
+            leader.stop_followers()
     return 0 if server.started else 1
 
 
