@@ -70,7 +70,15 @@ class Engine:
         spec = KVCacheSpec(num_layers=self.arch.num_layers, num_kv_heads=self.arch.num_kv_heads,
                            head_dim=self.arch.head_dim, page_size=self.cache_config.resolved_page_size,
                            dtype=full_dtype)
+        if self.cache_config.is_low_bit and self.cache_config.staging_pages is None:
+            # Each running sequence holds one fp staging page for its partial tail (plus its sink pages),
+            # and briefly two in the step that fills a page; never more than there are pages.
+            per_seq = 2 + self.cache_config.fp_sink_pages
+            self.cache_config = replace(self.cache_config,
+                                        staging_pages=config.scheduler.max_num_seqs * per_seq)
         num_pages = self._num_pages(spec)
+        if self.cache_config.is_low_bit and self.cache_config.staging_pages > num_pages:
+            self.cache_config = replace(self.cache_config, staging_pages=num_pages)
         self.kv_cache = create_kv_cache(self.cache_config, spec, num_pages, self.device)
         self.kv_manager = KVCacheManager(num_pages, spec.page_size, on_pages_freed=self.kv_cache.pages_freed)
         if self.kv_manager.capacity_tokens < self.max_model_len:
@@ -114,7 +122,8 @@ class Engine:
         config = self.cache_config
         if config.num_pages is not None:
             return config.num_pages
-        page_bytes = kv_cache_class(config.kv_cache_dtype).bytes_per_page(spec, config)
+        format_class = kv_cache_class(config.kv_cache_dtype)
+        page_bytes = format_class.bytes_per_page(spec, config)
         wanted = self.config.scheduler.max_num_seqs * -(-self.max_model_len // spec.page_size) + 1
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -122,7 +131,7 @@ class Engine:
                 - _CUDA_ACTIVATION_RESERVE
         else:
             budget = config.cpu_cache_bytes
-        num_pages = min(wanted, budget // page_bytes)
+        num_pages = min(wanted, (budget - format_class.fixed_bytes(spec, config)) // page_bytes)
         if num_pages < 1:
             raise ConfigError("no memory is left for the KV cache; lower the model size or raise memory_fraction")
         return int(num_pages)

@@ -121,6 +121,11 @@ class KVCache(ABC):
     def bytes_per_page(cls, spec: KVCacheSpec, config: CacheConfig | None = None) -> int:
         """Device bytes one page costs across all layers (keys and values, with metadata)."""
 
+    @classmethod
+    def fixed_bytes(cls, spec: KVCacheSpec, config: CacheConfig) -> int:
+        """Device bytes that do not scale with the number of pages (e.g. a staging pool)."""
+        return 0
+
     # -- the model-facing call ----------------------------------------------------------------
     @abstractmethod
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,0 +1,1 @@
+"""Quality evaluations: `moekv eval kv` (KV cache fidelity, kv_fidelity.py)."""

@@ -1,0 +1,194 @@
+"""`moekv eval kv`: how much each KV cache format changes the model's predictions.
+
+For every format (bf16, int4/int3/int2 with and without outliers, per-channel or per-token keys)
+the validation text runs through the model in chunks (chunked prefill: later tokens read earlier,
+quantized pages and the full-precision tail), and is compared with a full-precision cache:
+perplexity, mean KL(reference || format) of the next-token distributions, top-1 agreement, all-in
+bits per value and outlier-budget hits. A tensor-level report adds the relative error of attention
+outputs on keys/values/queries recorded from the reference pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moekv.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One cache configuration of the table."""
+
+    kv_cache_dtype: str                 # "fp32" (the reference), "bf16", "int4", "int3", "int2"
+    outliers: bool = False
+    axis_mode: str = "n/a"              # low-bit: "channel" | "token" (key axis)
+    page_size: int | None = None
+    outlier_fraction: float | None = None         # keys (None: CacheConfig default)
+    value_outlier_fraction: float | None = None   # values (None: CacheConfig default)
+    fp_sink_pages: int = 0
+    token_group_size: int | None = None
+    outlier_tau: float | None = None
+    note: str = ""
+
+    @property
+    def is_low_bit(self) -> bool:
+        return self.kv_cache_dtype.startswith("int")
+
+    def cache_config(self):
+        """The CacheConfig this row runs; outliers off = no outlier slots for keys or values."""
+        from moekv.config import CacheConfig
+
+        if not self.is_low_bit:
+            return CacheConfig(kv_cache_dtype=self.kv_cache_dtype)
+        defaults = CacheConfig(kv_cache_dtype=self.kv_cache_dtype, key_axis=self.axis_mode)
+        key_fraction = defaults.key_outlier_fraction if self.outlier_fraction is None else self.outlier_fraction
+        value_fraction = (defaults.value_outlier_fraction if self.value_outlier_fraction is None
+                          else self.value_outlier_fraction)
+        return CacheConfig(kv_cache_dtype=self.kv_cache_dtype, page_size=self.page_size, key_axis=self.axis_mode,
+                           outlier_fraction=key_fraction if self.outliers else 0.0,
+                           value_outlier_fraction=value_fraction if self.outliers else 0.0,
+                           fp_sink_pages=self.fp_sink_pages, token_group_size=self.token_group_size,
+                           outlier_tau=defaults.outlier_tau if self.outlier_tau is None else self.outlier_tau)
+
+
+def default_variants(ablations: bool = False) -> list[Variant]:
+    rows = [Variant("bf16")]
+    for bits in ("int4", "int3", "int2"):
+        for axis in ("channel", "token"):
+            for outliers in (True, False):
+                rows.append(Variant(bits, outliers, axis))
+    if ablations:
+        rows += [
+            Variant("int3", True, "channel", page_size=64, note="P=64"),
+            Variant("int3", True, "channel", page_size=256, note="P=256"),
+            Variant("int3", True, "channel", outlier_fraction=0.0025, note="+k 0.25%"),
+            Variant("int3", True, "channel", outlier_fraction=0.01, value_outlier_fraction=0.01, note="k+v 1%"),
+            Variant("int3", True, "channel", outlier_tau=2.5, note="tau 2.5"),
+            Variant("int3", True, "channel", token_group_size=32, note="v groups 32"),
+            Variant("int3", True, "channel", fp_sink_pages=1, note="fp sink page"),
+            Variant("int2", True, "channel", fp_sink_pages=1, note="fp sink page"),
+        ]
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled tiny-shakespeare-moe)")
+    parser.add_argument("--context", type=int, default=2048, help="tokens per window (default 2048)")
+    parser.add_argument("--windows", type=int, default=4, help="validation windows (consecutive, non-overlapping), "
+                        "run as one batch (default 4)")
+    parser.add_argument("--chunk", type=int, default=64, help="tokens per sequence per step (default 64)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="model compute dtype; the reference cache uses it (default fp32)")
+    parser.add_argument("--tail-dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
+                        help="low-bit caches: dtype of the full-precision tail (the engine uses the model's; "
+                        "default bf16, the bundled checkpoint's)")
+    parser.add_argument("--formats", default=None, help="comma list of kv dtypes to keep, e.g. int3,int4")
+    parser.add_argument("--ablations", action="store_true", help="add page-size / outlier / sink-page rows")
+    parser.add_argument("--no-tensor-report", action="store_true", help="skip the attention-output error report")
+    parser.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenizers import Tokenizer
+
+    from moekv.config import torch_dtype
+    from moekv.datasets import bundled_model_dir, validation_text
+    from moekv.eval.kv_runner import TensorRecord, run_windows
+    from moekv.models.loader import load_model
+
+    if args.context < 2 or args.chunk < 1 or args.windows < 1:
+        raise ConfigError("--context must be >= 2, --chunk and --windows >= 1")
+    model_dir = Path(args.model) if args.model else bundled_model_dir()
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"{model_dir}: no tokenizer.json (is this a moekv checkpoint folder?)")
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(validation_text()).ids
+    if len(ids) < args.context * args.windows:
+        raise ConfigError(f"the validation text has {len(ids)} tokens, fewer than {args.windows} x {args.context}")
+    windows = torch.tensor(ids[:args.context * args.windows]).view(args.windows, args.context)   # [W, C]
+    model = load_model(model_dir, dtype=args.dtype, device="cpu")
+    variants = default_variants(args.ablations)
+    if args.formats:
+        keep = {name.strip() for name in args.formats.split(",")}
+        variants = [v for v in variants if v.kv_cache_dtype in keep]
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    record = TensorRecord()
+    reference = run_windows(model, windows, Variant(args.dtype), args.chunk,
+                            record=None if args.no_tensor_report else record)
+    rows = [_row(Variant(args.dtype), reference, reference, record)]
+    for index, variant in enumerate(variants, 1):
+        result = run_windows(model, windows, variant, args.chunk, tail_dtype=torch_dtype(args.tail_dtype))
+        rows.append(_row(variant, result, reference, record))
+        print(f"[{index}/{len(variants)}] {variant.kv_cache_dtype} {variant.axis_mode} outliers={variant.outliers} "
+              f"{variant.note}: ppl {rows[-1]['perplexity']:.4f} kl {rows[-1]['kl']:.5f} ({result.seconds:.0f} s)",
+              file=sys.stderr, flush=True)
+    _print_table(rows, model_dir, args, time.perf_counter() - started)
+    if args.json:
+        meta = _provenance(model_dir, args)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([{**row, **meta} for row in rows], indent=1) + "\n")
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+def _row(variant: Variant, result, reference, record) -> dict:
+    from moekv.eval.kv_runner import compare, tensor_errors
+
+    metrics = compare(result, reference)
+    row = {**asdict(variant), **metrics,
+           "ppl_delta_pct": 100.0 * (metrics["perplexity"] / math.exp(reference.nll_mean) - 1.0),
+           "bits_per_value": result.bits_per_value, "format_bits_per_value": result.format_bits_per_value,
+           **result.stats, "seconds": round(result.seconds, 1)}
+    if record.layers and result is not reference:
+        row.update(tensor_errors(record, variant))
+    return row
+
+
+def _print_table(rows: list[dict], model_dir: Path, args, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"KV cache fidelity: {model_dir.name}, {args.windows} x {args.context} tokens, "
+                        f"chunks of {args.chunk} ({seconds:.0f} s)")
+    columns = [("kv", "kv_cache_dtype", "{}"), ("keys", "axis_mode", "{}"), ("outl.", "outliers", "{}"),
+               ("note", "note", "{}"), ("bits/val", "bits_per_value", "{:.3f}"), ("ppl", "perplexity", "{:.4f}"),
+               ("Δppl %", "ppl_delta_pct", "{:+.3f}"), ("KL", "kl", "{:.5f}"), ("top1 %", "top1_agreement", "{:.2f}"),
+               ("budget hit k/v", "budget", "{}"), ("attn err", "attn_rel_err", "{:.4f}")]
+    for name, _, _ in columns:
+        table.add_column(name, justify="right")
+    for row in rows:
+        hits = [f"{row[f'{kind}_budget_hit_rate']:.2f}" if row.get(f"{kind}_outlier_capacity") else "-"
+                for kind in ("key", "value")]
+        row = {**row, "budget": "/".join(hits) if "key_budget_hit_rate" in row else "-",
+               "outliers": ("yes" if row["outliers"] else "no") if row["kv_cache_dtype"].startswith("int") else "-"}
+        table.add_row(*[fmt.format(row[key]) if row.get(key) is not None else "-"
+                        for _, key, fmt in columns])
+    Console(width=160).print(table)
+
+
+def _provenance(model_dir: Path, args) -> dict:
+    """What every JSON row carries: where, when, from which commit and command it was measured."""
+    import platform
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
+    except OSError:
+        commit = "unknown"
+    command = ("moekv " + " ".join(sys.argv[1:]) if sys.argv[1:3] == ["eval", "kv"]
+               else f"moekv eval kv --context {args.context} --windows {args.windows} --chunk {args.chunk}")
+    return {"model": model_dir.name, "context": args.context, "windows": args.windows, "chunk": args.chunk,
+            "model_dtype": args.dtype, "tail_dtype": args.tail_dtype,
+            "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": commit, "command": command}

@@ -1,0 +1,202 @@
+"""The low-bit page format (int4 / int3 / int2 with sparse fp16 outliers) and its full-precision tail.
+
+Every page id owns low-bit storage (`key_pages[layer]`, `value_pages[layer]`: PackedPages indexed
+[num_pages, Hkv, ...]). A small pool of full-precision *staging* pages holds the partly filled last
+page of each sequence (and the first `fp_sink_pages` pages, if asked): `staging_slot_of_page[page]`
+is its slot, or -1 when the page is read from low-bit storage. A page is quantized once, when a
+step's write fills it (prefill quantizes whole pages straight from the incoming tokens), and its
+slot returns to the pool. Layout and formulas: lowbit_layout.py and docs/kv-format.md.
+
+Attention: each new token attends to its sequence's cached context (low-bit pages dequantized,
+staging pages as stored) and to the step's new tokens up to itself in full precision; then the new
+tokens are written.
+
+Non-finite keys/values: detected on the device in every layer, written as zeros (a page never holds
+NaN/Inf), and reported once per step, after the last layer, as KVCacheCorruptionError carrying
+`.seq_indices` and `.request_ids`. A step that raises is not committed: every sequence's cached
+context is as before the step, so the engine may end the bad requests and re-run the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekv.config import CacheConfig
+from moekv.errors import ConfigError, KVCacheCorruptionError
+from moekv.kvcache import accounting
+from moekv.kvcache.base import AttentionMetadata, KVCache, KVCacheSpec
+from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.kvcache.formats.lowbit_plan import StagingSlots, StepPlan, build_plan
+from moekv.ops import dispatch
+
+STAGING_SHARE = 8   # default staging pool: one staging page per 8 pages (at least 64, at most num_pages)
+
+# Device counters kept by the cache, in this order (see stats()).
+_COUNTERS = ("page_heads_quantized", "key_budget_hits", "value_budget_hits", "key_outliers", "value_outliers",
+             "key_qualifying", "value_qualifying")
+
+
+def quant_specs(spec: KVCacheSpec, config: CacheConfig) -> tuple[QuantSpec, QuantSpec]:
+    """The (key, value) page formats a cache config asks for."""
+    if not config.is_low_bit:
+        raise ConfigError("the low-bit KV format needs kv_cache_dtype int4, int3 or int2, "
+                          f"got {config.kv_cache_dtype!r}")
+    common = dict(bits=config.bits, head_dim=spec.head_dim, page_size=spec.page_size,
+                  group_size=config.token_group_size, outlier_tau=config.outlier_tau)
+    try:
+        key_spec = QuantSpec(axis=config.key_axis, **common, outlier_capacity=QuantSpec.capacity_for(
+            config.key_outlier_fraction, spec.page_size, spec.head_dim))
+        value_spec = QuantSpec(axis="token", **common, outlier_capacity=QuantSpec.capacity_for(
+            config.value_outlier_fraction, spec.page_size, spec.head_dim))
+    except ValueError as exc:
+        raise ConfigError(f"low-bit KV cache: {exc}") from None
+    return key_spec, value_spec
+
+
+def default_staging_pages(num_pages: int, config: CacheConfig) -> int:
+    if config.staging_pages is not None:
+        return config.staging_pages
+    return min(num_pages, max(64, -(-num_pages // STAGING_SHARE)))
+
+
+class LowBitKVCache(KVCache):
+    """int4 / int3 / int2 pages plus a full-precision staging pool; see the module docstring."""
+
+    def __init__(self, spec: KVCacheSpec, num_pages: int, device, config: CacheConfig | None = None,
+                 num_staging_pages: int | None = None):
+        super().__init__(spec, num_pages, device, config)
+        self.name = self.config.kv_cache_dtype
+        self.key_spec, self.value_spec = quant_specs(spec, self.config)
+        heads = spec.num_kv_heads
+        self.key_pages = [PackedPages.empty(self.key_spec, num_pages, heads, self.device)
+                          for _ in range(spec.num_layers)]
+        self.value_pages = [PackedPages.empty(self.value_spec, num_pages, heads, self.device)
+                            for _ in range(spec.num_layers)]
+        num_slots = num_staging_pages or default_staging_pages(num_pages, self.config)
+        staging_shape = (spec.num_layers, num_slots, spec.page_size, heads, spec.head_dim)
+        self.staging_keys = torch.zeros(staging_shape, dtype=spec.dtype, device=self.device)    # [L, S, P, H, D]
+        self.staging_values = torch.zeros(staging_shape, dtype=spec.dtype, device=self.device)
+        self.slots = StagingSlots(num_slots, num_pages, self.device)
+        self._plan: StepPlan | None = None
+        self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=self.device)
+
+    @property
+    def staging_slot_of_page(self) -> torch.Tensor:
+        """[num_pages] int32 device map: staging slot of each page, -1 when it is read from low-bit storage."""
+        return self.slots.device_map
+
+    # -- capacity planning -------------------------------------------------------------------
+    @classmethod
+    def bytes_per_page(cls, spec: KVCacheSpec, config: CacheConfig | None = None) -> int:
+        """Low-bit page bytes across layers, plus (default staging pool) 1/8 of a staging page.
+
+        With `config.staging_pages` set, the staging pool is a fixed cost instead: `fixed_bytes`.
+        """
+        config = config if config is not None else CacheConfig(kv_cache_dtype="int3")
+        key_spec, value_spec = quant_specs(spec, config)
+        page = accounting.lowbit_page_bytes(key_spec, value_spec, spec.num_kv_heads, spec.num_layers)
+        if config.staging_pages is None:
+            page += -(-cls.staging_page_bytes(spec) // STAGING_SHARE)
+        return page
+
+    @classmethod
+    def fixed_bytes(cls, spec: KVCacheSpec, config: CacheConfig) -> int:
+        """Bytes not proportional to num_pages: the staging pool when `config.staging_pages` is set."""
+        return 0 if config.staging_pages is None else config.staging_pages * cls.staging_page_bytes(spec)
+
+    @staticmethod
+    def staging_page_bytes(spec: KVCacheSpec) -> int:
+        element = torch.empty((), dtype=spec.dtype).element_size()
+        return accounting.staging_page_bytes(spec.page_size, spec.num_kv_heads, spec.head_dim, element,
+                                             spec.num_layers)
+
+    # -- the model-facing call ----------------------------------------------------------------
+    def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = build_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots, self.device)
+        plan = self._plan
+        finite = torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1)   # [T]
+        plan.bad_tokens = ~finite if plan.bad_tokens is None else plan.bad_tokens | ~finite
+        keep = finite[:, None, None]
+        key = torch.where(keep, key, torch.zeros((), dtype=key.dtype, device=key.device))          # [T, Hkv, D]
+        value = torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device))
+        out = dispatch.paged_attention_lowbit(
+            query, key, value, self.key_pages[layer], self.value_pages[layer], self.key_spec, self.value_spec,
+            self.staging_keys[layer], self.staging_values[layer], self.slots.device_map, meta, scale)
+        for kind, new, staging, pages, spec in (
+                ("key", key, self.staging_keys[layer], self.key_pages[layer], self.key_spec),
+                ("value", value, self.staging_values[layer], self.value_pages[layer], self.value_spec)):
+            self._write(kind, new, staging, pages, spec, plan)
+        if layer == self.spec.num_layers - 1:
+            self._finish_step(plan)
+        return out
+
+    def _write(self, kind: str, new: torch.Tensor, staging: torch.Tensor, pages: PackedPages, spec: QuantSpec,
+               plan: StepPlan) -> None:
+        """Append the new tokens [T, Hkv, D] of one layer: staging rows, and pages that fill are quantized."""
+        flat = staging.view(-1, *staging.shape[2:])                                # [S * P, Hkv, D]
+        if plan.stage_tokens.numel():
+            flat.index_copy_(0, plan.stage_rows, new.index_select(0, plan.stage_tokens).to(flat.dtype))
+        count = plan.quant_pages.numel()
+        if not count:
+            return
+        buffer = flat.new_empty((count * spec.page_size,) + tuple(flat.shape[1:]))   # [m * P, Hkv, D]
+        if plan.quant_from_staging.numel():
+            buffer.index_copy_(0, plan.quant_from_staging, flat.index_select(0, plan.quant_staging_rows))
+        buffer.index_copy_(0, plan.quant_from_new, new.index_select(0, plan.quant_new_tokens).to(flat.dtype))
+        packed, qualifying = dispatch.quantize_pages(
+            buffer.unflatten(0, (count, spec.page_size)).transpose(1, 2), spec)       # [m, Hkv, P, D]
+        pages.store(plan.quant_pages, packed)
+        counters = self._counters
+        counters[_COUNTERS.index(f"{kind}_budget_hits")] += (qualifying > spec.outlier_capacity).sum()
+        counters[_COUNTERS.index(f"{kind}_outliers")] += packed.outlier_count.sum(dtype=torch.int64)
+        counters[_COUNTERS.index(f"{kind}_qualifying")] += qualifying.sum(dtype=torch.int64)
+        if kind == "key":
+            counters[_COUNTERS.index("page_heads_quantized")] += qualifying.numel()
+
+    def _finish_step(self, plan: StepPlan) -> None:
+        """After the last layer: report non-finite sequences (uncommitted), else return released slots."""
+        self._plan = None
+        bad = plan.bad_tokens
+        if bad is not None and bool(bad.any()):                    # the one host sync of a step
+            seq_indices = sorted(set(plan.seq_of_token[bad].tolist()))
+            ids = plan.meta.request_ids
+            names = [ids[i] if i < len(ids) else f"sequence {i}" for i in seq_indices]
+            error = KVCacheCorruptionError(
+                f"non-finite keys or values for request(s) {', '.join(map(str, names))} (stored as zeros in their "
+                "own pages); the step was not committed: end these requests and re-run it for the others")
+            error.seq_indices = seq_indices
+            error.request_ids = names
+            raise error
+        self.slots.give_back([page for page, slot in plan.release if self.slots.slot_of_page[page] == slot])
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def pages_freed(self, pages: list[int]) -> None:
+        """Freed pages give back their staging slots; their low-bit storage is overwritten when refilled."""
+        self._plan = None
+        self.slots.give_back(list(pages))
+
+    # -- accounting ---------------------------------------------------------------------------
+    def bits_per_value(self, num_tokens_per_seq: list[int]) -> float:
+        element = torch.empty((), dtype=self.spec.dtype).element_size()
+        return accounting.cache_bits_per_value(self.key_spec, self.value_spec, self.spec.num_kv_heads, element,
+                                               num_tokens_per_seq, self.config.fp_sink_pages)
+
+    def stats(self) -> dict[str, float]:
+        counts = dict(zip(_COUNTERS, self._counters.tolist()))
+        page_heads = max(counts["page_heads_quantized"], 1)
+        return {
+            "pages_quantized": counts["page_heads_quantized"] / (self.spec.num_kv_heads * self.spec.num_layers),
+            "key_budget_hit_rate": counts["key_budget_hits"] / page_heads,
+            "value_budget_hit_rate": counts["value_budget_hits"] / page_heads,
+            "key_outliers_per_page_head": counts["key_outliers"] / page_heads,
+            "value_outliers_per_page_head": counts["value_outliers"] / page_heads,
+            "key_qualifying_per_page_head": counts["key_qualifying"] / page_heads,
+            "value_qualifying_per_page_head": counts["value_qualifying"] / page_heads,
+            "key_outlier_capacity": float(self.key_spec.outlier_capacity),      # slots per (page, head)
+            "value_outlier_capacity": float(self.value_spec.outlier_capacity),
+            "staging_pages_used": float(self.slots.num_used),
+            "staging_pages": float(self.slots.num_slots),
+            "format_bits_per_value": accounting.format_bits_per_value(self.key_spec, self.value_spec),
+        }

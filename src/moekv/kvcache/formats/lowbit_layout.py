@@ -1,0 +1,156 @@
+"""The low-bit page layout: how one of keys/values is quantized (`QuantSpec`) and the dense tensors
+that hold a batch of quantized pages (`PackedPages`). Byte layout: docs/kv-format.md.
+
+Two quantization axes:
+
+- "channel" (keys, KIVI/KVQuant style): scale and zero point per (page, head, channel), statistics
+  over the page's P tokens; fp16 scale and fp16 zero. A kernel folds the scales into the query:
+  q . k_t = sum_d (q_d * S_d) * code_td + sum_d q_d * Z_d.
+- "token" (values; keys in the per-token mode): scale and zero point per (token, head, group of
+  head_dim), statistics over the group. Stored compactly as two uint8 codes per group plus one fp16
+  `scale_base` per (page, head):  S = scale_base * 2 ** (-scale_code / 16),
+  Z = -S * zero_code / 2 ** (8 - bits). The group's range is widened to include 0, so Z <= 0 <= Z + L*S.
+  A kernel folds S into the probabilities: sum_t p_t v_t = sum_t (p_t S_t) code_t + sum_t p_t Z_t.
+
+Outliers: per (page, head) a fixed budget of `outlier_capacity` slots holding an fp16 *residual*
+over the dequantized code and an int16 index token_in_page * head_dim + channel (read as unsigned
+16-bit). Unused slots hold residual 0 at index 0, so a kernel may add all slots unconditionally.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from moekv.kvcache.formats.lowbit_pack import SUPPORTED_BITS, words_per_row
+
+AXES = ("channel", "token")
+SCALE_CODE_STEPS = 16          # token axis: scale codes step by 2 ** (1/16) (4.4%) below scale_base
+MAX_OUTLIER_INDEX = 1 << 16    # indices are 16-bit: page_size * head_dim must not exceed this
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How keys or values of one page (per kv head) are quantized. Validated; derived values are properties."""
+
+    bits: int                    # code width: 2, 3 or 4
+    axis: str                    # "channel": stats per channel over the page's tokens; "token": per token group
+    head_dim: int
+    page_size: int               # tokens per page (P)
+    group_size: int | None = None   # token axis: head_dim values per group (None: head_dim); unused for channel
+    outlier_capacity: int = 0    # fp16 outlier slots per (page, head)
+    outlier_tau: float = 3.0     # a value qualifies when |x - mean| > tau * std of its group
+
+    def __post_init__(self) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits!r}")
+        if self.axis not in AXES:
+            raise ValueError(f"axis must be one of {AXES}, got {self.axis!r}")
+        if self.head_dim < 1 or self.page_size < 1:
+            raise ValueError(f"head_dim and page_size must be positive, got {self.head_dim}, {self.page_size}")
+        if self.group_size is None:
+            object.__setattr__(self, "group_size", self.head_dim)
+        if self.group_size < 1 or self.head_dim % self.group_size:
+            raise ValueError(f"group_size {self.group_size} must divide head_dim {self.head_dim}")
+        if self.page_size * self.head_dim > MAX_OUTLIER_INDEX:
+            raise ValueError(f"page_size * head_dim = {self.page_size * self.head_dim} exceeds the 16-bit "
+                             f"outlier index ({MAX_OUTLIER_INDEX}); use smaller pages")
+        if not 0 <= self.outlier_capacity <= self.page_size * self.head_dim:
+            raise ValueError(f"outlier_capacity must be in [0, page_size * head_dim], got {self.outlier_capacity}")
+        if self.outlier_tau <= 0:
+            raise ValueError(f"outlier_tau must be positive, got {self.outlier_tau}")
+
+    @staticmethod
+    def capacity_for(fraction: float, page_size: int, head_dim: int) -> int:
+        """Outlier slots per (page, head) for a share of the page's values (rounded up)."""
+        return math.ceil(fraction * page_size * head_dim - 1e-9) if fraction > 0 else 0
+
+    def with_page_size(self, page_size: int, outlier_fraction: float | None = None) -> "QuantSpec":
+        """The same format for pages of another size (e.g. a short last page), capacity rescaled."""
+        if outlier_fraction is None:
+            outlier_fraction = self.outlier_capacity / (self.page_size * self.head_dim)
+        return replace(self, page_size=page_size,
+                       outlier_capacity=self.capacity_for(outlier_fraction, page_size, self.head_dim))
+
+    @property
+    def levels(self) -> int:
+        """Largest code, L = 2**bits - 1."""
+        return (1 << self.bits) - 1
+
+    @property
+    def zero_fraction_bits(self) -> int:
+        """Token axis: zero codes count in steps of S / 2**(8 - bits), so L * 2**(8 - bits) <= 255."""
+        return 8 - self.bits
+
+    @property
+    def num_groups(self) -> int:
+        """Token axis: groups per token row."""
+        return self.head_dim // self.group_size
+
+    @property
+    def words_per_row(self) -> int:
+        return words_per_row(self.bits, self.head_dim)
+
+
+@dataclass
+class PackedPages:
+    """Quantized pages, all tensors indexed [N, Hkv, ...] (N pages of one layer, one of keys/values).
+
+    channel axis: scale, zero [N, H, D] fp16; scale_base None.
+    token axis:   scale, zero [N, H, P, G] uint8 codes; scale_base [N, H] fp16.
+    """
+
+    codes: torch.Tensor           # [N, H, P, W] int32: packed rows (lowbit_pack)
+    scale: torch.Tensor
+    zero: torch.Tensor
+    scale_base: torch.Tensor | None
+    outlier_vals: torch.Tensor    # [N, H, C] fp16: residual over the dequantized code (0 in unused slots)
+    outlier_idx: torch.Tensor     # [N, H, C] int16: token_in_page * D + channel, as unsigned 16-bit
+    outlier_count: torch.Tensor   # [N, H] int16: slots in use (the first `count`, ascending index)
+
+    @staticmethod
+    def empty(spec: QuantSpec, num_pages: int, num_kv_heads: int, device) -> "PackedPages":
+        """Zero-filled storage for `num_pages` pages (zeros decode to finite values)."""
+        n, h, p, c = num_pages, num_kv_heads, spec.page_size, spec.outlier_capacity
+
+        def zeros(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        if spec.axis == "channel":
+            scale, zero = zeros(n, h, spec.head_dim, dtype=torch.float16), zeros(n, h, spec.head_dim,
+                                                                                  dtype=torch.float16)
+            scale_base = None
+        else:
+            scale = zeros(n, h, p, spec.num_groups, dtype=torch.uint8)
+            zero = zeros(n, h, p, spec.num_groups, dtype=torch.uint8)
+            scale_base = zeros(n, h, dtype=torch.float16)
+        return PackedPages(codes=zeros(n, h, p, spec.words_per_row, dtype=torch.int32), scale=scale, zero=zero,
+                           scale_base=scale_base, outlier_vals=zeros(n, h, c, dtype=torch.float16),
+                           outlier_idx=zeros(n, h, c, dtype=torch.int16),
+                           outlier_count=zeros(n, h, dtype=torch.int16))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by field name (None fields left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @property
+    def num_pages(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes of the stored tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def select(self, pages: torch.Tensor) -> "PackedPages":
+        """The pages at `pages` [n] (int64), as a new PackedPages of n pages."""
+        return PackedPages(**{f.name: None if getattr(self, f.name) is None
+                              else getattr(self, f.name).index_select(0, pages) for f in fields(self)})
+
+    def store(self, pages: torch.Tensor, packed: "PackedPages") -> None:
+        """Write `packed` (n pages) into the pages at `pages` [n] (int64), in place."""
+        theirs = packed.tensors()
+        for name, mine in self.tensors().items():
+            mine.index_copy_(0, pages, theirs[name])

@@ -1,0 +1,120 @@
+"""Per-step write plan of the low-bit cache: which new tokens go to staging pages, which pages fill
+and are quantized (from which rows), which staging slots are taken and which return.
+
+Built on the host once per step (from the metadata's host lists) and shared by every layer; the
+cache commits it (returns slots) only after the last layer, so an aborted step leaves the cache as
+it was for every sequence's context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moekv.errors import OutOfKVCacheError
+from moekv.kvcache.base import AttentionMetadata
+
+
+@dataclass
+class StepPlan:
+    """Index tensors (device, int64) one step's writes use in every layer. Rows are flat staging rows
+    slot * P + offset, or rows of the step's new tokens [T]."""
+
+    meta: AttentionMetadata
+    stage_tokens: torch.Tensor      # [n] new-token rows written to staging
+    stage_rows: torch.Tensor        # [n] their flat staging rows
+    quant_pages: torch.Tensor       # [m] pages that are full after this step (quantized now)
+    quant_from_staging: torch.Tensor    # [a] positions in the [m * P] quantize buffer filled from staging
+    quant_staging_rows: torch.Tensor    # [a] ... from these flat staging rows
+    quant_from_new: torch.Tensor        # [b] positions in the buffer filled from new tokens
+    quant_new_tokens: torch.Tensor      # [b] ... from these new-token rows
+    seq_of_token: torch.Tensor      # [T] sequence index of each new token
+    release: list[tuple[int, int]] = field(default_factory=list)   # (page, slot) returned at commit
+    bad_tokens: torch.Tensor | None = None   # [T] bool: non-finite key or value seen in any layer
+
+
+class StagingSlots:
+    """Host bookkeeping of the full-precision staging pages and the device map page -> slot."""
+
+    def __init__(self, num_slots: int, num_pages: int, device: torch.device):
+        self.num_slots = num_slots
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))   # pop() hands out slot 0 first
+        self.slot_of_page: list[int] = [-1] * num_pages
+        self.device_map = torch.full((num_pages,), -1, dtype=torch.int32, device=device)   # [num_pages]
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self.free)
+
+    def take(self, page: int) -> int:
+        if not self.free:
+            raise OutOfKVCacheError(
+                f"all {self.num_slots} full-precision staging pages are in use; each running sequence needs one "
+                "(plus fp_sink_pages): raise CacheConfig.staging_pages")
+        slot = self.free.pop()
+        self.slot_of_page[page] = slot
+        return slot
+
+    def give_back(self, pages: list[int]) -> None:
+        """Pages leave staging (quantized or freed); their slots return and the device map reads -1."""
+        returned = [page for page in pages if self.slot_of_page[page] >= 0]
+        for page in returned:
+            self.free.append(self.slot_of_page[page])
+            self.slot_of_page[page] = -1
+        if returned:
+            self.device_map.index_fill_(0, torch.tensor(returned, dtype=torch.long, device=self.device_map.device), -1)
+
+    def publish(self, pages: list[int]) -> None:
+        """Copy the host map of these pages (newly given slots) to the device map."""
+        if pages:
+            ids = torch.tensor(pages, dtype=torch.long)
+            slots = torch.tensor([self.slot_of_page[p] for p in pages], dtype=torch.int32)
+            self.device_map.index_copy_(0, ids.to(self.device_map.device), slots.to(self.device_map.device))
+
+
+def build_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: int, slots: StagingSlots,
+               device: torch.device) -> StepPlan:
+    """Plan one step's writes; takes staging slots for pages that stay in full precision."""
+    stage_tokens, stage_rows = [], []
+    quant_pages, from_staging, staging_rows, from_new, new_tokens = [], [], [], [], []
+    release, taken = [], []
+    start = 0
+    for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
+        table, total = meta.block_tables_host[seq], context_len + num_new
+        for index in range(context_len // page_size, -(-total // page_size)):
+            page, page_start = table[index], index * page_size
+            lo, hi = max(context_len, page_start), min(total, page_start + page_size)   # new positions here
+            tokens = range(start + lo - context_len, start + hi - context_len)
+            slot = slots.slot_of_page[page]
+            if hi == page_start + page_size and index >= fp_sink_pages:    # full: quantize now
+                base = len(quant_pages) * page_size
+                quant_pages.append(page)
+                if lo > page_start:                                        # the older rows wait in staging
+                    if slot < 0:
+                        raise RuntimeError(f"page {page} holds {lo - page_start} tokens but no staging slot: "
+                                           "the block tables disagree with the cache's state")
+                    from_staging.extend(range(base, base + lo - page_start))
+                    staging_rows.extend(range(slot * page_size, slot * page_size + lo - page_start))
+                from_new.extend(range(base + lo - page_start, base + page_size))
+                new_tokens.extend(tokens)
+                if slot >= 0:
+                    release.append((page, slot))
+            else:                                                          # stays in full precision
+                if slot < 0:
+                    slot = slots.take(page)
+                    taken.append(page)
+                stage_tokens.extend(tokens)
+                stage_rows.extend(range(slot * page_size + lo - page_start, slot * page_size + hi - page_start))
+        start += num_new
+    slots.publish(taken)
+
+    def ids(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs), torch.tensor(meta.query_lens_host,
+                                                                                      dtype=torch.long))
+    return StepPlan(meta=meta, stage_tokens=ids(stage_tokens), stage_rows=ids(stage_rows),
+                    quant_pages=ids(quant_pages), quant_from_staging=ids(from_staging),
+                    quant_staging_rows=ids(staging_rows), quant_from_new=ids(from_new),
+                    quant_new_tokens=ids(new_tokens), seq_of_token=seq_of_token.to(device), release=release)

@@ -1,0 +1,50 @@
+"""`moekv eval kv` end to end on a short context of the bundled model (skipped without it)."""
+
+import argparse
+import json
+
+import pytest
+
+from moekv.eval import kv_fidelity
+
+
+def bundled_model():
+    from moekv.datasets import bundled_model_dir
+
+    try:
+        path = bundled_model_dir()
+    except FileNotFoundError:
+        return None
+    return path if (path / "model.safetensors").is_file() else None
+
+
+@pytest.mark.skipif(bundled_model() is None, reason="the bundled checkpoint is not in this checkout")
+def test_eval_kv_writes_the_table(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    kv_fidelity.add_arguments(parser)
+    out = tmp_path / "rows.json"
+    args = parser.parse_args(["--context", "160", "--windows", "2", "--chunk", "48", "--formats", "int3",
+                              "--json", str(out)])
+    assert kv_fidelity.run(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["kv_cache_dtype"], r["axis_mode"], r["outliers"]) for r in rows] == [
+        ("fp32", "n/a", False), ("int3", "channel", True), ("int3", "channel", False),
+        ("int3", "token", True), ("int3", "token", False)]
+    for row in rows:
+        for key in ("kv_cache_dtype", "outliers", "axis_mode", "perplexity", "kl", "bits_per_value"):
+            assert key in row
+        assert row["perplexity"] > 1 and row["kl"] >= 0
+    assert rows[0]["kl"] == 0 and rows[0]["bits_per_value"] == 32
+    # 160 tokens = one quantized page of 128 + a 32-token fp tail (staging page in fp32)
+    assert 0 < rows[1]["kl"] < 0.05 and rows[1]["bits_per_value"] > 3
+    assert 0 <= rows[1]["attn_rel_err"] < 1
+    assert "KV cache fidelity" in capsys.readouterr().out
+
+
+def test_variants_cover_the_table():
+    rows = kv_fidelity.default_variants()
+    assert len(rows) == 13 and rows[0].kv_cache_dtype == "bf16"
+    int_rows = {(r.kv_cache_dtype, r.outliers, r.axis_mode) for r in rows[1:]}
+    assert len(int_rows) == 12
+    off = next(r for r in rows if r.is_low_bit and not r.outliers).cache_config()
+    assert off.key_outlier_fraction == 0 and off.value_outlier_fraction == 0
