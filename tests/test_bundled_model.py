@@ -121,3 +121,20 @@ def test_loads_with_auto_classes():
     assert tok.decode(tok(text)["input_ids"]) == text
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     assert type(model).__name__ == "MixtralForCausalLM"
+
+
+def test_moekv_logits_and_greedy_match_transformers():
+    """The same checkpoint in moekv (paged KV cache, chunked prefill then decode) and in transformers, fp32."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from moekv.models.loader import load_model
+    from moekv.tokenizer import Tokenizer
+    from tests.hf_fixtures import assert_logits_close, hf_greedy, hf_logits, moekv_greedy
+
+    prompt = Tokenizer(MODEL).encode(datasets.validation_slice()[:700])             # ~200 tokens
+    ours = load_model(MODEL, dtype=torch.float32, device="cpu")
+    generated, logits = moekv_greedy(ours, [prompt], max_new_tokens=12, page_size=16, prefill_chunk=64)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    assert_logits_close(logits[0], hf_logits(theirs, prompt + generated[0][:-1]))
+    assert generated[0] == hf_greedy(theirs, prompt, 12)
