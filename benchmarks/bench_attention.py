@@ -18,7 +18,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ if "--dry" in sys.argv:                    # plumbing test on a CPU: Triton's in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from timing import cuda_graph_ms  # noqa: E402  (benchmarks/timing.py)
 import torch.nn.functional as F  # noqa: E402
 
 from moekv.kvcache.base import AttentionMetadata
@@ -72,26 +72,7 @@ class Timer:
         self._flush_ms = None
 
     def _graph_ms(self, body) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()                                            # warm up (compiles, allocator)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(self.reps):
-                body()
-        times = []
-        for _ in range(self.trials):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / self.reps)
-        del graph
-        return statistics.median(times)
+        return cuda_graph_ms(body, self.reps, self.trials)
 
     def __call__(self, fn) -> float:
         """Median milliseconds of one call of fn."""

@@ -33,6 +33,7 @@ if "--tiny" in sys.argv:                     # the Triton paths on a CPU: the in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from timing import cuda_graph_ms  # noqa: E402  (benchmarks/timing.py)
 
 from moekv.models.registry import NAMED_SHAPES  # noqa: E402
 from moekv.ops import dispatch  # noqa: E402
@@ -87,26 +88,7 @@ class Timer:
         return self._eager_ms(body), False
 
     def _graph_ms(self, body) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body()                                                     # compiles, warms the allocator
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(self.reps):
-                body()
-        times = []
-        for _ in range(self.trials):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / self.reps)
-        del graph
-        return statistics.median(times)
+        return cuda_graph_ms(body, self.reps, self.trials)
 
     def _eager_ms(self, body) -> float:
         body()

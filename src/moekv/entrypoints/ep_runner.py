@@ -63,17 +63,9 @@ def build_engine(config: EngineConfig, time_comm: bool = False) -> LockstepEngin
 
 def generate_lockstep(engine: LockstepEngine, prompts: list, sampling_params: list) -> list:
     """LLM.generate under expert parallelism (see the module docstring); every rank gets every output."""
-    from moekv.entrypoints.llm import collect_outputs
+    from moekv.entrypoints.llm import add_all_or_none, collect_outputs
 
-    request_ids: list[str] = []
-    try:
-        for prompt, params in zip(prompts, sampling_params):
-            request_ids.append(engine.add_request(prompt, params))
-    except Exception:
-        for request_id in request_ids:
-            engine.abort(request_id)
-            engine.release(request_id)
-        raise
+    request_ids = add_all_or_none(engine, prompts, sampling_params)
     mine = list(range(engine.rank, len(prompts), engine.world_size))
     for index, request_id in enumerate(request_ids):
         if index % engine.world_size != engine.rank:

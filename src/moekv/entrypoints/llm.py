@@ -84,15 +84,7 @@ class LLM:
             from moekv.entrypoints.ep_runner import generate_lockstep
 
             return generate_lockstep(engine, prompts, sampling_params)
-        request_ids: list[str] = []
-        try:
-            for prompt, params in zip(prompts, sampling_params):
-                request_ids.append(engine.add_request(prompt, params))
-        except Exception:
-            for request_id in request_ids:
-                engine.abort(request_id)
-                engine.release(request_id)
-            raise
+        request_ids = add_all_or_none(engine, prompts, sampling_params)
         pending = set(request_ids)
         while pending:
             for out in engine.step():
@@ -109,6 +101,20 @@ class LLM:
         if not getattr(self.engine, "is_lockstep", False):
             raise NotAvailableError("rebalance() needs expert_parallel_size > 1")
         return self.engine.rebalance()
+
+
+def add_all_or_none(engine: Engine, prompts: list, sampling_params: list) -> list[str]:
+    """Queue every prompt, or none: if one is invalid, the ones already queued are taken back."""
+    request_ids: list[str] = []
+    try:
+        for prompt, params in zip(prompts, sampling_params):
+            request_ids.append(engine.add_request(prompt, params))
+    except Exception:
+        for request_id in request_ids:
+            engine.abort(request_id)
+            engine.release(request_id)
+        raise
+    return request_ids
 
 
 def collect_outputs(engine: Engine, prompts: list, request_ids: list[str]) -> list[GenerationOutput]:
