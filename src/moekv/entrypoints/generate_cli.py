@@ -92,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if request.finish_reason != "error" else 1
 
 
+# The low-bit format's counters worth a row here (all of them are in /metrics and kv_cache.stats()).
+_KV_STAT_ROWS = (("format_bits_per_value", "KV bits per value, full pages only"),
+                 ("pages_quantized", "KV pages quantized"),
+                 ("value_budget_hit_rate", "KV outlier budget hit rate (values)"),
+                 ("value_outliers_per_page_head", "KV outliers per page-head (values)"))
+
+
 def print_stats(engine, request, load_seconds, elapsed, ttft, bits) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -117,8 +124,12 @@ def print_stats(engine, request, load_seconds, elapsed, ttft, bits) -> None:
     table.add_row("KV cache dtype", engine.cache_config.kv_cache_dtype)
     table.add_row("KV bytes (this sequence)", f"{values * bits / 8 / 1024:.1f} KiB for {num_tokens} tokens")
     table.add_row("KV bits per value", f"{bits:.3f}")
-    for key, value in engine.kv_cache.stats().items():
-        table.add_row(f"KV {key}", f"{value:g}" if isinstance(value, float) else str(value))
+    kv_stats = engine.kv_cache.stats()
+    for key, label in _KV_STAT_ROWS:
+        if key in kv_stats:
+            value = kv_stats[key]
+            table.add_row(label, f"{value:.3f}" if isinstance(value, float) and not value.is_integer() else
+                          f"{value:g}")
     console = Console()
     _add_routing_rows(table, engine.routing_stats())
     console.print(table)
