@@ -36,7 +36,15 @@ class NotAvailableError(MoekvError):
 
 
 class KVCacheCorruptionError(MoekvError):
-    """Non-finite keys or values reached the KV cache for a request; that request is ended."""
+    """Non-finite keys or values reached the KV cache for some requests; those requests are ended.
+
+    `seq_indices`: their positions in the step's batch; `request_ids`: their ids.
+    """
+
+    def __init__(self, message: str, seq_indices: list[int] | None = None, request_ids: list[str] | None = None):
+        super().__init__(message)
+        self.seq_indices = list(seq_indices or [])
+        self.request_ids = list(request_ids or [])
 
 
 class OutOfKVCacheError(MoekvError):

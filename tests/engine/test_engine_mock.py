@@ -149,3 +149,39 @@ def test_seeded_sampling_reproduces():
     b = engine.add_request([3], params)
     done = run_all(engine)
     assert done[a].token_ids == done[b].token_ids
+
+
+class NaNKeyModel(MockModel):
+    """Writes non-finite keys for every token with id 13 (a request whose activations blew up)."""
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        arch = self.arch
+        num_tokens = input_ids.shape[0]
+        x = input_ids.to(self.anchor.dtype)
+        q = x.view(-1, 1, 1).expand(num_tokens, arch.num_heads, arch.head_dim).contiguous() * 0.01
+        k = x.view(-1, 1, 1).expand(num_tokens, arch.num_kv_heads, arch.head_dim).contiguous() * 0.01
+        k[input_ids == 13] = float("nan")
+        for layer in range(arch.num_layers):
+            kv_cache.attention(layer, q, k, k.clone(), meta, 1.0)
+        return input_ids.view(-1, 1).to(self.anchor.dtype)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int3", "fp32"])
+def test_nonfinite_keys_end_only_that_request(kv_cache_dtype):
+    from dataclasses import replace
+
+    arch = replace(mock_arch(), head_dim=32)
+    config = EngineConfig(
+        model=ModelConfig(model="mock", max_model_len=64),
+        cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, page_size=16, num_pages=32),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), device=DeviceConfig("cpu"))
+    engine = Engine(config, model=NaNKeyModel(arch))
+    bad = engine.add_request([10], SamplingParams(max_tokens=8, **GREEDY))      # reaches token 13
+    good = engine.add_request([20, 21, 22], SamplingParams(max_tokens=20, **GREEDY))
+    done = run_all(engine)
+    if kv_cache_dtype == "int3":        # the low-bit format checks every write and names the request
+        assert done[bad].finish_reason == "error" and "non-finite" in done[bad].error
+        assert done[bad].token_ids == [11, 12, 13]
+    assert done[good].token_ids == list(range(23, 43))                          # crosses a page boundary
+    assert done[good].finish_reason == "length"
+    assert engine.kv_manager.usage == 0.0

@@ -282,7 +282,7 @@ class Engine:
     def _recover_from_corruption(self, sched, exc: KVCacheCorruptionError) -> list[RequestOutput]:
         """End the requests whose keys/values were non-finite; recompute the rest of the step's requests
         (their pages may hold a partial write from the failed step)."""
-        bad = set(getattr(exc, "request_ids", None) or [])
+        bad = set(exc.request_ids)
         if not bad:
             bad = {c.request.request_id for c in sched.chunks}
         outputs = []

@@ -163,12 +163,10 @@ class LowBitKVCache(KVCache):
             seq_indices = sorted(set(plan.seq_of_token[bad].tolist()))
             ids = plan.meta.request_ids
             names = [ids[i] if i < len(ids) else f"sequence {i}" for i in seq_indices]
-            error = KVCacheCorruptionError(
+            raise KVCacheCorruptionError(
                 f"non-finite keys or values for request(s) {', '.join(map(str, names))} (stored as zeros in their "
-                "own pages); the step was not committed: end these requests and re-run it for the others")
-            error.seq_indices = seq_indices
-            error.request_ids = names
-            raise error
+                "own pages); the step was not committed: end these requests and re-run it for the others",
+                seq_indices=seq_indices, request_ids=names)
         self.slots.give_back([page for page, slot in plan.release if self.slots.slot_of_page[page] == slot])
 
     # -- lifecycle ----------------------------------------------------------------------------
