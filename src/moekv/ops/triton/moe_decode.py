@@ -41,6 +41,29 @@ def _owned_expert(ids_ptr, slot, num_slots, SLOTS_PAD: tl.constexpr):
     return expert, earlier == 0
 
 
+@triton.jit
+def gate_up_tile(x_rows, row_mask, w_gate, w_up, hidden, n_mask, stride_wk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """silu(x W_gate^T) * (x W_up^T) over the full hidden size, fp32 [BLOCK_M, BLOCK_N].
+
+    x_rows [BLOCK_M, 1] row pointers (rows outside row_mask read as 0); w_gate / w_up [1, BLOCK_N]
+    column pointers of the expert's gate and up rows; n_mask [BLOCK_N] valid columns.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < hidden
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        wg = tl.load(w_gate + ks[:, None] * stride_wk, mask=w_mask, other=0.0)              # [BK, BN]
+        wu = tl.load(w_up + ks[:, None] * stride_wk, mask=w_mask, other=0.0)                # [BK, BN]
+        acc_gate += mma(x, wg, UPCAST)
+        acc_up += mma(x, wu, UPCAST)
+    return acc_gate * tl.sigmoid(acc_gate) * acc_up
+
+
 @triton.jit(do_not_specialize=["num_tokens"])      # one binary for every T sharing BLOCK_T
 def _decode_gate_up_kernel(
     x_ptr,                  # [T, H]
@@ -62,22 +85,11 @@ def _decode_gate_up_kernel(
             routed = routed | (tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] rows of W_gate
         n_mask = cols < inter
-        offs_k = tl.arange(0, BLOCK_K)
         w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn    # [1, BLOCK_N]
         w_up = w_gate + inter * stride_wn
         x_rows = x_ptr + tokens[:, None].to(tl.int64) * stride_xt                        # [BLOCK_T, 1]
-        acc_gate = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            ks = k0 + offs_k
-            k_mask = ks < hidden
-            x = tl.load(x_rows + ks[None, :], mask=routed[:, None] & k_mask[None, :], other=0.0)   # [BT, BK]
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            wg = tl.load(w_gate + ks[:, None] * stride_wk, mask=w_mask, other=0.0)         # [BK, BN]
-            wu = tl.load(w_up + ks[:, None] * stride_wk, mask=w_mask, other=0.0)           # [BK, BN]
-            acc_gate += mma(x, wg, UPCAST)
-            acc_up += mma(x, wu, UPCAST)
-        act = (acc_gate * tl.sigmoid(acc_gate) * acc_up).to(act_ptr.dtype.element_ty)     # [BT, BN]
+        act = gate_up_tile(x_rows, routed, w_gate, w_up, hidden, n_mask, stride_wk,
+                           BLOCK_T, BLOCK_N, BLOCK_K, UPCAST).to(act_ptr.dtype.element_ty)   # [BT, BN]
         for j in tl.static_range(TOP_K):
             hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
             rows = (tokens * TOP_K + j).to(tl.int64)

@@ -25,7 +25,7 @@ from moekv.ops.reference.moe import padded_capacity
 from moekv.ops.triton.common import check_launchable, mma
 from moekv.ops.triton.moe_align import moe_align
 from moekv.ops.triton.moe_configs import get_config
-from moekv.ops.triton.moe_decode import combine, upcast_dots
+from moekv.ops.triton.moe_decode import combine, gate_up_tile, upcast_dots
 
 
 @triton.jit
@@ -62,22 +62,11 @@ def _grouped_gate_up_kernel(
         tokens = (slots // TOP_K).to(tl.int64)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = cols < inter
-        offs_k = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + tokens[:, None] * stride_xt                                        # [BLOCK_M, 1]
         w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn                     # [1, BLOCK_N]
         w_up = w_gate + inter * stride_wn
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            ks = k0 + offs_k
-            k_mask = ks < hidden
-            x = tl.load(x_rows + ks[None, :], mask=s_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            wg = tl.load(w_gate + ks[:, None] * stride_wk, mask=w_mask, other=0.0)              # [BK, BN]
-            wu = tl.load(w_up + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-            acc_gate += mma(x, wg, UPCAST)
-            acc_up += mma(x, wu, UPCAST)
-        act = (acc_gate * tl.sigmoid(acc_gate) * acc_up).to(act_ptr.dtype.element_ty)        # [BM, BN]
+        act = gate_up_tile(x_rows, s_mask, w_gate, w_up, hidden, n_mask, stride_wk,
+                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST).to(act_ptr.dtype.element_ty)   # [BM, BN]
         rows = act_ptr + slots[:, None].to(tl.int64) * stride_at + cols[None, :]
         tl.store(rows, act, mask=s_mask[:, None] & n_mask[None, :])
 
