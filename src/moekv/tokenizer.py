@@ -107,6 +107,6 @@ class IncrementalDetokenizer:
         full = self.tokenizer.decode(self.token_ids)
         if full.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full[len(self.text):]
+        delta = full[len(self.text):]
         self.text = full
         return delta

@@ -185,3 +185,66 @@ def test_nonfinite_keys_end_only_that_request(kv_cache_dtype):
     assert done[good].token_ids == list(range(23, 43))                          # crosses a page boundary
     assert done[good].finish_reason == "length"
     assert engine.kv_manager.usage == 0.0
+
+
+def test_prompt_tokens_are_counted_once_each():
+    # The counter used to read chunk.start after num_computed_tokens had advanced, and counted 0.
+    engine = make_engine(max_num_batched_tokens=8)
+    engine.add_request(list(range(1, 21)), SamplingParams(max_tokens=2, **GREEDY))   # chunks of 8, 8, 4
+    engine.add_request([30], SamplingParams(max_tokens=2, **GREEDY))
+    run_all(engine)
+    assert engine.counters["prompt_tokens"] == 21
+    assert engine.counters["generation_tokens"] == 4
+
+
+class LongTokenTokenizer:
+    """Token 5 decodes to a long piece of text that starts with the stop string; others to a letter."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("AB" + "-" * 30 if i == 5 else chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_string_at_the_start_of_a_long_token_text():
+    config = EngineConfig(
+        model=ModelConfig(model="mock", max_model_len=64),
+        cache=CacheConfig(kv_cache_dtype="fp32", page_size=4, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), device=DeviceConfig("cpu"))
+    engine = Engine(config, model=MockModel(), tokenizer=LongTokenTokenizer())
+    rid = engine.add_request([2], SamplingParams(max_tokens=10, stop=["AB"], **GREEDY))
+    streamed = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.new_text
+    request = engine.requests[rid]
+    assert request.finish_reason == "stop"
+    assert request.output_token_ids == [3, 4, 5]
+    assert request.output_text == "de" == streamed
+
+
+def test_token_ids_slices_prompt_and_output():
+    from moekv.engine.request import Request
+    from moekv.tokenizer import IncrementalDetokenizer
+
+    request = Request("r", [1, 2, 3], SamplingParams(), IncrementalDetokenizer(None), output_token_ids=[4, 5])
+    everything = [1, 2, 3, 4, 5]
+    for start in range(6):
+        for end in range(start, 6):
+            assert request.token_ids(start, end) == everything[start:end]
+
+
+def test_masked_logits_are_not_an_error():
+    """-inf in a row is a mask (e.g. padded vocabulary), not a broken model."""
+    engine = make_engine()
+    original = engine.model.compute_logits
+
+    def masked(hidden):
+        logits = original(hidden)
+        logits[:, -4:] = float("-inf")
+        return logits
+
+    engine.model.compute_logits = masked
+    rid = engine.add_request([3], SamplingParams(max_tokens=3, **GREEDY))
+    done = run_all(engine)
+    assert done[rid].finish_reason == "length" and done[rid].token_ids == [4, 5, 6]

@@ -213,14 +213,21 @@ class Engine:
         except KVCacheCorruptionError as exc:
             return self._recover_from_corruption(sched, exc)
         for chunk in sched.chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            if chunk.start < chunk.request.num_prompt_tokens:
-                self.counters["prompt_tokens"] += min(chunk.end, chunk.request.num_prompt_tokens) - chunk.start
+            # start/end derive from num_computed_tokens: count the prompt tokens before advancing it
+            start, end = chunk.start, chunk.end
+            if start < chunk.request.num_prompt_tokens:
+                self.counters["prompt_tokens"] += min(end, chunk.request.num_prompt_tokens) - start
+            chunk.request.num_computed_tokens = end
         outputs: list[RequestOutput] = []
         if result.sample_chunks:
             requests = [sched.chunks[i].request for i in result.sample_chunks]
-            finite = torch.isfinite(result.logits).all(dim=-1).tolist()
-            logits = torch.nan_to_num(result.logits, nan=0.0, posinf=0.0, neginf=0.0)
+            # A row is broken if it holds NaN or +inf, or nothing finite; -inf alone is a legal mask.
+            logits = result.logits
+            broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) \
+                | ~torch.isfinite(logits).any(dim=-1)                                  # [S]
+            finite = (~broken).tolist()
+            if not all(finite):
+                logits = logits.masked_fill(broken.unsqueeze(-1), 0.0)   # sampled but discarded below
             sampled = sample(logits, [r.params for r in requests], [r.generator for r in requests])
             now = time.monotonic()
             for row, request in enumerate(requests):
@@ -241,22 +248,25 @@ class Engine:
             request.output_logprobs.append(logprobs)
         self.counters["generation_tokens"] += 1
         params = request.params
+        text_before = len(request.detokenizer.text)
         request.detokenizer.add(token)
         if not params.ignore_eos and token in self.eos_token_ids:
             self._finish(request, "stop")
         elif token in params.stop_token_ids:
             self._finish(request, "stop")
-        elif params.stop and self._match_stop(request):
+        elif params.stop and self._match_stop(request, text_before):
             self._finish(request, "stop")
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, "length")
         return self._output(request, [token], logprobs)
 
     @staticmethod
-    def _match_stop(request: Request) -> bool:
+    def _match_stop(request: Request, text_before: int) -> bool:
+        """Search only where a match could be new: from `longest - 1` characters before this token's
+        text (a token's text may be any length, so the window is not a fixed tail)."""
         text = request.detokenizer.text
         longest = max(len(s) for s in request.params.stop)
-        window_start = max(0, len(text) - longest - 16)
+        window_start = max(0, text_before - longest + 1)
         hits = [i for i in (text.find(s, window_start) for s in request.params.stop) if i >= 0]
         if hits:
             request.stop_text_end = min(hits)
@@ -265,12 +275,12 @@ class Engine:
 
     def _output(self, request: Request, new_tokens: list[int], new_logprobs) -> RequestOutput:
         text = request.output_text
-        emitted = getattr(request, "_emitted_chars", 0)
+        emitted = request.num_emitted_chars
         visible = len(text)
         if request.params.stop and not request.status.is_finished:
             visible = max(emitted, len(text) - max(len(s) for s in request.params.stop) + 1)
         new_text = text[emitted:visible]
-        request._emitted_chars = visible  # type: ignore[attr-defined]
+        request.num_emitted_chars = visible
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             new_token_ids=new_tokens, new_text=new_text, token_ids=list(request.output_token_ids),

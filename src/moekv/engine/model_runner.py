@@ -33,8 +33,7 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         for chunk in sched.chunks:
-            tokens = chunk.request.all_token_ids
-            token_ids.extend(tokens[chunk.start:chunk.end])
+            token_ids.extend(chunk.request.token_ids(chunk.start, chunk.end))
             positions.extend(range(chunk.start, chunk.end))
         meta = AttentionMetadata.build(
             query_lens=[c.num_new_tokens for c in sched.chunks],
@@ -51,7 +50,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         input_ids, positions, meta = self.prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)          # [T, H]
         last_rows, sample_chunks = [], []
         end = 0
         for index, chunk in enumerate(sched.chunks):
@@ -59,6 +57,8 @@ class ModelRunner:
             if chunk.sample:
                 last_rows.append(end - 1)
                 sample_chunks.append(index)
-        rows = torch.tensor(last_rows, dtype=torch.long, device=hidden.device)
+        # Copied like the inputs (torch.tensor(..., device=cuda) would wait for the stream).
+        rows = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)   # [S]
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)          # [T, H]
         logits = self.model.compute_logits(hidden.index_select(0, rows))        # [S, V] float32
         return StepResult(logits=logits, sample_chunks=sample_chunks)

@@ -40,10 +40,16 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     stop_text_end: int | None = None   # where the output text is cut when a stop string matched
+    num_emitted_chars: int = 0         # output text already streamed (the rest may be a stop string's start)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
     def num_tokens(self) -> int:

@@ -86,12 +86,18 @@ class LLM:
             return generate_lockstep(engine, prompts, sampling_params)
         request_ids = add_all_or_none(engine, prompts, sampling_params)
         pending = set(request_ids)
-        while pending:
-            for out in engine.step():
-                if out.finished:
-                    pending.discard(out.request_id)
-            if pending and not engine.has_unfinished():
-                raise RuntimeError("engine stopped with requests pending")  # a bug, not a user error
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished:
+                        pending.discard(out.request_id)
+                if pending and not engine.has_unfinished():
+                    raise RuntimeError("engine stopped with requests pending")  # a bug, not a user error
+        except BaseException:   # an error or Ctrl-C: leave no request behind to run in the next call
+            for request_id in request_ids:
+                engine.abort(request_id)
+                engine.release(request_id)
+            raise
         return collect_outputs(engine, prompts, request_ids)
 
     def rebalance(self):

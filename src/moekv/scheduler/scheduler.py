@@ -58,7 +58,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[str] = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -77,7 +76,6 @@ class Scheduler:
                 continue  # preempted itself; `running` shrank, index now points past it
             self.kv.grow(request.request_id, total)
             out.chunks.append(ScheduledChunk(request, num_new))
-            scheduled.add(request.request_id)
             budget -= num_new
             index += 1
 
