@@ -225,6 +225,14 @@ def test_bits_per_value_at_the_default_geometry(bits):
     assert cache.bits_per_value == pytest.approx(expected * 256 / 300 + window_bits, rel=1e-9)
 
 
+def test_expected_bits_per_value_counts_padded_code_words():
+    """head_dim 80: an int3 row takes 5 + 3 words (256 bits for 80 codes), not 3 bits per code."""
+    cache = LowBitCache(None, bits=3)
+    x = torch.randn(1, 2, 300, 80)
+    cache.update(x, x.clone(), 0)
+    assert cache.lowbit_bits_per_value == pytest.approx(cache.settings.expected_lowbit_bits_per_value(80), rel=1e-9)
+
+
 def test_value_groups_fall_back_to_head_dim():
     cache = LowBitCache(None, bits=3, page_size=16)
     x = torch.randn(1, 1, 16, 48)                                # 32 does not divide 48

@@ -223,3 +223,16 @@ def test_configuration_errors():
         LowBitKVCache(spec, 4, "cpu", CacheConfig(kv_cache_dtype="int3"))
     with pytest.raises(ConfigError, match="int4, int3 or int2"):
         LowBitKVCache(spec, 4, "cpu", CacheConfig(kv_cache_dtype="bf16"))
+
+
+def test_out_of_staging_pages_returns_the_slots_the_failed_step_took():
+    h = Harness(staging_pages=3)
+    h.step({"a": 3, "b": 3})
+    with pytest.raises(OutOfKVCacheError):
+        h.step({"c": 3, "d": 3}, check=False)             # c takes the last slot, then d finds none
+    assert h.cache.slots.num_used == 2
+    h.manager.free("d")                                   # the engine drops d and re-runs the step for c
+    h.step({"c": 3})
+    for _ in range(3):                                    # c's staged context is read back from its slot
+        h.step({"a": 1, "b": 1, "c": 1})
+    assert h.cache.slots.num_used == 3

@@ -187,3 +187,10 @@ def test_accounting_matches_a_hand_count():
     assert accounting.pages_held(8, 4, fp_sink_pages=1) == (2, 1)
     assert accounting.pages_held(5, 4, fp_sink_pages=1) == (2, 2)
     assert accounting.pages_held(3, 4, fp_sink_pages=1) == (1, 1)
+
+
+def test_outlier_capacity_fits_the_16_bit_count():
+    """P * D = 65536 at 50 % would need a count of 32768, which int16 stores as -32768."""
+    spec_for(3, "token", page_size=4096, head_dim=16, capacity=32767)
+    with pytest.raises(ValueError, match="16-bit"):
+        spec_for(3, "token", page_size=4096, head_dim=16, capacity=32768)

@@ -3,14 +3,18 @@ protection, misses load synchronously, greedy output identical to all experts re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from moekv.config import OffloadConfig
+from moekv.models.loader import build_random_model
 from moekv.moe.experts import LocalExperts
 from moekv.moe.prefetch import ExpertOffload, ExpertPredictor, install_routing
 from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier
 from tests.hf_fixtures import moekv_greedy
+from tests.moe.conftest import tiny_arch
 
 
 def random_local_experts(num_experts=6, hidden=16, inter=24, seed=0):
@@ -62,6 +66,21 @@ def test_prefetch_runs_before_compute_and_misses_load_first(tiny_model):
     counters = layer1.cache.counters
     assert (counters.hits, counters.prefetch_hits, counters.misses, counters.wasted_prefetches) == (1, 1, 1, 1)
     assert layer1.cache.protection == [0] * 8
+
+
+def test_prediction_from_a_dense_layer_is_issued_at_once():
+    # Layer 1 is dense: no offloaded block runs there to drain the queue, so a prediction made at
+    # layer 1 for layer 2 must be issued at once (queued, layer 2 would drop it as stale).
+    arch = dataclasses.replace(tiny_arch(), dense_layers=(1,), dense_intermediate_size=48)
+    model = build_random_model(arch, torch.float32, "cpu", seed=0)
+    offload = ExpertOffload(model, num_slots=2)
+    offload.trace_events()
+    assert sorted(offload.layers) == [0, 2]
+    offload._on_prediction(1, 2, 1, torch.tensor([[3, 5]]))
+    layer2 = offload.layers[2]
+    assert [e[:3] for e in layer2.events] == [("prefetch", 2, 3), ("prefetch", 2, 5)]
+    layer2(torch.randn(1, model.arch.hidden_size), torch.tensor([[3, 5]]), torch.full((1, 2), 0.5))
+    assert (layer2.cache.counters.prefetch_hits, layer2.cache.counters.misses) == (2, 0)
 
 
 def test_prefetched_expert_is_resident_before_its_block_runs(tiny_model):

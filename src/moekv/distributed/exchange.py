@@ -77,7 +77,8 @@ class AllToAllExchange(TokenExchange):
         token_index = torch.arange(num_tokens, device=hidden.device).unsqueeze(1)          # [T, 1]
         physical = experts.physical_ids(topk_ids, token_index, rank).reshape(-1)          # [T*k]
         order = torch.argsort(physical, stable=True)                                       # [T*k] by rank, slot
-        send_slot_counts = torch.bincount(physical, minlength=placement.num_slots)        # [S]
+        send_slot_counts = torch.zeros(placement.num_slots, dtype=torch.int64, device=hidden.device)
+        send_slot_counts.index_add_(0, physical, torch.ones_like(physical))               # [S] (bincount syncs on CUDA)
         recv_slot_counts = torch.empty(world * local_slots, dtype=torch.int64, device=hidden.device)
         with runtime.timer.time("all_to_all"):
             dist.all_to_all_single(recv_slot_counts, send_slot_counts, [local_slots] * world, slots_per_rank,

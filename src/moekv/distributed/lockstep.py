@@ -92,14 +92,6 @@ class LockstepEngine(Engine):
         return super()._recover_from_corruption(sched, exc)
 
     # -- load balancing -----------------------------------------------------------------------
-    def global_expert_load(self) -> torch.Tensor:
-        """Collective: [num_layers, num_experts] routed token-slots summed over all ranks."""
-        import torch.distributed as dist
-
-        load = self.model.expert_load.clone()
-        dist.all_reduce(load, group=self.runtime.group.device_group)
-        return load.cpu()
-
     def rebalance(self, min_gain: float = 0.0) -> list[LayerRebalance]:
         """Collective: re-place experts from the recorded load and move their weights (between steps)."""
         self.last_rebalance = rebalance(self.model, self.runtime, min_gain=min_gain)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 SUPPORTED_BITS = (2, 3, 4)
@@ -77,17 +76,16 @@ class LowBitCacheSettings:
 
     def expected_lowbit_bits_per_value(self, head_dim: int) -> float:
         """Bits per key/value scalar of full pages (docs/kv-format.md, section 8), averaged over keys and values:
-        codes; keys: fp16 scale + zero per channel and page; values: two uint8 codes per group plus an fp16
-        scale_base per page; outliers: 32 bits per slot (fp16 residual + 16-bit index) + a 16-bit count."""
-        page_values = self.page_size * head_dim
-        key_slots = _capacity(self.outlier_fraction, page_values)
-        value_slots = _capacity(self.resolved_value_outlier_fraction, page_values)
-        keys = self.bits + 32 / self.page_size + (32 * key_slots + 16) / page_values
-        values = (self.bits + 16 / self.resolved_value_group_size(head_dim)
-                  + (16 + 32 * value_slots + 16) / page_values)
-        return (keys + values) / 2
+        codes (padded words included); keys: fp16 scale + zero per channel and page; values: two uint8 codes per
+        group plus an fp16 scale_base per page; outliers: 32 bits per slot (fp16 residual + 16-bit index) + a
+        16-bit count. Counted by moekv.kvcache.accounting (imports torch)."""
+        from moekv.kvcache.accounting import format_bits_per_value
+        from moekv.kvcache.formats.lowbit_layout import QuantSpec
 
-
-def _capacity(fraction: float, page_values: int) -> int:
-    """Outlier slots per (page, head); the same rounding as moekv's QuantSpec.capacity_for."""
-    return math.ceil(fraction * page_values - 1e-9) if fraction > 0 else 0
+        key_spec = QuantSpec(bits=self.bits, axis="channel", head_dim=head_dim, page_size=self.page_size,
+                             outlier_capacity=QuantSpec.capacity_for(self.outlier_fraction, self.page_size, head_dim))
+        value_spec = QuantSpec(bits=self.bits, axis="token", head_dim=head_dim, page_size=self.page_size,
+                               group_size=self.resolved_value_group_size(head_dim),
+                               outlier_capacity=QuantSpec.capacity_for(self.resolved_value_outlier_fraction,
+                                                                       self.page_size, head_dim))
+        return format_bits_per_value(key_spec, value_spec)

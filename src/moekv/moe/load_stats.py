@@ -14,6 +14,11 @@ def _as_2d(load: torch.Tensor) -> torch.Tensor:
     return load.unsqueeze(0) if load.dim() == 1 else load                  # [L, E]
 
 
+def _new_slots(current: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Slots counted since `last` (an element below `last` was reset: all of it is new)."""
+    return torch.where(current >= last, current - last, current)
+
+
 def hot_experts(load: torch.Tensor, k: int) -> torch.Tensor:
     """The k most loaded experts of each layer, most loaded first (ties: lower id first).
 
@@ -68,7 +73,7 @@ class ExpertLoadTracker:
 
     def update(self) -> None:
         current = self.source.detach()
-        delta = torch.where(current >= self._last, current - self._last, current)   # [L, E]
+        delta = _new_slots(current, self._last)                                     # [L, E]
         self.window.mul_(self.decay).add_(delta.float())
         self._last.copy_(current)
         self.steps += 1
@@ -77,8 +82,7 @@ class ExpertLoadTracker:
         """Cumulative and windowed load, shares, hot / cold experts (k each) and imbalance per layer."""
         total = self.source.detach().cpu()
         window = self.window.detach().cpu()
-        window_now = window * self.decay + torch.where(total >= self._last.cpu(), total - self._last.cpu(),
-                                                       total).float()      # include the last step
+        window_now = window * self.decay + _new_slots(total, self._last.cpu()).float()   # include the last step
         return {
             "total": total.tolist(),
             "window": [[round(v, 3) for v in row] for row in window_now.tolist()],

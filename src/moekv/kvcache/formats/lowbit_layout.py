@@ -29,6 +29,7 @@ from moekv.kvcache.formats.lowbit_pack import SUPPORTED_BITS, words_per_row
 AXES = ("channel", "token")
 SCALE_CODE_STEPS = 16          # token axis: scale codes step by 2 ** (1/16) (4.4%) below scale_base
 MAX_OUTLIER_INDEX = 1 << 16    # indices are 16-bit: page_size * head_dim must not exceed this
+MAX_OUTLIER_COUNT = (1 << 15) - 1   # outlier_count is int16: slots per (page, head) must fit
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,9 @@ class QuantSpec:
         if self.page_size * self.head_dim > MAX_OUTLIER_INDEX:
             raise ValueError(f"page_size * head_dim = {self.page_size * self.head_dim} exceeds the 16-bit "
                              f"outlier index ({MAX_OUTLIER_INDEX}); use smaller pages")
-        if not 0 <= self.outlier_capacity <= self.page_size * self.head_dim:
-            raise ValueError(f"outlier_capacity must be in [0, page_size * head_dim], got {self.outlier_capacity}")
+        if not 0 <= self.outlier_capacity <= min(self.page_size * self.head_dim, MAX_OUTLIER_COUNT):
+            raise ValueError(f"outlier_capacity must be in [0, min(page_size * head_dim, {MAX_OUTLIER_COUNT})] "
+                             f"(the count is 16-bit), got {self.outlier_capacity}")
         if self.outlier_tau <= 0:
             raise ValueError(f"outlier_tau must be positive, got {self.outlier_tau}")
 

@@ -80,33 +80,37 @@ def build_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: int, slot
     quant_pages, from_staging, staging_rows, from_new, new_tokens = [], [], [], [], []
     release, taken = [], []
     start = 0
-    for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
-        table, total = meta.block_tables_host[seq], context_len + num_new
-        for index in range(context_len // page_size, -(-total // page_size)):
-            page, page_start = table[index], index * page_size
-            lo, hi = max(context_len, page_start), min(total, page_start + page_size)   # new positions here
-            tokens = range(start + lo - context_len, start + hi - context_len)
-            slot = slots.slot_of_page[page]
-            if hi == page_start + page_size and index >= fp_sink_pages:    # full: quantize now
-                base = len(quant_pages) * page_size
-                quant_pages.append(page)
-                if lo > page_start:                                        # the older rows wait in staging
+    try:
+        for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
+            table, total = meta.block_tables_host[seq], context_len + num_new
+            for index in range(context_len // page_size, -(-total // page_size)):
+                page, page_start = table[index], index * page_size
+                lo, hi = max(context_len, page_start), min(total, page_start + page_size)   # new positions here
+                tokens = range(start + lo - context_len, start + hi - context_len)
+                slot = slots.slot_of_page[page]
+                if hi == page_start + page_size and index >= fp_sink_pages:    # full: quantize now
+                    base = len(quant_pages) * page_size
+                    quant_pages.append(page)
+                    if lo > page_start:                                        # the older rows wait in staging
+                        if slot < 0:
+                            raise RuntimeError(f"page {page} holds {lo - page_start} tokens but no staging slot: "
+                                               "the block tables disagree with the cache's state")
+                        from_staging.extend(range(base, base + lo - page_start))
+                        staging_rows.extend(range(slot * page_size, slot * page_size + lo - page_start))
+                    from_new.extend(range(base + lo - page_start, base + page_size))
+                    new_tokens.extend(tokens)
+                    if slot >= 0:
+                        release.append((page, slot))
+                else:                                                          # stays in full precision
                     if slot < 0:
-                        raise RuntimeError(f"page {page} holds {lo - page_start} tokens but no staging slot: "
-                                           "the block tables disagree with the cache's state")
-                    from_staging.extend(range(base, base + lo - page_start))
-                    staging_rows.extend(range(slot * page_size, slot * page_size + lo - page_start))
-                from_new.extend(range(base + lo - page_start, base + page_size))
-                new_tokens.extend(tokens)
-                if slot >= 0:
-                    release.append((page, slot))
-            else:                                                          # stays in full precision
-                if slot < 0:
-                    slot = slots.take(page)
-                    taken.append(page)
-                stage_tokens.extend(tokens)
-                stage_rows.extend(range(slot * page_size + lo - page_start, slot * page_size + hi - page_start))
-        start += num_new
+                        slot = slots.take(page)
+                        taken.append(page)
+                    stage_tokens.extend(tokens)
+                    stage_rows.extend(range(slot * page_size + lo - page_start, slot * page_size + hi - page_start))
+            start += num_new
+    except Exception:
+        slots.give_back(taken)          # nothing of the step is written: the slots it took return
+        raise
     slots.publish(taken)
 
     def ids(values: list[int]) -> torch.Tensor:

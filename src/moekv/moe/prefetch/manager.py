@@ -10,8 +10,8 @@ layer, which is what the experts kernel reads.
 
 Predictions (ExpertPredictor listeners) queue up; a block drains the queue after issuing its own
 demand loads, so a layer's misses are never queued behind copies for later layers. Predictions
-made from the embeddings, or with the "layer_out" predictor source, are issued at once (no block
-is waiting for its misses then).
+made from the embeddings or a dense layer, or with the "layer_out" predictor source, are issued at
+once (no offloaded block is waiting for its misses then).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class ExpertOffload:
         if target not in self.layers:
             return
         self._pending.append((target, distance, ids))
-        if self._immediate or source < 0:                 # no block waits for its misses now (embeddings)
+        if self._immediate or source not in self.layers:  # no offloaded block at `source` would drain the
+                                                          # queue (embeddings, a dense layer): issue now
             self._issue(source, torch.stack(self._pending_votes()).tolist())
 
     def _pending_votes(self) -> list[torch.Tensor]:
@@ -110,7 +111,8 @@ class ExpertOffload:
         for _, _, ids in self._pending:                                       # ids [T, P]
             width = ids.shape[1]
             score = torch.arange(width, 0, -1, dtype=torch.float32, device=ids.device).expand(ids.shape)
-            rows.append(torch.bincount(ids.reshape(-1), weights=score.reshape(-1), minlength=self.num_experts))
+            row = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
+            rows.append(row.index_add_(0, ids.reshape(-1), score.reshape(-1)))   # [E] (bincount syncs on CUDA)
         return rows
 
     def _issue(self, layer: int, vote_rows: list[list[float]]) -> None:

@@ -131,7 +131,10 @@ class OffloadedExperts(Experts):
     def forward(self, hidden, topk_ids, topk_weights):
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H]."""
         num_experts = self.num_experts
-        rows = [torch.bincount(topk_ids.reshape(-1), minlength=num_experts).float()]   # [E] routed slots per expert
+        flat_ids = topk_ids.reshape(-1)                                                 # [T*k]
+        routed = torch.zeros(num_experts, dtype=torch.float32, device=flat_ids.device)
+        routed.index_add_(0, flat_ids, torch.ones(flat_ids.shape, device=flat_ids.device))   # [E] (bincount syncs on CUDA)
+        rows = [routed]
         pending = self.pending_votes() if self.pending_votes is not None else []
         counts = torch.stack(rows + pending).tolist()            # the block's one host sync
         needed = [e for e in range(num_experts) if counts[0][e] > 0]
