@@ -93,20 +93,30 @@ def _pick_chat_template(template) -> str | None:
 
 @dataclass
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without splitting multi-byte characters."""
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
+
+    Each step decodes only a short window: the tokens since `prefix_offset` (the last token or two
+    already turned into text, kept as context so tokenizers that treat a leading space specially
+    decode the same as in the full sequence) against the same window without the new tokens. The
+    cost per token stays constant instead of growing with the output.
+    """
 
     tokenizer: Tokenizer | None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    prefix_offset: int = 0      # start of the decode window
+    read_offset: int = 0        # tokens before this are already in `text`
 
     def add(self, token_id: int) -> str:
         """Append one token; returns the new text (may be empty while a character is incomplete)."""
         self.token_ids.append(token_id)
         if self.tokenizer is None:
             return ""
-        full = self.tokenizer.decode(self.token_ids)
-        if full.endswith("\ufffd"):
-            return ""
-        delta = full[len(self.text):]
-        self.text = full
+        before = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        window = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return ""                          # a special token, or a character still incomplete
+        delta = window[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
         return delta
