@@ -226,6 +226,16 @@ def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: t
     return act
 
 
+def moe_shapes(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(tokens T, hidden H, experts E, intermediate I, top-k) of a MoE call, with its shapes checked."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    assert w_down.shape == (num_experts, hidden_size, inter) and topk_ids.shape == topk_weights.shape
+    return num_tokens, hidden_size, num_experts, inter, topk_ids.shape[1]
+
+
 def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """Same contract as ops.reference.moe.moe_experts_reference, for T <= MAX_DECODE_TOKENS.
@@ -235,11 +245,8 @@ def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: to
     Expert ids of a token are expected distinct (torch.topk's are); repeated ones still give the
     reference's result.
     """
-    num_tokens, hidden_size = hidden.shape
-    num_experts, two_inter, _ = w_gate_up.shape
-    inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    assert w_down.shape == (num_experts, hidden_size, inter) and topk_ids.shape == topk_weights.shape
+    num_tokens, hidden_size, num_experts, inter, top_k = moe_shapes(hidden, w_gate_up, w_down, topk_ids,
+                                                                    topk_weights)
     out = torch.empty_like(hidden)                                                    # [T, H]
     if num_tokens == 0:
         return out

@@ -25,7 +25,7 @@ from moekv.ops.reference.moe import padded_capacity
 from moekv.ops.triton.common import check_launchable, mma
 from moekv.ops.triton.moe_align import moe_align
 from moekv.ops.triton.moe_configs import get_config
-from moekv.ops.triton.moe_decode import combine, gate_up_tile, upcast_dots
+from moekv.ops.triton.moe_decode import combine, gate_up_tile, moe_shapes, upcast_dots
 
 
 @triton.jit
@@ -146,11 +146,8 @@ def moe_experts_grouped(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: t
     config: {"BLOCK_M", "gate_up": {BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}, "down": {...}},
     entries overriding the tuned or default ones (moe_configs.get_config).
     """
-    num_tokens, hidden_size = hidden.shape
-    num_experts, two_inter, _ = w_gate_up.shape
-    inter = two_inter // 2
-    top_k = topk_ids.shape[1]
-    assert w_down.shape == (num_experts, hidden_size, inter) and topk_ids.shape == topk_weights.shape
+    num_tokens, hidden_size, num_experts, inter, top_k = moe_shapes(hidden, w_gate_up, w_down, topk_ids,
+                                                                    topk_weights)
     out = torch.empty_like(hidden)                                                    # [T, H]
     if num_tokens == 0:
         return out
