@@ -45,13 +45,19 @@ FP_PAGE, LOWBIT_PAGE = 16, 128
 # Run 1 (see docs/attention-kernels.md) swept more; these are the survivors and the open questions.
 FP_CONFIGS = [dict(BLOCK_N=128, num_warps=4, num_stages=2), dict(BLOCK_N=64, num_warps=4, num_stages=3),
               dict(BLOCK_N=128, num_warps=4, num_stages=2, waves=4)]
-LOWBIT_CONFIGS = [dict(num_warps=4), dict(num_warps=4, BLOCK_C=32), dict(num_warps=4, BLOCK_C=16),
-                  dict(num_warps=8), dict(num_warps=4, BLOCK_N=64), dict(num_warps=4, waves=4)]
 DIAGNOSTICS = {"no outliers": dict(outliers=False), "no key codes": dict(skip="keys"),
                "no value codes": dict(skip="values"), "no codes": dict(skip="both"),
                "no codes, no outliers": dict(skip="both", outliers=False),
                "no outliers, 8 warps": dict(outliers=False, num_warps=8),
                "no outliers, BLOCK_N 64": dict(outliers=False, BLOCK_N=64)}
+# Low-bit decode implementations compared by this script: name -> (module, function, launch configs).
+# "v4" is the first kernel (lowbit_attention, decode and prefill; configs passed as config=...); the
+# decode-only kernels take their launch overrides as keyword arguments.
+LOWBIT_IMPLS = {
+    "v4": ("moekv.ops.triton.lowbit_attention", "paged_attention_lowbit", [dict(num_warps=4)]),
+    "cc": ("moekv.ops.triton.lowbit_decode", "paged_attention_lowbit_decode", [{}]),
+    "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc", [{}]),
+}
 TUNING = ((32, 16384), (1, 16384))           # the first one's winners serve every other shape
 SWEPT_BITS = (3,)                          # other widths take int3's winner
 DEVICE = "cuda"
@@ -186,6 +192,45 @@ def lowbit_bytes_read(stores, specs, tables, full_pages: int, context: int, batc
 
 
 # ---------------------------------------------------------------- benchmark
+def lowbit_impls(only: str | None = None) -> dict:
+    """name -> (callable(*args, scale, **cfg), configs) for each implementation that imports here."""
+    import importlib
+    impls = {}
+    for name, (module, function, configs) in LOWBIT_IMPLS.items():
+        if only and name not in only.split(","):
+            continue
+        try:
+            fn = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError) as exc:
+            print(f"    low-bit implementation {name} unavailable: {exc}", flush=True)
+            continue
+        if name == "v4":
+            impls[name] = ((lambda *a, _fn=fn, **c: _fn(*a, config=c)), configs)
+        else:
+            impls[name] = (fn, configs)
+    return impls
+
+
+def time_lowbit(timer: Timer, impls: dict, lb_args, chosen: dict, sweep: bool, row: dict, bits: int) -> tuple:
+    """Best (ms, "impl cfg") over the implementations; `chosen` maps impl -> its config from the first
+    tuning shape (filled when sweeping). Every timing lands in row[f"int{bits}_sweep"]."""
+    fns = {}
+    for name, (fn, configs) in impls.items():
+        for c in (configs if sweep or name not in chosen else [chosen[name]]):
+            fns[f"{name} {json.dumps(c)}"] = (lambda fn=fn, c=c: fn(*lb_args, SCALE, **c))
+    row.setdefault(f"int{bits}_sweep", {})
+    ms, best_key = best(timer, fns, row[f"int{bits}_sweep"])
+    per_impl = {}
+    for key, t in row[f"int{bits}_sweep"].items():
+        name = key.split(" ", 1)[0]
+        if t < per_impl.get(name, (float("inf"), None))[0]:
+            per_impl[name] = (t, key.split(" ", 1)[1])
+    row[f"int{bits}_impl_ms"] = {name: t for name, (t, _) in per_impl.items()}
+    if sweep:
+        for name, (_, cfg) in per_impl.items():
+            chosen.setdefault(name, json.loads(cfg))
+    return ms, best_key
+
 def sdpa_fns(batch: int, length: int):
     """Two spellings of GQA decode in torch SDPA over a contiguous bf16 cache; the faster is the baseline."""
     k = torch.randn((batch, HKV, length, D), device=DEVICE, dtype=torch.bfloat16)
@@ -225,6 +270,7 @@ def run_benchmark(args) -> dict:
     if args.dry:
         shapes = DRY_SHAPES
     rows, fp_cfg, lowbit_cfg = [], None, {}
+    impls = lowbit_impls(args.impls)
     for batch, length in shapes:
         tuning = (batch, length) in (*TUNING, *DRY_SHAPES) and not args.no_sweep
         row = {"batch": batch, "context": length}
@@ -248,25 +294,17 @@ def run_benchmark(args) -> dict:
         torch.cuda.empty_cache()
         for bits in sorted(BITS, key=lambda b: b not in SWEPT_BITS):        # swept widths first
             lb_args, nbytes = build_lowbit(batch, length, bits, gen)
-            configs = [lowbit_cfg.get(3, LOWBIT_CONFIGS[0])]
-            if tuning and bits in SWEPT_BITS:
-                configs = LOWBIT_CONFIGS
-            elif tuning:
-                configs = [LOWBIT_CONFIGS[0]] + [c for c in [lowbit_cfg.get(3)] if c and c != LOWBIT_CONFIGS[0]]
-            fns = {json.dumps(c): (lambda c=c: lowbit_attention.paged_attention_lowbit(*lb_args, SCALE, config=c))
-                   for c in configs}
-            row[f"int{bits}_sweep"] = {}
-            ms, cfg = best(timer, fns, row[f"int{bits}_sweep"])
-            if tuning and bits == 3 and batch > 1:
+            chosen = lowbit_cfg.setdefault(bits if bits in SWEPT_BITS else 3, {})
+            sweep = tuning and bits in SWEPT_BITS
+            ms, cfg = time_lowbit(timer, impls, lb_args, chosen, sweep, row, bits)
+            if tuning and bits == 3 and batch > 1 and DIAGNOSTICS:
                 row["int3_diagnostics"] = {name: timer(lambda c=c: lowbit_attention.paged_attention_lowbit(
                     *lb_args, SCALE, config=c)) for name, c in DIAGNOSTICS.items()}
-            if tuning and bits not in lowbit_cfg and cfg in fns:
-                lowbit_cfg[bits] = json.loads(cfg)
             row[f"int{bits}_ms"], row[f"int{bits}_config"], row[f"int{bits}_bytes"] = ms, cfg, nbytes
             row[f"int{bits}_outliers_per_page_head"] = float(lb_args[3].outlier_count.float().mean())
             if bits == 3 and (length == 16384 or args.dry):
                 row.update(quantize_cost(timer, batch, bits, ms, gen))
-            del lb_args, fns
+            del lb_args
             torch.cuda.empty_cache()
         add_derived(row, bandwidth)
         rows.append(row)
@@ -341,8 +379,7 @@ def run_check(log, sweep_configs: bool = True) -> bool:
     small = DEVICE == "cpu"                                   # --dry
     fp_lens = [0, 99, 300, 100] if small else [0, 99, 4096, 16383]
     lowbit_lens = [0, 130, 300] if small else [0, 200, 5000, 16383]
-    configs = LOWBIT_CONFIGS[:2] if small else LOWBIT_CONFIGS
-    configs = configs if sweep_configs else [{}]
+    impls = lowbit_impls()
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         case = build_fp_case(fp_lens, [1] * len(fp_lens), HKV, HQ // HKV, D, FP_PAGE, dtype, DEVICE)
         report(f"fp decode {dtype} context {fp_lens}", fp_kernel(*case, SCALE), fp_reference(*case, SCALE), tol[dtype])
@@ -355,9 +392,25 @@ def run_check(log, sweep_configs: bool = True) -> bool:
             case = build_case(lowbit_lens, [1] * len(lowbit_lens), HKV, HQ // HKV, D, bits, LOWBIT_PAGE, dtype=dtype,
                               kind=kind, outlier_fraction=0.01, device=DEVICE)
             ref = lowbit_reference.paged_attention_lowbit(*case.args(), SCALE)
-            for cfg in configs if (dtype, kind) == (torch.bfloat16, "normal") else [{}]:
-                out = lowbit_attention.paged_attention_lowbit(*case.args(), SCALE, config=cfg)
-                report(f"int{bits} decode {dtype} {kind} context {lowbit_lens} {cfg}", out, ref, tol[dtype])
+            for name, (fn, configs) in impls.items():
+                for cfg in (configs if sweep_configs and (dtype, kind) == (torch.bfloat16, "normal") else configs[:1]):
+                    try:
+                        out = fn(*case.args(), SCALE, **cfg)
+                    except Exception as exc:                  # a failing variant is a failed check, not a crash
+                        ok = False
+                        log(f"FAIL {name} int{bits} decode {dtype} {kind} {cfg}: {type(exc).__name__}: {exc}")
+                        continue
+                    report(f"{name} int{bits} decode {dtype} {kind} context {lowbit_lens} {cfg}", out, ref, tol[dtype])
+            if (dtype, kind) == (torch.bfloat16, "outlier_channels"):   # graph mode: splits sized on the device
+                case.meta.fixed_num_splits = 5
+                for name, (fn, configs) in impls.items():
+                    try:
+                        report(f"{name} int{bits} decode fixed_num_splits=5", fn(*case.args(), SCALE, **configs[0]),
+                               ref, tol[dtype])
+                    except Exception as exc:
+                        ok = False
+                        log(f"FAIL {name} int{bits} fixed_num_splits: {type(exc).__name__}: {exc}")
+                case.meta.fixed_num_splits = None
         case = build_case([0, 300, 1000], [40 if small else 300, 129, 1], HKV, HQ // HKV, D, bits, LOWBIT_PAGE, dtype=torch.bfloat16,
                           outlier_fraction=0.01, device=DEVICE, seed=1)
         report(f"int{bits} prefill bf16", lowbit_attention.paged_attention_lowbit(*case.args(), SCALE),
@@ -453,6 +506,16 @@ def write_markdown(path, env, result) -> None:
             lines.append(f"| {r['batch']} | {r['context']} | {r['quantize_pages_ms']:.4f} | "
                          f"{r['quantize_reference_ms']:.2f} | {100 * r['quantize_share_of_step']:.1f}% | "
                          f"{100 * r['quantize_share_amortized']:.2f}% |")
+    impl_names = sorted({n for r in result["rows"] for b in BITS for n in r.get(f"int{b}_impl_ms", {})})
+    if impl_names:
+        lines += ["", "Low-bit implementations side by side (best launch config of each; ms):", "",
+                  "| B | L | width | " + " | ".join(impl_names) + " |", "|---|---|---|" + "---|" * len(impl_names)]
+        for r in result["rows"]:
+            for b in BITS:
+                times = r.get(f"int{b}_impl_ms", {})
+                if times:
+                    lines.append(f"| {r['batch']} | {r['context']} | int{b} | " + " | ".join(
+                        f"{times[n]:.4f}" if n in times else "-" for n in impl_names) + " |")
     lines += ["", "Launch configs chosen (swept at B=1 and B=32, L=16k):", ""]
     for r in result["rows"][:1]:
         for name in ["bf16_paged", "int4", "int3", "int2"]:
@@ -499,18 +562,20 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="default launch configs only")
     parser.add_argument("--dry", action="store_true", help="plumbing test on a CPU (interpreter, tiny shapes)")
     parser.add_argument("--shapes", help="BxL,BxL,... instead of the default shapes")
-    parser.add_argument("--lowbit-configs", help="JSON list of low-bit launch configs to sweep (int3)")
+    parser.add_argument("--lowbit-configs", help="JSON object impl -> list of launch configs to sweep (int3)")
+    parser.add_argument("--impls", help="comma-separated low-bit implementations (default: all of LOWBIT_IMPLS)")
     parser.add_argument("--fp-configs", help="JSON list of full-precision launch configs to sweep")
     parser.add_argument("--no-diag", action="store_true", help="skip the int3 diagnostics")
     parser.add_argument("--check-configs", action="store_true", help="--check also runs every sweep config")
     parser.add_argument("--render", help="re-write the markdown and plot of a saved attention-bench.json")
     args = parser.parse_args(argv)
-    global SHAPES, CURVE, LOWBIT_CONFIGS, FP_CONFIGS, DIAGNOSTICS
+    global SHAPES, CURVE, FP_CONFIGS, DIAGNOSTICS
     if args.shapes:
         SHAPES = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
         CURVE = []
     if args.lowbit_configs:
-        LOWBIT_CONFIGS = json.loads(args.lowbit_configs)
+        for name, configs in json.loads(args.lowbit_configs).items():
+            LOWBIT_IMPLS[name] = (*LOWBIT_IMPLS[name][:2], configs)
     if args.fp_configs:
         FP_CONFIGS = json.loads(args.fp_configs)
     if args.no_diag:

@@ -2,6 +2,8 @@
 with Hugging Face transformers on the same shape and the same weights, plus the MoE layer alone.
 
     PYTHONPATH=src:. python benchmarks/bench_decode.py --model mixtral-8x7b           # on the H200
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --scenarios 1x16384:bf16 --eager-too   # graphs on and off
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --enforce-eager --tag eager     # every step eager
     PYTHONPATH=src:. python benchmarks/bench_decode.py --scenarios 64x16384:int3 --no-hf --moe-tokens "" --tag b64
     PYTHONPATH=src:. python benchmarks/bench_decode.py --tiny                          # CPU: code paths only
 
@@ -11,8 +13,12 @@ Sections (each in the JSON and the markdown written to --out, default benchmarks
               of --steps; moekv through Engine.step() (scheduler, sampling and all), transformers as
               model(next_token, cache=DynamicCache) + argmax, experts_implementation
               "eager" and "grouped_mm" (bf16 cache only: transformers has no int3 cache).
+              moekv replays a CUDA graph per decode step (system "moekv", the default) or runs every
+              step eagerly (system "moekv-eager": --enforce-eager, or both with --eager-too).
   gpu_busy    torch.profiler over --profile-steps decode steps: union of GPU kernel intervals / the
-              steps' wall time (the profiler's own CPU overhead makes this a lower bound).
+              steps' wall time (the profiler's own CPU overhead makes this a lower bound; its trace
+              also misses many kernels of replayed graphs), and for CUDA-graph rows the CUDA-event time
+              of each step's graph replay over --profile-steps more steps (gpu_busy_replay = / wall).
   prefill     tokens per second of the prefill phase of each scenario (B x context prompt tokens, chunks
               of --prefill-chunk tokens per engine step); the B=1, 16k row is "prefill at 16k".
   moe_layer   layer 0's experts alone at --moe-tokens (benchmarks/bench_moe.py: achieved TB/s).
@@ -40,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_moe  # noqa: E402  (also turns on the interpreter for --tiny)
 
-from moekv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, DeviceConfig  # noqa: E402
+from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from moekv.engine.engine import Engine  # noqa: E402
 from moekv.kvcache import AttentionMetadata, KVCacheSpec, create_kv_cache  # noqa: E402
 from moekv.models.loader import build_random_model  # noqa: E402
@@ -113,8 +119,45 @@ def busy_fraction(step, num_steps: int, device: torch.device) -> float | None:
     return busy / wall
 
 
+class _TimedGraph:
+    """Stands in for a captured CUDA graph: replays it between two timing events."""
+
+    def __init__(self, graph):
+        self.graph, self.events = graph, []
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.events.append((start, end))
+
+
+def graph_busy(engine: Engine, num_steps: int, device: torch.device) -> tuple[float | None, float | None]:
+    """(GPU ms of one decode step's graph replay, that / the step's wall time), timed with CUDA events
+    around each replay (a graph has no launch gaps). The profiler's trace undercounts graph kernels
+    here, so graph rows report this too. None without captured graphs."""
+    buckets = [b for b in engine.runner._buckets.values() if b.graph is not None]
+    if num_steps <= 0 or not buckets or device.type != "cuda":
+        return None, None
+    for bucket in buckets:
+        bucket.graph = _TimedGraph(bucket.graph)
+    try:
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        sync(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+        gpu_ms = sum(s.elapsed_time(e) for b in buckets for s, e in b.graph.events)
+    finally:
+        for bucket in buckets:
+            bucket.graph = bucket.graph.graph
+    return gpu_ms / num_steps, gpu_ms / wall_ms
+
+
 # ---------------------------------------------------------------- moekv
-def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args) -> Engine:
+def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args, graphs: bool = True) -> Engine:
     page_size = args.page_size or (128 if kv.startswith("int") else 16)
     max_len = context + new_tokens + 8
     num_pages = batch * -(-max_len // page_size) + batch + 1
@@ -122,15 +165,15 @@ def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args)
                         staging_pages=2 * batch + 8 if kv.startswith("int") else None)
     config = EngineConfig(model=ModelConfig(model=f"random:{args.model}", max_model_len=max_len), cache=cache,
                           scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=args.prefill_chunk),
-                          device=DeviceConfig(str(model.device)))
+                          device=DeviceConfig(str(model.device), cuda_graphs=graphs))
     return Engine(config, model=model)
 
 
-def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.device) -> dict:
+def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.device, graphs: bool = True) -> dict:
     # sequences prefilled first decode while the others prefill: room for those steps too
     prefill_steps = -(-batch * context // args.prefill_chunk) + batch
-    new_tokens = prefill_steps + args.warmup + args.steps + args.profile_steps + 4
-    engine = make_engine(model, batch, context, kv, new_tokens, args)
+    new_tokens = prefill_steps + args.warmup + args.steps + 2 * args.profile_steps + 4
+    engine = make_engine(model, batch, context, kv, new_tokens, args, graphs)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for tokens in prompts(batch, context, model.arch.vocab_size):
         engine.add_request(tokens, params)
@@ -149,10 +192,15 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
     sync(device)
     step_ms = (time.perf_counter() - start) * 1e3 / args.steps
     busy = busy_fraction(engine.step, args.profile_steps, device)
+    replay_ms, replay_busy = graph_busy(engine, args.profile_steps, device)
     assert all(len(r.output_token_ids) < new_tokens for r in engine.scheduler.running), "a sequence finished early"
-    row = {"system": "moekv", "kv": kv, "batch": batch, "context": context, "tpot_ms": step_ms,
-           "tokens_per_s": batch * 1e3 / step_ms, "gpu_busy": busy, "prefill_tokens_per_s": batch * context / prefill_s,
-           "kv_bits_per_value": engine.kv_bits_per_value()}
+    runner = engine.runner
+    row = {"system": "moekv" if graphs else "moekv-eager", "kv": kv, "batch": batch, "context": context,
+           "tpot_ms": step_ms, "tokens_per_s": batch * 1e3 / step_ms, "gpu_busy": busy,
+           "prefill_tokens_per_s": batch * context / prefill_s, "kv_bits_per_value": engine.kv_bits_per_value(),
+           "cuda_graphs": runner.graph_mode == "cuda", "graph_steps": runner.graph_steps,
+           "graph_replay_ms": replay_ms, "gpu_busy_replay": replay_busy,
+           "graph_fallback": runner.graph_fallback_reason}
     for request_id in list(engine.requests):
         engine.abort(request_id)
     del engine
@@ -273,14 +321,21 @@ def markdown(result: dict) -> list[str]:
     if result.get("copy_bandwidth_tbps"):
         lines += [f"Measured copy bandwidth {result['copy_bandwidth_tbps']:.2f} TB/s.", ""]
     lines += ["## Decode: time per output token", "",
-              "| B | context | system | KV | ms / token | tokens/s | GPU busy | prefill tok/s | KV bits/value |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "GPU busy: union of profiled kernel intervals / wall (a lower bound; the trace undercounts graph "
+              "kernels); graph replay: CUDA-event time of the step's graph replay (ms, and / wall).", "",
+              "| B | context | system | KV | ms / token | tokens/s | GPU busy | graph replay | prefill tok/s "
+              "| KV bits/value |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["decode"]:
         busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
+        replay = "-" if r.get("graph_replay_ms") is None else \
+            f"{r['graph_replay_ms']:.3f} ms ({100 * r['gpu_busy_replay']:.1f}%)"
         lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r['kv']} | {r['tpot_ms']:.3f} | "
-                     f"{r['tokens_per_s']:.1f} | {busy} | {r['prefill_tokens_per_s']:.0f} | {r['kv_bits_per_value']:.2f} |")
+                     f"{r['tokens_per_s']:.1f} | {busy} | {replay} | {r['prefill_tokens_per_s']:.0f} | "
+                     f"{r['kv_bits_per_value']:.2f} |")
     for r in result["errors"]:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r['kv']} | failed: {r['error'][:80]} | | | | |")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r['kv']} | failed: {r['error'][:80]} "
+                     "| | | | | |")
     lines += ["", "## MoE layer alone (layer 0's weights)", ""] + bench_moe.layer_table(result["moe_layer"])
     if result.get("parity"):
         p = result["parity"]
@@ -295,7 +350,7 @@ def targets(result: dict) -> list[str]:
     one = [r for r in result["moe_layer"] if r["tokens"] == 1 and r["impl"] == "moekv" and r["pct_copy"] is not None]
     if one:
         out.append(f"MoE layer at 1 token: {one[0]['pct_copy']:.1f}% of copy bandwidth (target >= {TARGET_MOE_PCT_COPY:.0f}%)")
-    tpot = [r for r in result["decode"] if r["system"] == "moekv" and r["kv"] == "int3" and r["batch"] == 1
+    tpot = [r for r in result["decode"] if r["system"].startswith("moekv") and r["kv"] == "int3" and r["batch"] == 1
             and r["context"] == 16384]
     if tpot:
         out.append(f"B=1 16k int3: {tpot[0]['tpot_ms']:.3f} ms per token (target <= {TARGET_TPOT_MS} ms)")
@@ -319,6 +374,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="result folder (default benchmarks/results; --tiny: a temp dir)")
     parser.add_argument("--tag", default="", help="appended to the result file names (split runs)")
     parser.add_argument("--tiny", action="store_true", help="tiny Mixtral-shaped model on the CPU (code paths)")
+    parser.add_argument("--enforce-eager", action="store_true", help="moekv without CUDA graphs (every step eager)")
+    parser.add_argument("--eager-too", action="store_true", help="run moekv both with CUDA graphs and eagerly")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
@@ -349,15 +406,17 @@ def main(argv=None) -> int:
         except Exception as exc:                                      # noqa: BLE001 (reported in the results)
             print(f"transformers side-by-side unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
             hf = None
-    runs = [("moekv", b, c, kv) for b, c, kv in scenarios]
+    systems = (["moekv", "moekv-eager"] if args.eager_too else
+               ["moekv-eager"] if args.enforce_eager else ["moekv"])
+    runs = [(system, b, c, kv) for b, c, kv in scenarios for system in systems]
     if hf is not None:
         pairs = sorted({(b, c) for b, c, kv in scenarios if kv == "bf16"})
         runs += [(f"transformers-{impl}", b, c, "bf16") for b, c in pairs for impl in args.hf.split(",")]
     for system, batch, context, kv in runs:
         print(f"{system} B={batch} L={context} kv={kv} ...", flush=True)
         try:
-            if system == "moekv":
-                row = run_moekv(model, batch, context, kv, args, device)
+            if system.startswith("moekv"):
+                row = run_moekv(model, batch, context, kv, args, device, graphs=system == "moekv")
             else:
                 row = run_hf(hf, system.split("-", 1)[1], batch, context, args, device)
         except Exception as exc:                                      # noqa: BLE001 (e.g. out of memory)
@@ -367,8 +426,12 @@ def main(argv=None) -> int:
                                      "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             continue
         busy = "-" if row["gpu_busy"] is None else f"{100 * row['gpu_busy']:.1f}%"
+        graphs = "" if "cuda_graphs" not in row else \
+            (", CUDA graphs" if row["cuda_graphs"] else f", eager ({row['graph_fallback']})")
+        if row.get("graph_replay_ms") is not None:
+            graphs += f" (replay {row['graph_replay_ms']:.3f} ms = {100 * row['gpu_busy_replay']:.1f}% of the step)"
         print(f"  {row['tpot_ms']:.3f} ms/token, {row['tokens_per_s']:.1f} tok/s, GPU busy {busy}, "
-              f"prefill {row['prefill_tokens_per_s']:.0f} tok/s")
+              f"prefill {row['prefill_tokens_per_s']:.0f} tok/s{graphs}")
         result["decode"].append(row)
 
     moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t]

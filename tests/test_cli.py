@@ -46,3 +46,12 @@ def test_invalid_sampling_parameter_is_a_clear_error(tmp_path, capsys):
 
 def test_parser_builds_without_optional_dependencies():
     assert build_parser().prog == "moekv"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_enforce_eager_flag(command):
+    parser = build_parser()
+    if getattr(parser.parse_args(command), "_missing", None):
+        pytest.skip("the serve dependencies are not installed")
+    assert parser.parse_args(command).enforce_eager is False
+    assert parser.parse_args(command + ["--enforce-eager"]).enforce_eager is True

@@ -247,6 +247,8 @@ class DeviceConfig:
     cpu_threads: int | None = None      # torch intra-op threads on the CPU; None: 1 for small models
                                         # (hidden < 2048: thread hand-offs cost more than they save,
                                         # ~20x slower on a loaded 2-core machine), else torch's default
+    cuda_graphs: bool = True            # decode-only steps replay CUDA graphs (per batch-size bucket) on CUDA;
+                                        # False (--enforce-eager): every step runs eagerly
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -255,6 +257,8 @@ class DeviceConfig:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ConfigError(f"cpu_threads must be a positive integer or None, got {self.cpu_threads!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
 
     @property
     def resolved(self) -> str:

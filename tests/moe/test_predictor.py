@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekv.moe.prefetch.predictor import ExpertPredictor, recall_counts
+from moekv.moe.prefetch.predictor import ExpertPredictor, recall_counts, recall_counts_by_width
 from tests.hf_fixtures import moekv_greedy
 
 
@@ -56,6 +56,19 @@ def test_predictor_counters_match_a_recomputation(tiny_model, extra):
     total_hits = int(predictor.hits[:, 0].sum())
     assert recall["overall"][1] == pytest.approx(total_hits / int(predictor.routed[:, 0].sum()))
     assert recall["precision"][1] == pytest.approx(total_hits / int(predictor.predicted[:, 0].sum()))
+    # recall of every prefix width, one wider than the guess: width P is the headline recall
+    by_width = recall["by_width"][1]
+    assert sorted(by_width) == list(range(1, width + 2))
+    assert by_width[width]["recall"] == pytest.approx(recall["overall"][1])
+    assert by_width[width]["precision"] == pytest.approx(recall["precision"][1])
+    assert all(by_width[w]["recall"] <= by_width[w + 1]["recall"] for w in range(1, width + 1))
+
+
+def test_recall_counts_by_width_hand_made():
+    predicted = torch.tensor([[0, 1, 2], [3, 4, 5]])                   # [T, W]
+    routed = torch.tensor([[1, 2], [5, 6]])                            # [T, k]
+    assert recall_counts_by_width(predicted, routed).tolist() == [0, 1, 3]
+    assert int(recall_counts_by_width(predicted, routed)[-1]) == int(recall_counts(predicted, routed))
 
 
 def test_predicting_every_expert_has_full_recall(tiny_model):

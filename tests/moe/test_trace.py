@@ -58,3 +58,31 @@ def test_simulation_matches_the_offloaded_model_counter_for_counter(tiny_model):
         assert stats["misses"] == round(sim["misses_per_layer_token"] * steps)
         assert stats["copies"] == round(sim["copies_per_layer_token"] * steps)
         assert stats["hit_rate"] == sim["hit_rate"]
+
+
+def test_optimal_eviction_hand_made_and_never_worse_than_lru():
+    from moekv.moe.prefetch.trace import RoutingTrace, simulate_cache, simulate_optimal_eviction
+
+    # one layer, top-1, 2 slots: A B C A B C ... LRU misses every time; Belady keeps one of A / B
+    routed = torch.tensor([[0], [1], [2]] * 4).unsqueeze(0)                  # [1, 12, 1]
+    trace = RoutingTrace(routed, {("attn", 1): [None], ("attn", 2): [None]})
+    assert simulate_cache(trace, 2)["copies_per_layer_token"] == 1.0
+    optimal = simulate_optimal_eviction(trace, 2)
+    assert optimal["copies_per_layer_token"] == 7 / 12     # 3 cold misses, then one miss every other token
+    generator = torch.Generator().manual_seed(0)
+    routed = torch.stack([torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(200)])
+                          for _ in range(3)])                                 # [3, 200, 2]
+    trace = RoutingTrace(routed, {("attn", 1): [None] * 3, ("attn", 2): [None] * 3})
+    for slots in (2, 4, 6):
+        assert simulate_optimal_eviction(trace, slots)["copies_per_layer_token"] <= \
+            simulate_cache(trace, slots)["copies_per_layer_token"]
+
+
+def test_copy_timing_counts_every_copy(tiny_model):
+    model = tiny_model()
+    offload = ExpertOffload(model, num_slots=2, time_copies=True)
+    layer = offload.layers[0]
+    layer(torch.randn(1, model.arch.hidden_size), torch.tensor([[0, 1]]), torch.full((1, 2), 0.5))
+    assert offload.copier.copies == 2 and offload.copier.copy_seconds() > 0
+    offload.reset_stats()
+    assert offload.copier.copies == 0 and offload.copier.copy_seconds() == 0.0

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moekv.config import EngineConfig, torch_dtype
-from moekv.engine.model_runner import ModelRunner
+from moekv.engine.model_runner import ModelRunner, graph_pool_bytes
 from moekv.engine.request import Request, RequestOutput, RequestStatus
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
@@ -81,12 +81,22 @@ class Engine:
             self.cache_config = replace(self.cache_config, staging_pages=num_pages)
         self.kv_cache = create_kv_cache(self.cache_config, spec, num_pages, self.device)
         self.kv_manager = KVCacheManager(num_pages, spec.page_size, on_pages_freed=self.kv_cache.pages_freed)
-        if self.kv_manager.capacity_tokens < self.max_model_len:
-            raise ConfigError(f"the KV cache holds {self.kv_manager.capacity_tokens} tokens, fewer than "
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+        if self._wants_cuda_graphs():
+            # decode steps replay CUDA graphs (takes one scratch page from the pool for padding rows)
+            self.runner.enable_graphs(capture=True, hooks_safe=self._routing_hooks_graph_safe())
+        else:
+            self.runner.graph_fallback_reason = (
+                "not on CUDA" if self.device.type != "cuda" else
+                "cuda_graphs=False (--enforce-eager)" if not config.device.cuda_graphs else
+                "experts are offloaded to host memory")
+        usable_tokens = (num_pages - self.runner.reserved_pages) * spec.page_size
+        if usable_tokens < self.max_model_len:
+            raise ConfigError(f"the KV cache holds {usable_tokens} tokens, fewer than "
                               f"max_model_len={self.max_model_len}; lower max_model_len or give the cache "
                               f"more memory")
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.model.seed)
@@ -104,6 +114,20 @@ class Engine:
         if asked > limit:
             raise ConfigError(f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}")
         return asked
+
+    def _wants_cuda_graphs(self) -> bool:
+        """Config-level: graphs asked for, on CUDA, experts local (the runner checks the rest)."""
+        return (self.device.type == "cuda" and self.config.device.cuda_graphs
+                and not self.config.offload.cpu_offload_experts)
+
+    def _routing_hooks_graph_safe(self) -> bool:
+        """Expert offloading and prefetch listeners synchronise or use side streams: not capturable.
+        The load tracker (a pre-hook, run eagerly) and a listener-less predictor (device ops) are."""
+        routing = self.routing
+        if getattr(routing, "offload", None) is not None:
+            return False
+        predictor = getattr(routing, "predictor", None)
+        return predictor is None or not predictor.listeners
 
     def _eos_token_ids(self, model_dir: Path) -> set[int]:
         ids = set(self.arch.eos_token_ids)
@@ -129,6 +153,8 @@ class Engine:
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = int(total * config.memory_fraction) - torch.cuda.memory_allocated(self.device) \
                 - _CUDA_ACTIVATION_RESERVE
+            if self._wants_cuda_graphs():     # the shared graph pool: every bucket's logits + intermediates
+                budget -= graph_pool_bytes(self.arch, self.config.scheduler.max_num_seqs, self.model_dtype)
         else:
             budget = config.cpu_cache_bytes
         num_pages = min(wanted, (budget - format_class.fixed_bytes(spec, config)) // page_bytes)

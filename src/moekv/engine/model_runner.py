@@ -2,10 +2,23 @@
 
 This is the only place that builds model inputs; the model itself is single-device and knows
 nothing of requests.
+
+Decode-only steps (every chunk one new token, every chunk samples) can run as a replayed CUDA
+graph: one graph per batch-size bucket (1, 2, 4, ..., max_num_seqs), captured lazily on the
+bucket's first use after an eager warm-up run, all graphs sharing one memory pool. A bucket owns
+static buffers (one packed int32 device buffer holding the token ids, positions, context and
+sequence lengths, slot mapping, a token-valid mask and the block tables [Bb, max_pages]; a static
+AttentionMetadata whose device tensors are views of it, with `fixed_num_splits` set so the decode
+kernels size their split-K work on the device; the output logits [Bb, V]). A step fills one host
+buffer, copies it to the device in one transfer and replays. Rows past the step's batch are dummy
+sequences (one token at position 0, context 0, block table [scratch page], request id "") whose
+keys/values land in a page the runner holds for its lifetime. Sampling stays eager on the real rows.
+See docs/architecture.md, "CUDA-graph decode step".
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +27,11 @@ from moekv.kvcache.base import AttentionMetadata, KVCache
 from moekv.kvcache.manager import KVCacheManager
 from moekv.scheduler.output import SchedulerOutput
 
+logger = logging.getLogger("moekv.engine")
+
+# Packed int32 fields of a bucket's input buffer, in order; each is [Bb], then block tables [Bb * W].
+_FIELDS = ("input_ids", "positions", "context_lens", "seq_lens", "slot_mapping", "token_valid")
+
 
 @dataclass
 class StepResult:
@@ -21,14 +39,247 @@ class StepResult:
     sample_chunks: list[int]      # indices into SchedulerOutput.chunks of those rows
 
 
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a CUDA graph: powers of two below max_num_seqs, then max_num_seqs."""
+    buckets, size = [], 1
+    while size < max_num_seqs:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max(max_num_seqs, 1)]
+
+
+def graph_pool_bytes(arch, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """A generous estimate of the device memory the shared graph pool holds once every bucket is
+    captured: each bucket's logits stay alive, intermediates of the largest bucket are reused."""
+    element = torch.empty((), dtype=dtype).element_size()
+    buckets = graph_buckets(max_num_seqs)
+    outputs = sum(b * arch.vocab_size * 4 for b in buckets)
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    per_token = (16 * arch.hidden_size + 4 * qkv + 4 * arch.top_k * max(arch.expert_intermediate_size, 1)) * element \
+        + 2 * arch.num_heads * 128 * arch.head_dim * 4 + arch.vocab_size * 4
+    return outputs + buckets[-1] * per_token + (64 << 20)
+
+
+class _Bucket:
+    """Static buffers (and, when captured, the graph) of one batch-size bucket."""
+
+    def __init__(self, size: int, max_pages: int, scratch_page: int, page_size: int, num_splits: int,
+                 device: torch.device):
+        self.size = size
+        self.max_pages = max_pages
+        width = len(_FIELDS) * size + size * max_pages
+        pin = device.type == "cuda"
+        self.host = torch.zeros(width, dtype=torch.int32, pin_memory=pin)            # [width]
+        self.host_np = self.host.numpy()
+        self.device_buf = torch.zeros(width, dtype=torch.int32, device=device)       # [width]
+        self.copied: torch.cuda.Event | None = None        # the last host->device copy (pinned reuse)
+        views = {name: self.device_buf[i * size:(i + 1) * size] for i, name in enumerate(_FIELDS)}
+        self.views = views
+        tables = self.device_buf[len(_FIELDS) * size:].view(size, max_pages)          # [Bb, W]
+        self.meta = AttentionMetadata(
+            query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
+            context_lens=views["context_lens"], seq_lens=views["seq_lens"], block_tables=tables,
+            slot_mapping=torch.zeros(size, dtype=torch.int64, device=device),      # filled in the forward
+            query_lens_host=[1] * size, context_lens_host=[0] * size,
+            block_tables_host=[[scratch_page]] * size, max_query_len=1, max_seq_len=1,
+            request_ids=[""] * size, fixed_num_splits=num_splits,
+            token_valid=torch.zeros(size, dtype=torch.int64, device=device))        # filled in the forward
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)      # [Bb]
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)      # [Bb]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None            # [Bb, V] float32, the graph's output
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv_manager: KVCacheManager,
-                 device: torch.device):
+                 device: torch.device, max_num_seqs: int = 1, max_model_len: int | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.kv_manager = kv_manager
         self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.graph_mode: str | None = None     # None (eager), "cuda" (capture + replay), "static" (eager on buffers)
+        self.graph_fallback_reason: str | None = None
+        self.scratch_page: int | None = None
+        self.buckets: list[int] = []
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None
+        self.graph_steps = 0                   # decode steps that ran through the graph path
+        self.captures = 0
 
+    # -- CUDA-graph set-up --------------------------------------------------------------------
+    def graph_ineligibility(self, hooks_safe: bool = True) -> str | None:
+        """Why decode steps of this model and cache cannot be captured (None: they can)."""
+        from moekv.moe.experts import Experts, LocalExperts
+
+        if not getattr(type(self.kv_cache), "supports_graph_decode", False):
+            return f"the {type(self.kv_cache).__name__} KV cache does not support graph decode"
+        if not hasattr(self.model, "compute_logits") or not hasattr(self.model, "layers"):
+            return "the model is not a moekv decoder"
+        for module in self.model.modules():
+            if isinstance(module, Experts) and type(module) is not LocalExperts:
+                return f"experts are {type(module).__name__} (offloaded or expert-parallel), not LocalExperts"
+        if not hooks_safe:
+            return "routing hooks (expert prefetch) synchronise or use side streams"
+        if self.model._forward_hooks or self.model._forward_pre_hooks_with_kwargs or \
+                getattr(self.model, "_forward_hooks_with_kwargs", None):
+            return "the model has forward hooks on its top module"
+        if self.max_model_len is None:
+            return "no max_model_len"
+        return None
+
+    def enable_graphs(self, capture: bool = True, hooks_safe: bool = True) -> bool:
+        """Run decode-only steps through per-bucket static buffers: replayed CUDA graphs (capture=True,
+        CUDA only), or the same static-buffer code run eagerly (capture=False: tests, any device).
+        Reserves the scratch page. Returns False (and stays eager) when the model or cache cannot."""
+        reason = self.graph_ineligibility(hooks_safe)
+        if reason is None and capture and self.device.type != "cuda":
+            reason = "CUDA graphs need a CUDA device"
+        if reason is not None:
+            self.graph_fallback_reason = reason
+            logger.info("decode steps run eagerly: %s", reason)
+            return False
+        page_size = self.kv_manager.page_size
+        if self.kv_manager.pool.num_pages * page_size >= 2 ** 31:
+            self.graph_fallback_reason = "the KV pool has more than 2**31 slots"
+            return False
+        self.scratch_page = self.kv_manager.pool.allocate(1)[0]      # held for the runner's lifetime
+        self.buckets = graph_buckets(self.max_num_seqs)
+        self.graph_mode = "cuda" if capture else "static"
+        self.kv_cache.reserve_graph_decode(self.buckets[-1])
+        if capture:
+            self._pool = torch.cuda.graph_pool_handle()
+        return True
+
+    @property
+    def reserved_pages(self) -> int:
+        return 0 if self.scratch_page is None else 1
+
+    def _num_splits(self, size: int) -> int:
+        from moekv.ops.triton.split_k import plan_splits
+
+        return plan_splits(size, self.kv_cache.spec.num_kv_heads, self.max_model_len, 64, self.device)[0]
+
+    def _bucket(self, batch: int) -> _Bucket:
+        size = next(b for b in self.buckets if b >= batch)
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            max_pages = -(-self.max_model_len // self.kv_manager.page_size)
+            bucket = _Bucket(size, max_pages, self.scratch_page, self.kv_manager.page_size,
+                             self._num_splits(size), self.device)
+            self._fill(bucket, [])
+            if self.graph_mode == "cuda":
+                self._capture(bucket)
+            self._buckets[size] = bucket
+        return bucket
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Warm up eagerly on a side stream (Triton compiles, cuBLAS picks its kernels), then capture."""
+        meta = bucket.meta
+        self._upload(bucket)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                self.kv_cache.begin_step(meta)
+                self._static_forward(bucket)
+                self.kv_cache.end_step(meta)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self.kv_cache.begin_step(meta)
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            logits = self._static_forward(bucket)
+        self.kv_cache.end_step(meta)
+        torch.cuda.synchronize(self.device)
+        bucket.graph, bucket.logits = graph, logits
+        self.captures += 1
+        logger.info("captured the decode CUDA graph for batch bucket %d (%d split-K splits)", bucket.size,
+                    meta.fixed_num_splits)
+
+    def _static_forward(self, bucket: _Bucket) -> torch.Tensor:
+        """The decode forward over a bucket's static buffers -> logits [Bb, V] float32. Device work
+        only: no host reads, no host-dependent branches (this is what a graph captures)."""
+        views, meta = bucket.views, bucket.meta
+        bucket.input_ids.copy_(views["input_ids"])                                  # int32 -> int64 [Bb]
+        bucket.positions.copy_(views["positions"])
+        meta.slot_mapping.copy_(views["slot_mapping"])
+        meta.token_valid.copy_(views["token_valid"])
+        hidden = self.model.forward(bucket.input_ids, bucket.positions, self.kv_cache, meta)   # [Bb, H]
+        return self.model.compute_logits(hidden)                                     # [Bb, V]
+
+    def _fill(self, bucket: _Bucket, rows: list[tuple[int, int, list[int], str]]) -> None:
+        """Write a step's rows (token id, position, block table, request id) into the bucket's host
+        buffer and its metadata's host lists; rows past len(rows) are dummy sequences."""
+        if bucket.copied is not None:
+            bucket.copied.synchronize()              # the previous copy out of this pinned buffer is done
+        size, page_size, scratch = bucket.size, self.kv_manager.page_size, self.scratch_page
+        host = bucket.host_np
+        fields = {name: host[i * size:(i + 1) * size] for i, name in enumerate(_FIELDS)}
+        tables = host[len(_FIELDS) * size:].reshape(size, bucket.max_pages)
+        context_lens, block_tables, request_ids = [], [], []
+        for i in range(size):
+            if i < len(rows):
+                token, position, table, request_id = rows[i]
+                valid = 1
+            else:
+                token, position, table, request_id, valid = 0, 0, [scratch], "", 0
+            fields["input_ids"][i] = token
+            fields["positions"][i] = position
+            fields["context_lens"][i] = position
+            fields["seq_lens"][i] = position + 1
+            fields["slot_mapping"][i] = table[position // page_size] * page_size + position % page_size
+            fields["token_valid"][i] = valid
+            tables[i, :len(table)] = table
+            context_lens.append(position)
+            block_tables.append(table)
+            request_ids.append(request_id)
+        meta = bucket.meta
+        meta.context_lens_host = context_lens
+        meta.block_tables_host = block_tables
+        meta.request_ids = request_ids
+        meta.max_seq_len = max(context_lens) + 1
+
+    def _upload(self, bucket: _Bucket) -> None:
+        """The step's one host->device copy."""
+        bucket.device_buf.copy_(bucket.host, non_blocking=True)
+        if self.device.type == "cuda":
+            bucket.copied = torch.cuda.Event()
+            bucket.copied.record(torch.cuda.current_stream(self.device))
+
+    def _graphable(self, sched: SchedulerOutput) -> bool:
+        if self.graph_mode is None or not sched.chunks or len(sched.chunks) > self.buckets[-1]:
+            return False
+        return all(c.num_new_tokens == 1 and c.sample for c in sched.chunks)
+
+    def _run_pre_hooks(self, bucket: _Bucket) -> None:
+        """The model's own forward pre-hooks (the expert-load window) run eagerly, outside the graph."""
+        if self.model._forward_pre_hooks:
+            args = (bucket.input_ids, bucket.positions, self.kv_cache, bucket.meta)
+            for hook in list(self.model._forward_pre_hooks.values()):
+                hook(self.model, args)
+
+    def _execute_graph(self, sched: SchedulerOutput) -> StepResult:
+        rows = []
+        for chunk in sched.chunks:
+            request, position = chunk.request, chunk.start
+            rows.append((request.token_ids(position, position + 1)[0], position,
+                         self.kv_manager.block_table(request.request_id), request.request_id))
+        bucket = self._bucket(len(rows))
+        self._fill(bucket, rows)
+        self._upload(bucket)
+        self.kv_cache.begin_step(bucket.meta)
+        self._run_pre_hooks(bucket)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            logits = bucket.logits
+        else:
+            logits = self._static_forward(bucket)
+        self.kv_cache.end_step(bucket.meta)
+        self.graph_steps += 1
+        return StepResult(logits=logits[:len(rows)], sample_chunks=list(range(len(rows))))
+
+    # -- the step -----------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         token_ids: list[int] = []
         positions: list[int] = []
@@ -49,6 +300,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        if self._graphable(sched):
+            return self._execute_graph(sched)
         input_ids, positions, meta = self.prepare(sched)
         last_rows, sample_chunks = [], []
         end = 0
@@ -59,6 +312,8 @@ class ModelRunner:
                 sample_chunks.append(index)
         # Copied like the inputs (torch.tensor(..., device=cuda) would wait for the stream).
         rows = torch.tensor(last_rows, dtype=torch.long).to(self.device, non_blocking=True)   # [S]
+        self.kv_cache.begin_step(meta)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)          # [T, H]
         logits = self.model.compute_logits(hidden.index_select(0, rows))        # [S, V] float32
+        self.kv_cache.end_step(meta)
         return StepResult(logits=logits, sample_chunks=sample_chunks)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from moekv.config import ArchConfig, DeviceConfig, EngineConfig, ParallelConfig, torch_dtype
+from moekv.config import ArchConfig, EngineConfig, ParallelConfig, torch_dtype
 from moekv.distributed.balancer import initial_placement
 from moekv.distributed.expert_parallel import ExpertParallelRuntime
 from moekv.distributed.groups import ExpertParallelGroup, init_expert_parallel
@@ -57,7 +57,7 @@ def build_engine(config: EngineConfig, time_comm: bool = False) -> LockstepEngin
     placements = initial_placements(model.arch, group.world_size, config.parallel.num_redundant_experts)
     model = shard_experts(model, runtime, placements, group.device)
     tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-    config = replace(config, device=DeviceConfig(str(group.device)))
+    config = replace(config, device=replace(config.device, device=str(group.device)))
     return LockstepEngine(config, model, tokenizer, runtime)
 
 

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="model weights dtype: auto, bf16, fp16, fp32")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    parser.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs "
+                        "for decode steps)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the "
                         "model's chat template")
     parser.add_argument("--cpu-offload-experts", action="store_true", help="keep routed experts in host memory "
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
               cpu_offload_experts=args.cpu_offload_experts, expert_cache_size=args.expert_cache_size,
               prefetch=not args.no_prefetch, track_prediction=True,
               expert_parallel_size=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
-              expert_dispatch=args.expert_dispatch)
+              expert_dispatch=args.expert_dispatch, cuda_graphs=not args.enforce_eager)
     load_seconds = time.perf_counter() - started
     engine = llm.engine
     prompt = args.prompt

@@ -41,7 +41,8 @@ class LLM:
     `max_num_batched_tokens` (SchedulerConfig); `expert_parallel_size`, `num_redundant_experts`,
     `expert_dispatch` (ParallelConfig: run under torchrun, docs/expert-parallel.md);
     `cpu_offload_experts`, `expert_cache_size`, `prefetch`, `lookahead`, `extra_candidates`,
-    `eviction`, `track_prediction` (OffloadConfig).
+    `eviction`, `track_prediction` (OffloadConfig); `cuda_graphs` (DeviceConfig: False runs every step
+    eagerly, like `--enforce-eager`), `cpu_threads`.
     """
 
     def __init__(self, model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",

@@ -36,6 +36,15 @@ class AttentionMetadata:
 
     Device tensors feed kernels; the `*_host` lists are the same numbers for the reference path and
     for the engine (the decode hot path on GPU reads only the device tensors).
+
+    `fixed_num_splits` (CUDA-graph decode steps): when set, decode attention kernels launch exactly
+    that many split-K splits and size each sequence's splits on the device from its own length,
+    reading no host list (`*_host`, `max_seq_len`), so the launch can be captured once and replayed
+    for any lengths. None: the kernels plan splits on the host from the host lengths.
+
+    `token_valid` (CUDA-graph decode steps): [T] int64 device tensor, 1 for a real token and 0 for
+    a padding row of a batch-size bucket; padding rows are left out of statistics (expert load).
+    None: every token is real.
     """
 
     query_start_loc: torch.Tensor   # [B+1] int32: new tokens of seq i are rows query_start_loc[i]:[i+1]
@@ -49,6 +58,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     request_ids: list[str] = field(default_factory=list)   # for error reports (e.g. non-finite KV)
+    fixed_num_splits: int | None = None     # decode: exactly this many splits, sized on the device
+    token_valid: torch.Tensor | None = None  # [T] int64: 0 marks a padding row (graph buckets)
 
     @property
     def num_seqs(self) -> int:
@@ -108,6 +119,10 @@ class KVCache(ABC):
     #: canonical kv_cache_dtype this format implements ("bf16", "int3", ...)
     name: str
 
+    #: whether a decode step over this format can be captured in a CUDA graph: with begin_step /
+    #: end_step around it, the forward reads only persistent device buffers and never syncs
+    supports_graph_decode: bool = False
+
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device | str,
                  config: CacheConfig | None = None):
         self.spec = spec
@@ -135,6 +150,22 @@ class KVCache(ABC):
         query [T, Hq, D], key/value [T, Hkv, D] (already rotated) -> [T, Hq, D] in query's dtype.
         Each new token attends to its sequence's cached context and to the new tokens up to itself.
         """
+
+    # -- step hooks (every step; CUDA-graph decode relies on them) -----------------------------
+    def reserve_graph_decode(self, max_batch: int) -> None:
+        """Called once before any CUDA graph is captured: allocate every persistent device buffer a
+        decode step of up to `max_batch` sequences needs, so captured kernels keep valid pointers."""
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Host bookkeeping before the step's forward (per-step write plans, slot assignments). It
+        writes only into the cache's persistent device buffers (never allocates tensors the forward
+        reads), so a captured forward replays correctly after it. `meta`'s host lists describe the
+        step (for a graph step: the padded batch, padding rows included)."""
+
+    def end_step(self, meta: AttentionMetadata) -> None:
+        """After the step's forward: may do the step's single host sync (e.g. non-finite checks)
+        and raise KVCacheCorruptionError (the step is then not committed); otherwise commits the
+        step's bookkeeping (e.g. returns staging slots)."""
 
     # -- lifecycle ----------------------------------------------------------------------------
     def pages_freed(self, pages: list[int]) -> None:

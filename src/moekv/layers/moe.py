@@ -49,12 +49,18 @@ class MoEBlock(nn.Module):
             self.shared_expert = None
             self.shared_expert_gate = None
 
-    def forward(self, hidden: torch.Tensor, expert_load: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [T, hidden] -> [T, hidden]; adds routed slots per expert to expert_load [E] (int64)."""
+    def forward(self, hidden: torch.Tensor, expert_load: torch.Tensor | None = None,
+                token_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; adds routed slots per expert to expert_load [E] (int64).
+        token_valid [T] int64 (0: a padding row of a CUDA-graph bucket, not counted); None: all count."""
         topk_weights, topk_ids = self.router(hidden)                                  # [T, k], [T, k]
         if expert_load is not None:
             flat_ids = topk_ids.reshape(-1)                                           # [T*k]
-            expert_load.index_add_(0, flat_ids, torch.ones_like(flat_ids))            # on device, no sync
+            if token_valid is None:
+                counts = torch.ones_like(flat_ids)
+            else:
+                counts = token_valid.unsqueeze(1).expand_as(topk_ids).reshape(-1)     # [T*k]
+            expert_load.index_add_(0, flat_ids, counts)                               # on device, no sync
         out = self.experts(hidden, topk_ids, topk_weights)                            # [T, hidden]
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(hidden))                     # [T, 1]

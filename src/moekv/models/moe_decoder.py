@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.attn(self.input_norm(hidden), cos, sin, kv_cache, meta)   # [T, H]
         normed = self.post_attn_norm(hidden)                                              # [T, H]
         if self.is_moe:
-            return hidden + self.mlp(normed, expert_load)                                 # [T, H]
+            return hidden + self.mlp(normed, expert_load, meta.token_valid)               # [T, H]
         return hidden + self.mlp(normed)                                                  # [T, H]
 
 

@@ -99,6 +99,21 @@ def quantize_pages(x, spec):
     return reference(x, spec)
 
 
+def quantize_staged_pages(staging, slots, pages, spec, out):
+    """See ops.reference.lowbit.quantize_staged_pages (Triton: ops.triton.lowbit_quantize)."""
+    if use_triton("quantize_staged_pages", staging):
+        from moekv.ops.triton import lowbit_quantize
+
+        if lowbit_quantize.supports(spec):
+            return lowbit_quantize.quantize_staged_pages(staging, slots, pages, spec, out)
+        _warn_once("quantize_staged_pages:unsupported",
+                   f"moekv: no Triton page quantizer for page_size={spec.page_size}, head_dim={spec.head_dim}; "
+                   "running the reference")
+    from moekv.ops.reference.lowbit import quantize_staged_pages as reference
+
+    return reference(staging, slots, pages, spec, out)
+
+
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)

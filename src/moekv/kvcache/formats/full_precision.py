@@ -10,7 +10,13 @@ from moekv.ops import dispatch
 
 
 class FullPrecisionKVCache(KVCache):
-    """key_pages / value_pages: [num_layers, num_pages, page_size, Hkv, D] in the cache dtype."""
+    """key_pages / value_pages: [num_layers, num_pages, page_size, Hkv, D] in the cache dtype.
+
+    Graph-capturable decode: the write is an index_copy_ through the device slot_mapping and the
+    decode kernel honours `meta.fixed_num_splits`; no per-step host state, so the step hooks are no-ops.
+    """
+
+    supports_graph_decode = True
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, device, config: CacheConfig | None = None):
         super().__init__(spec, num_pages, device, config)

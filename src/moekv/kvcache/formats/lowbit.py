@@ -15,6 +15,15 @@ Non-finite keys/values: detected on the device in every layer, written as zeros 
 NaN/Inf), and reported once per step, after the last layer, as KVCacheCorruptionError carrying
 `.seq_indices` and `.request_ids`. A step that raises is not committed: every sequence's cached
 context is as before the step, so the engine may end the bad requests and re-run the rest.
+
+Step hooks (CUDA-graph decode): `begin_step(meta)` plans the step on the host before the forward and
+`end_step(meta)` checks and commits it after; `attention()` then does device work only. For a decode
+step of at most `reserve_graph_decode(max_batch)` sequences the plan is three fixed-size index rows in
+persistent device buffers (staging row of each new token, page it fills or -1, that page's slot) and
+a persistent per-sequence non-finite flag; every layer writes the new tokens to staging and
+quantizes the pages that filled with a masked, fixed-shape op (`dispatch.quantize_staged_pages`).
+Without begin_step (tests, prefill until the runner calls the hooks) the plan is built lazily at
+layer 0 and checked/committed after the last layer, as before.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from moekv.errors import ConfigError, KVCacheCorruptionError
 from moekv.kvcache import accounting
 from moekv.kvcache.base import AttentionMetadata, KVCache, KVCacheSpec
 from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
-from moekv.kvcache.formats.lowbit_plan import StagingSlots, StepPlan, build_plan
+from moekv.kvcache.formats.lowbit_plan import DecodePlan, StagingSlots, StepPlan, build_decode_plan, build_plan
 from moekv.ops import dispatch
 
 STAGING_SHARE = 8   # default staging pool: one staging page per 8 pages (at least 64, at most num_pages)
@@ -62,6 +71,8 @@ def default_staging_pages(num_pages: int, config: CacheConfig) -> int:
 class LowBitKVCache(KVCache):
     """int4 / int3 / int2 pages plus a full-precision staging pool; see the module docstring."""
 
+    supports_graph_decode = True
+
     def __init__(self, spec: KVCacheSpec, num_pages: int, device, config: CacheConfig | None = None,
                  num_staging_pages: int | None = None):
         super().__init__(spec, num_pages, device, config)
@@ -77,7 +88,13 @@ class LowBitKVCache(KVCache):
         self.staging_keys = torch.zeros(staging_shape, dtype=spec.dtype, device=self.device)    # [L, S, P, H, D]
         self.staging_values = torch.zeros(staging_shape, dtype=spec.dtype, device=self.device)
         self.slots = StagingSlots(num_slots, num_pages, self.device)
-        self._plan: StepPlan | None = None
+        self._plan: StepPlan | DecodePlan | None = None
+        self._plan_hooked = False       # built by begin_step: end_step checks and commits it
+        self._graph_batch = 0           # reserve_graph_decode: decode steps of up to this many sequences
+        self._index_host: torch.Tensor | None = None     # [3, max_batch] int64 (pinned on CUDA)
+        self._index: torch.Tensor | None = None          # [3, max_batch] int64: stage_row, quant_page, quant_slot
+        self._bad_seqs: torch.Tensor | None = None       # [max_batch] bool: non-finite key/value this step
+        self._index_copied = None                        # CUDA event: the last host->device index copy is done
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=self.device)
 
     @property
@@ -110,12 +127,67 @@ class LowBitKVCache(KVCache):
         return accounting.staging_page_bytes(spec.page_size, spec.num_kv_heads, spec.head_dim, element,
                                              spec.num_layers)
 
+    # -- step hooks (CUDA-graph decode) ---------------------------------------------------------
+    def reserve_graph_decode(self, max_batch: int) -> None:
+        """Allocate the persistent buffers of decode steps of up to `max_batch` sequences (once: captured
+        graphs keep their addresses; a later call asking for no more is a no-op)."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be positive, got {max_batch}")
+        if self._graph_batch:
+            if max_batch > self._graph_batch:
+                raise RuntimeError(f"graph decode buffers are reserved for {self._graph_batch} sequences and "
+                                   f"cannot grow to {max_batch} (captured graphs hold their addresses)")
+            return
+        cuda = self.device.type == "cuda"
+        self._index_host = torch.full((3, max_batch), -1, dtype=torch.int64, pin_memory=cuda)
+        self._index = torch.full((3, max_batch), -1, dtype=torch.int64, device=self.device)
+        self._bad_seqs = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
+        self._index_copied = torch.cuda.Event() if cuda else None
+        self._graph_batch = max_batch
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Plan the step before its forward (host work, no sync): take staging slots, and for a decode step
+        within the reserved size write the fixed-size device index rows and clear the non-finite flags.
+        Replaces a plan still pending (a forward that failed before end_step)."""
+        self._plan, self._plan_hooked = None, False
+        if self._graph_batch and 0 < meta.num_seqs <= self._graph_batch and meta.is_decode:
+            plan = build_decode_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots)
+            count = meta.num_seqs
+            if self._index_copied is not None:
+                self._index_copied.synchronize()         # the previous step's copy has left the host buffer
+            rows = self._index_host.numpy()
+            rows[0, :count] = plan.stage_rows
+            rows[1, :count] = plan.quant_pages
+            rows[2, :count] = plan.quant_slots
+            self._index.copy_(self._index_host, non_blocking=True)     # whole buffer: one contiguous copy
+            if self._index_copied is not None:
+                self._index_copied.record()
+            self._bad_seqs.zero_()
+        else:
+            plan = build_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots, self.device)
+        self._plan, self._plan_hooked = plan, True
+
+    def end_step(self, meta: AttentionMetadata) -> None:
+        """After a completed forward: raise KVCacheCorruptionError for non-finite sequences (uncommitted),
+        else commit (staging slots of pages that filled return). One host read: the step's sync. No-op when
+        no plan of `meta` is pending from begin_step."""
+        plan = self._plan
+        if plan is None or plan.meta is not meta or not self._plan_hooked:
+            return
+        if isinstance(plan, DecodePlan):
+            self._finish_decode(plan)
+        else:
+            self._finish_step(plan)
+
     # -- the model-facing call ----------------------------------------------------------------
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self._plan is None or self._plan.meta is not meta:
+        if self._plan is None or self._plan.meta is not meta:      # no begin_step for this meta: plan lazily
             self._plan = build_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots, self.device)
+            self._plan_hooked = False
         plan = self._plan
+        if isinstance(plan, DecodePlan):
+            return self._decode_attention(layer, query, key, value, meta, scale)
         finite = torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1)   # [T]
         plan.bad_tokens = ~finite if plan.bad_tokens is None else plan.bad_tokens | ~finite
         keep = finite[:, None, None]
@@ -128,8 +200,40 @@ class LowBitKVCache(KVCache):
                 ("key", key, self.staging_keys[layer], self.key_pages[layer], self.key_spec),
                 ("value", value, self.staging_values[layer], self.value_pages[layer], self.value_spec)):
             self._write(kind, new, staging, pages, spec, plan)
-        if layer == self.spec.num_layers - 1:
+        if layer == self.spec.num_layers - 1 and not self._plan_hooked:
             self._finish_step(plan)
+        return out
+
+    def _decode_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode step prepared by begin_step: fixed shapes [B], persistent buffers, no host reads."""
+        count = meta.num_seqs
+        if key.shape[0] != count:
+            raise ValueError(f"a decode step of {count} sequences got {key.shape[0]} new tokens")
+        stage_rows, quant_pages, quant_slots = (self._index[i, :count] for i in range(3))   # [B] int64 each
+        finite = torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1)   # [B]
+        bad = self._bad_seqs[:count]
+        bad.logical_or_(~finite)
+        keep = finite[:, None, None]
+        key = torch.where(keep, key, torch.zeros((), dtype=key.dtype, device=key.device))          # [B, Hkv, D]
+        value = torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device))
+        out = dispatch.paged_attention_lowbit(
+            query, key, value, self.key_pages[layer], self.value_pages[layer], self.key_spec, self.value_spec,
+            self.staging_keys[layer], self.staging_values[layer], self.slots.device_map, meta, scale)
+        filled = quant_pages >= 0                                                  # [B]
+        for kind, new, staging, pages, spec in (
+                ("key", key, self.staging_keys[layer], self.key_pages[layer], self.key_spec),
+                ("value", value, self.staging_values[layer], self.value_pages[layer], self.value_spec)):
+            flat = staging.view(-1, *staging.shape[2:])                            # [S * P, Hkv, D]
+            flat.index_copy_(0, stage_rows, new.to(flat.dtype))
+            qualifying = dispatch.quantize_staged_pages(staging, quant_slots, quant_pages, spec, pages)  # [B, Hkv]
+            outliers = pages.outlier_count.index_select(0, quant_pages.clamp(min=0))                   # [B, Hkv]
+            counters = self._counters
+            counters[_COUNTERS.index(f"{kind}_budget_hits")] += (qualifying > spec.outlier_capacity).sum()
+            counters[_COUNTERS.index(f"{kind}_outliers")] += (outliers * filled[:, None]).sum(dtype=torch.int64)
+            counters[_COUNTERS.index(f"{kind}_qualifying")] += qualifying.sum(dtype=torch.int64)
+            if kind == "key":
+                counters[_COUNTERS.index("page_heads_quantized")] += filled.sum() * qualifying.shape[1]
         return out
 
     def _write(self, kind: str, new: torch.Tensor, staging: torch.Tensor, pages: PackedPages, spec: QuantSpec,
@@ -157,22 +261,40 @@ class LowBitKVCache(KVCache):
 
     def _finish_step(self, plan: StepPlan) -> None:
         """After the last layer: report non-finite sequences (uncommitted), else return released slots."""
-        self._plan = None
+        self._plan, self._plan_hooked = None, False
         bad = plan.bad_tokens
         if bad is not None and bool(bad.any()):                    # the one host sync of a step
-            seq_indices = sorted(set(plan.seq_of_token[bad].tolist()))
-            ids = plan.meta.request_ids
-            names = [ids[i] if i < len(ids) else f"sequence {i}" for i in seq_indices]
-            raise KVCacheCorruptionError(
-                f"non-finite keys or values for request(s) {', '.join(map(str, names))} (stored as zeros in their "
-                "own pages); the step was not committed: end these requests and re-run it for the others",
-                seq_indices=seq_indices, request_ids=names)
-        self.slots.give_back([page for page, slot in plan.release if self.slots.slot_of_page[page] == slot])
+            self._raise_corruption(plan.meta, sorted(set(plan.seq_of_token[bad].tolist())))
+        self._release(plan.release)
+
+    def _finish_decode(self, plan: DecodePlan) -> None:
+        """end_step of a decode plan: one read of the per-sequence flags, then report or commit."""
+        self._plan, self._plan_hooked = None, False
+        flags = self._bad_seqs[:plan.meta.num_seqs].tolist()      # the one host sync of a step
+        ids = plan.meta.request_ids
+        # padding sequences (request id "") write only the runner's scratch page: never reported
+        seq_indices = [i for i, bad in enumerate(flags) if bad and not (i < len(ids) and ids[i] == "")]
+        if seq_indices:
+            self._raise_corruption(plan.meta, seq_indices)
+        self._release(plan.release)
+
+    def _raise_corruption(self, meta: AttentionMetadata, seq_indices: list[int]) -> None:
+        ids = meta.request_ids
+        names = [ids[i] if i < len(ids) else f"sequence {i}" for i in seq_indices]
+        raise KVCacheCorruptionError(
+            f"non-finite keys or values for request(s) {', '.join(map(str, names))} (stored as zeros in their "
+            "own pages); the step was not committed: end these requests and re-run it for the others",
+            seq_indices=seq_indices, request_ids=names)
+
+    def _release(self, release: list[tuple[int, int]]) -> None:
+        """Commit: pages that filled give their staging slot back (if they still hold the one planned)."""
+        pages = dict.fromkeys(page for page, slot in release if self.slots.slot_of_page[page] == slot)
+        self.slots.give_back(list(pages))
 
     # -- lifecycle ----------------------------------------------------------------------------
     def pages_freed(self, pages: list[int]) -> None:
         """Freed pages give back their staging slots; their low-bit storage is overwritten when refilled."""
-        self._plan = None
+        self._plan, self._plan_hooked = None, False
         self.slots.give_back(list(pages))
 
     # -- accounting ---------------------------------------------------------------------------

@@ -4,6 +4,11 @@ and are quantized (from which rows), which staging slots are taken and which ret
 Built on the host once per step (from the metadata's host lists) and shared by every layer; the
 cache commits it (returns slots) only after the last layer, so an aborted step leaves the cache as
 it was for every sequence's context.
+
+Two kinds of plan: `StepPlan` (any step: variable-size index tensors, pages that fill are quantized
+from staged rows plus new tokens) and `DecodePlan` (a decode step, one new token per sequence: three
+host lists of fixed length B that the cache copies into persistent device buffers, so the step's
+device work has fixed shapes and can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -32,6 +37,20 @@ class StepPlan:
     seq_of_token: torch.Tensor      # [T] sequence index of each new token
     release: list[tuple[int, int]] = field(default_factory=list)   # (page, slot) returned at commit
     bad_tokens: torch.Tensor | None = None   # [T] bool: non-finite key or value seen in any layer
+
+
+@dataclass
+class DecodePlan:
+    """Host plan of a decode step (query length 1 for each of B sequences); entry i is sequence i.
+
+    Every new token is written to a staging row, also when it fills its page; a page that fills is
+    then quantized from its staging slot (all P rows) and the slot returns at commit."""
+
+    meta: AttentionMetadata
+    stage_rows: list[int]           # [B] flat staging row slot * P + offset of the new token
+    quant_pages: list[int]          # [B] page this step fills (quantized now), or -1
+    quant_slots: list[int]          # [B] staging slot of that page, or -1 (read only where quant_pages >= 0)
+    release: list[tuple[int, int]] = field(default_factory=list)   # (page, slot) returned at commit, no repeats
 
 
 class StagingSlots:
@@ -122,3 +141,41 @@ def build_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: int, slot
                     quant_pages=ids(quant_pages), quant_from_staging=ids(from_staging),
                     quant_staging_rows=ids(staging_rows), quant_from_new=ids(from_new),
                     quant_new_tokens=ids(new_tokens), seq_of_token=seq_of_token.to(device), release=release)
+
+
+def build_decode_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: int,
+                      slots: StagingSlots) -> DecodePlan:
+    """Plan a decode step (every query length 1); takes staging slots for pages without one.
+
+    Unlike `build_plan`, the new token always goes to a staging row (a page that fills is quantized from
+    its slot afterwards), so every page written in the step needs a slot. Several sequences may name the
+    same page at offset 0 (the runner's padding sequences on its scratch page): they share its slot.
+    """
+    stage_rows, quant_pages, quant_slots, release, taken = [], [], [], {}, []
+    try:
+        for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
+            if num_new != 1:
+                raise ValueError(f"a decode plan needs one new token per sequence, sequence {seq} has {num_new}")
+            index, offset = divmod(context_len, page_size)
+            page = meta.block_tables_host[seq][index]
+            slot = slots.slot_of_page[page]
+            if slot < 0:
+                if offset:
+                    raise RuntimeError(f"page {page} holds {offset} tokens but no staging slot: "
+                                       "the block tables disagree with the cache's state")
+                slot = slots.take(page)
+                taken.append(page)
+            stage_rows.append(slot * page_size + offset)
+            if offset == page_size - 1 and index >= fp_sink_pages:                 # the page fills: quantize
+                quant_pages.append(page)
+                quant_slots.append(slot)
+                release[page] = slot
+            else:
+                quant_pages.append(-1)
+                quant_slots.append(-1)
+    except Exception:
+        slots.give_back(taken)          # nothing of the step is written: the slots it took return
+        raise
+    slots.publish(taken)
+    return DecodePlan(meta=meta, stage_rows=stage_rows, quant_pages=quant_pages, quant_slots=quant_slots,
+                      release=list(release.items()))

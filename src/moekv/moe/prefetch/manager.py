@@ -53,14 +53,15 @@ class ExpertOffload:
 
     def __init__(self, model: torch.nn.Module, num_slots: int, eviction: str = "lru",
                  predictor: ExpertPredictor | None = None, device: torch.device | None = None,
-                 host_weights=None):
+                 host_weights=None, time_copies: bool = False):
         """host_weights: optional callable(layer) -> (w_gate_up [E, 2I, H], w_down [E, H, I]) host tensors
-        to use instead of copying the block's own weights (benchmarks share one host copy)."""
+        to use instead of copying the block's own weights (benchmarks share one host copy).
+        time_copies: measure every copy (SlotCopier.copy_seconds(); benchmarks)."""
         self.model = model
         self.device = torch.device(device) if device is not None else model.device
         self.num_slots = num_slots
         self.predictor: ExpertPredictor | None = None
-        self.copier = SlotCopier(self.device)
+        self.copier = SlotCopier(self.device, timing=time_copies)
         self.layers: dict[int, OffloadedExperts] = {}
         self.num_experts = model.arch.num_experts
         for index in moe_layer_ids(model):
@@ -148,7 +149,7 @@ class ExpertOffload:
     def reset_stats(self) -> None:
         for experts in self.layers.values():
             experts.cache.counters = CacheCounters()
-        self.copier.copies = self.copier.bytes = 0
+        self.copier.reset_counters()
 
     def stats(self) -> dict:
         first = next(iter(self.layers.values()), None)

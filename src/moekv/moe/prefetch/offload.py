@@ -7,10 +7,12 @@ the experts' weights in host memory (pinned when CUDA is available) and `num_slo
     1. one host read: which experts the router chose (and the vote counts of pending predictions)
     2. demand-load the chosen experts that are not resident (misses; the block waits for these)
     3. issue prefetches for later layers from the predictions made so far (ExpertOffload)
-    4. compute with slot-indexed weights: slot_ids = slot_of_expert[topk_ids], then the same
-       ops.dispatch.moe_experts kernel as LocalExperts, on the slot tensors
+    4. compute with the slot tensors (compute.SlotExpertCompute): the same kernels, launch
+       configuration (that of the resident [E, ...] shape) and summation order as LocalExperts,
+       so the output is bit-identical to the resident model's
 When more experts are needed than there are slots (a long prefill), the needed experts are split
-into groups of S and computed in several passes (weights of other groups zeroed, summed in fp32).
+into groups of S and computed in several passes; each pass fills its rows of the per-(token,
+choice) expert outputs and the weighted sum over a token's choices runs once at the end.
 
 Copies: on CUDA they run on one side stream. Each slot has a "ready" event recorded after its
 copy and the main stream waits on exactly the slots a pass uses (so a block waits only for copies
@@ -21,11 +23,13 @@ bookkeeping runs in CI.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from moekv.moe.experts import Experts
+from moekv.moe.prefetch.compute import SlotExpertCompute
 from moekv.moe.prefetch.residency import NEEDED, UNPROTECTED, ExpertCache
-from moekv.ops import dispatch
 
 
 def to_host(weight: torch.Tensor) -> torch.Tensor:
@@ -40,11 +44,27 @@ class SlotCopier:
     Counts copies and bytes (host-side integers, no sync).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, timing: bool = False):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.copies = 0
         self.bytes = 0
+        self.timing = timing            # measure each copy (benchmarks): CUDA events on the copy stream
+        self._timed: list = []          # (start, end) events on CUDA
+        self._seconds = 0.0             # CPU copies, and CUDA events already read
+
+    def copy_seconds(self) -> float:
+        """Total time the copies took (copy-stream busy time on CUDA; reads the events: syncs)."""
+        if self._timed:
+            self._timed[-1][1].synchronize()
+            self._seconds += sum(start.elapsed_time(end) for start, end in self._timed) / 1e3
+            self._timed.clear()
+        return self._seconds
+
+    def reset_counters(self) -> None:
+        self.copies = self.bytes = 0
+        self._timed.clear()
+        self._seconds = 0.0
 
     def copy_expert(self, experts: "OffloadedExperts", expert: int, slot: int) -> None:
         src_gate_up, src_down = experts.host_w_gate_up[expert], experts.host_w_down[expert]
@@ -52,15 +72,24 @@ class SlotCopier:
         self.copies += 1
         self.bytes += src_gate_up.nbytes + src_down.nbytes
         if self.stream is None:
+            began = time.perf_counter() if self.timing else 0.0
             dst_gate_up.copy_(src_gate_up)
             dst_down.copy_(src_down)
+            if self.timing:
+                self._seconds += time.perf_counter() - began
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(experts.compute_done)       # the slot's last reader has finished
+            start = None
+            if self.timing:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
             dst_gate_up.copy_(src_gate_up, non_blocking=True)
             dst_down.copy_(src_down, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(enable_timing=self.timing)
             ready.record(self.stream)
+        if start is not None:
+            self._timed.append((start, ready))
         experts.slot_ready[slot] = ready
 
     def wait_for(self, experts: "OffloadedExperts", slots: list[int]) -> None:
@@ -150,42 +179,29 @@ class OffloadedExperts(Experts):
                 self._load(expert, NEEDED, prefetch=False)      # a miss: the block waits for this copy
         if self.on_routed is not None:
             self.on_routed(self.layer_idx, counts[1:])          # prefetches for later layers, after our misses
-        if len(groups) == 1:
-            out = self._compute(hidden, topk_ids, topk_weights, groups[0], None)   # [T, H]
-        else:
-            out = self._compute_in_passes(hidden, topk_ids, topk_weights, groups)  # [T, H]
+        compute = SlotExpertCompute(hidden, topk_ids, topk_weights, num_experts, self.slot_w_down.shape[2],
+                                    [int(c) for c in counts[0]])
+        for index, group in enumerate(groups):
+            if index > 0:                                       # more experts than slots: next group
+                for expert in groups[index - 1]:
+                    cache.protection[expert] = UNPROTECTED
+                for expert in group:
+                    cache.protect(expert, NEEDED)
+                for expert in group:
+                    if not cache.is_resident(expert):
+                        self._load(expert, NEEDED, prefetch=False)
+            self._compute(compute, group, None if len(groups) == 1 else group)
+        out = compute.result()                                  # [T, H], bit-identical to LocalExperts
         cache.end_step()
         return out
 
-    def _compute(self, hidden, topk_ids, topk_weights, group: list[int], in_group: torch.Tensor | None):
+    def _compute(self, compute: SlotExpertCompute, group: list[int], experts: list[int] | None) -> None:
+        """One pass over the slot-resident experts of `group` (experts None: all of the step's rows)."""
         slots = [self.cache.slot_of_expert[e] for e in group]
         self.copier.wait_for(self, slots)
         for expert in group:
             self.cache.use(expert)
         if self.events is not None:
             self.events.append(("compute", self.layer_idx, tuple(group), tuple(slots)))
-        lut = [max(slot, 0) for slot in self.cache.slot_of_expert]            # [E] expert -> slot
-        slot_of_expert = torch.tensor(lut, dtype=torch.int64, device=topk_ids.device)
-        slot_ids = slot_of_expert[topk_ids]                                    # [T, k]
-        if in_group is not None:
-            topk_weights = topk_weights * in_group[topk_ids]                   # [T, k] other groups' weights 0
-        out = dispatch.moe_experts(hidden, self.slot_w_gate_up, self.slot_w_down, slot_ids, topk_weights)
+        compute.add(self.slot_w_gate_up, self.slot_w_down, list(self.cache.slot_of_expert), experts)
         self.copier.mark_computed(self)
-        return out                                                             # [T, H]
-
-    def _compute_in_passes(self, hidden, topk_ids, topk_weights, groups: list[list[int]]):
-        """More experts needed than slots: one pass per group of <= S experts, summed in fp32."""
-        total = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)   # [T, H]
-        for index, group in enumerate(groups):
-            if index > 0:
-                for expert in groups[index - 1]:
-                    self.cache.protection[expert] = UNPROTECTED
-                for expert in group:
-                    self.cache.protect(expert, NEEDED)
-                for expert in group:
-                    if not self.cache.is_resident(expert):
-                        self._load(expert, NEEDED, prefetch=False)
-            in_group = torch.zeros(self.num_experts, dtype=topk_weights.dtype, device=hidden.device)
-            in_group[group] = 1.0                                               # [E]
-            total += self._compute(hidden, topk_ids, topk_weights, group, in_group).float()
-        return total.to(hidden.dtype)

@@ -47,6 +47,13 @@ def recall_counts(predicted: torch.Tensor, routed: torch.Tensor) -> torch.Tensor
     return hit.sum()
 
 
+def recall_counts_by_width(predicted: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """Routed pairs inside each prefix of the guess: [W] int64, entry w-1 = pairs in the top-w
+    (predicted [T, W] most likely first, routed [T, k]; no sync). Entry W-1 equals recall_counts."""
+    match = (routed.unsqueeze(-1) == predicted.unsqueeze(1))               # [T, k, W]
+    return match.to(torch.int64).cummax(dim=-1).values.sum(dim=(0, 1))      # [W]
+
+
 def moe_layer_ids(model: nn.Module) -> list[int]:
     """Indices of the layers whose MLP is a routed MoE block."""
     return [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock)]
@@ -70,12 +77,17 @@ class ExpertPredictor:
         self.norm = norm
         self.top_k = arch.top_k
         self.width = min(arch.num_experts, arch.top_k + extra_candidates)   # P: experts predicted per token
+        # the guess is computed one expert wider than P for statistics only (what recall one more
+        # candidate would give); listeners receive the top P
+        self.stat_width = min(arch.num_experts, self.width + 1)
         self.moe_layers = set(moe_layer_ids(model))
         device = model.device
         shape = (arch.num_layers, lookahead)
         self.hits = torch.zeros(shape, dtype=torch.int64, device=device)
         self.routed = torch.zeros(shape, dtype=torch.int64, device=device)
         self.predicted = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.hits_by_width = torch.zeros(shape + (self.stat_width,), dtype=torch.int64, device=device)
+        self.guessed_tokens = torch.zeros(shape, dtype=torch.int64, device=device)   # tokens with a guess
         self.listeners: list[PredictionListener] = []
         self._pending: dict[tuple[int, int], torch.Tensor] = {}   # (target layer, distance) -> [T, P]
         self._handles = [model.embed_tokens.register_forward_hook(self._layer_hook(-1))]   # predicts layer 0
@@ -110,10 +122,11 @@ class ExpertPredictor:
             target = layer + distance
             if target not in self.moe_layers:
                 continue
-            ids = self.predict(layer, target, residual, normed)                # [T, P] (None: no guess)
-            if ids is None:
+            wide = self.predict(layer, target, residual, normed)               # [T, <= P + 1] (None: no guess)
+            if wide is None:
                 continue
-            self._pending[(target, distance)] = ids
+            ids = wide[:, :self.width]                                          # [T, P]
+            self._pending[(target, distance)] = wide
             for listener in self.listeners:
                 listener(layer, target, distance, ids)
 
@@ -121,17 +134,22 @@ class ExpertPredictor:
         """routed_ids [T, k]: what layer's router chose; compare with the pending predictions."""
         num_pairs = routed_ids.numel()
         for distance in range(1, self.lookahead + 1):
-            ids = self._pending.pop((layer, distance), None)
-            if ids is None or ids.shape[0] != routed_ids.shape[0]:
+            wide = self._pending.pop((layer, distance), None)
+            if wide is None or wide.shape[0] != routed_ids.shape[0]:
                 continue
-            self.hits[layer, distance - 1] += recall_counts(ids, routed_ids)
+            ids = wide[:, :self.width]                                          # [T, P]
+            by_width = recall_counts_by_width(wide, routed_ids)                 # [W]
+            self.hits[layer, distance - 1] += by_width[ids.shape[1] - 1]
             self.routed[layer, distance - 1] += num_pairs
             self.predicted[layer, distance - 1] += ids.numel()
+            self.hits_by_width[layer, distance - 1, :by_width.shape[0]] += by_width
+            self.guessed_tokens[layer, distance - 1] += wide.shape[0]
 
     # -- the guess (subclasses may replace it, e.g. a routing-trace replay) ------------------------
     def predict(self, layer: int, target: int, residual: torch.Tensor,
                 normed: torch.Tensor | None) -> torch.Tensor | None:
-        """-> predicted expert ids [T, P] int64 for `target`, from hidden states at `layer`."""
+        """-> predicted expert ids [T, stat_width] int64 for `target` (most likely first; the top P
+        are the guess), from hidden states at `layer`."""
         router_weight = self.model.layers[target].mlp.router.weight                # [E, H]
         if self.norm == "current" and normed is not None:
             x = normed                                                              # [T, H]
@@ -140,19 +158,28 @@ class ExpertPredictor:
         else:
             x = residual * self.model.layers[target].post_attn_norm.weight          # [T, H]
         logits = F.linear(x.to(router_weight.dtype), router_weight)                # [T, E]
-        return torch.topk(logits.float(), self.width, dim=-1).indices               # [T, P]
+        return torch.topk(logits.float(), self.stat_width, dim=-1).indices          # [T, P + 1]
 
     # -- stats (these read the device counters: call outside the step) ----------------------------
     def reset(self) -> None:
-        for counter in (self.hits, self.routed, self.predicted):
+        for counter in (self.hits, self.routed, self.predicted, self.hits_by_width, self.guessed_tokens):
             counter.zero_()
 
     def recall(self) -> dict:
         """{"per_layer": {distance: [recall or None per layer]}, "overall": {distance: recall}, ...}."""
-        hits, routed, predicted = (t.detach().cpu() for t in (self.hits, self.routed, self.predicted))
+        hits, routed, predicted, by_width, tokens = (t.detach().cpu() for t in (
+            self.hits, self.routed, self.predicted, self.hits_by_width, self.guessed_tokens))
         out = {"experts_predicted_per_token": self.width, "top_k": self.top_k, "lookahead": self.lookahead,
                "source": self.source, "norm": self.norm, "per_layer": {}, "overall": {}, "precision": {},
-               "routed_pairs": {}}
+               "routed_pairs": {}, "by_width": {}}
+        for d in range(self.lookahead):
+            total, guessed = int(routed[:, d].sum()), int(tokens[:, d].sum())
+            width_hits = by_width[:, d].sum(0)                                  # [W]
+            # recall and precision had each token been guessed its top-w (w = 1 .. P + 1)
+            out["by_width"][d + 1] = {w + 1: {"recall": float(width_hits[w] / total) if total else None,
+                                              "precision": float(width_hits[w] / (guessed * (w + 1)))
+                                              if guessed else None}
+                                      for w in range(width_hits.shape[0])}
         for d in range(self.lookahead):
             h, r, p = hits[:, d], routed[:, d], predicted[:, d]
             out["per_layer"][d + 1] = [float(h[l] / r[l]) if r[l] > 0 else None for l in range(len(r))]

@@ -158,7 +158,7 @@ class TracePredictor(ExpertPredictor):
         table = router.predicted.get((self.source, target - layer))
         if table is None:
             return None
-        return router.rows(table, residual.shape[0])[:, :self.width]                    # [T, P]
+        return router.rows(table, residual.shape[0])[:, :self.stat_width]               # [T, <= P + 1]
 
 
 def simulate_cache(trace: RoutingTrace, num_slots: int, width: int | None = None, source: str = "attn",
@@ -200,3 +200,33 @@ def simulate_cache(trace: RoutingTrace, num_slots: int, width: int | None = None
             "copies_per_layer_token": (total.misses + total.prefetches) / steps,
             "misses_per_layer_token": total.misses / steps, "hit_rate": total.hit_rate,
             "wasted_prefetches_per_layer_token": total.wasted_prefetches / steps}
+
+
+def simulate_optimal_eviction(trace: RoutingTrace, num_slots: int, num_tokens: int | None = None) -> dict:
+    """On-demand loading with clairvoyant eviction (Belady: evict the resident expert whose next use
+    is furthest in the future). No real policy can copy less; the bound for any eviction policy or
+    eviction hint. Returns copies per (layer, token) and the hit rate."""
+    count = min(num_tokens or trace.num_tokens, trace.num_tokens)
+    copies = needed_total = 0
+    for layer in range(trace.num_layers):
+        routed = [sorted(set(r)) for r in trace.routed[layer, :count].tolist()]
+        next_use: dict[int, list[int]] = {}                     # expert -> ascending token indices
+        for token in range(count - 1, -1, -1):
+            for expert in routed[token]:
+                next_use.setdefault(expert, []).append(token)  # descending; popped from the end
+        resident: set[int] = set()
+        for token in range(count):
+            for expert in routed[token]:
+                next_use[expert].pop()                          # drop this use: the end is the next one
+            needed_total += len(routed[token])
+            for expert in routed[token]:
+                if expert in resident:
+                    continue
+                copies += 1
+                if len(resident) >= num_slots:
+                    victims = [e for e in resident if e not in routed[token]] or list(resident)
+                    resident.remove(max(victims, key=lambda e: next_use[e][-1] if next_use[e] else count + e))
+                resident.add(expert)
+    steps = trace.num_layers * count
+    return {"slots": num_slots, "copies_per_layer_token": copies / steps,
+            "hit_rate": 1 - copies / needed_total if needed_total else 0.0}

@@ -123,6 +123,28 @@ def quantize_pages(x: torch.Tensor, spec: QuantSpec) -> tuple[PackedPages, torch
     return packed, num_qualifying
 
 
+def quantize_staged_pages(staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, spec: QuantSpec,
+                          out: PackedPages) -> torch.Tensor:
+    """Quantize whole staging pages straight into low-bit storage, skipping entries whose page is -1.
+
+    staging [S, P, Hkv, D] (one layer's staging pool, any float dtype); slots [B], pages [B] (int):
+    entry i quantizes the P rows of staging slot slots[i] into page pages[i] of `out` (one layer's
+    PackedPages [num_pages, Hkv, ...], written in place); entries with pages[i] < 0 are skipped (their
+    slot is not read). Returns num_qualifying [B, Hkv] int32 (0 for skipped entries). Entries naming the
+    same page must name the same slot (they then store the same result).
+    """
+    count = slots.shape[0]
+    qualifying = torch.zeros((count, staging.shape[2]), dtype=torch.int32, device=staging.device)
+    chosen = (pages >= 0).nonzero().flatten()                                      # host sync: reference only
+    if chosen.numel() == 0:
+        return qualifying
+    x = staging.index_select(0, slots.index_select(0, chosen).long()).transpose(1, 2)   # [m, Hkv, P, D]
+    packed, chosen_qualifying = quantize_pages(x, spec)
+    out.store(pages.index_select(0, chosen).long(), packed)
+    qualifying.index_copy_(0, chosen, chosen_qualifying)
+    return qualifying
+
+
 def dequantize_pages(packed: PackedPages, spec: QuantSpec) -> torch.Tensor:
     """PackedPages of N pages -> [N, H, P, D] fp32: S * code + Z, plus each outlier's fp16 residual."""
     codes = unpack_codes(packed.codes, spec.bits, spec.head_dim, torch.float32)   # [N, H, P, D]

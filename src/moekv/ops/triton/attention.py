@@ -17,6 +17,9 @@ def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor,
     query [T, Hq, D]; key/value_pages [num_pages, P, Hkv, D] already holding the new tokens -> [T, Hq, D].
     """
     if meta.is_decode:
+        if meta.fixed_num_splits is not None:      # graph-capturable: splits sized on the device
+            return paged_decode_full_precision(query, key_pages, value_pages, meta.block_tables, meta.seq_lens,
+                                               0, scale, num_splits=meta.fixed_num_splits, device_splits=True)
         return paged_decode_full_precision(query, key_pages, value_pages, meta.block_tables, meta.seq_lens,
                                            meta.max_seq_len, scale)
     return paged_prefill_full_precision(query, key_pages, value_pages, meta.block_tables, meta.query_start_loc,

@@ -6,6 +6,12 @@ One program per (sequence, kv head, split): it loads the q_per_kv query heads of
 BLOCK_N tokens at a time (a block may span pages: each token row is gathered through the table)
 and keeps an online softmax in base 2 (the scale and log2(e) are folded into q). With more than one
 split the partial results are merged by split_k.combine_splits.
+
+Splits are planned on the host from the longest sequence (`tokens_per_split` for every sequence),
+or, with `device_splits` (CUDA-graph decode), the launch has a fixed number of splits and each
+program sizes its sequence's splits from that sequence's own length: cdiv(seq_len, num_splits)
+rounded up to whole blocks. No host value of a length enters the launch, so it can be captured once
+and replayed; splits past a short sequence's end are empty (their lse is -inf, weight 0 in the combine).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ def _fp_decode_kernel(
     out_ptr,                # [B, Hq, D] (one split) or partial [B, Hq, S, D] fp32
     lse_ptr,                # [B, Hq, S] fp32 (split mode only)
     qk_scale,               # softmax scale * log2(e)
-    tokens_per_split,
+    tokens_per_split,       # host-planned split length (ignored with DEVICE_SPLITS)
+    num_splits,             # splits per sequence (DEVICE_SPLITS: split lengths derive from it)
     stride_qb, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -38,14 +45,18 @@ def _fp_decode_kernel(
     stride_lb, stride_lh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+    HALF: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    if DEVICE_SPLITS:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    else:
+        split_len = tokens_per_split
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -106,10 +117,13 @@ def default_config(head_dim: int, dtype: torch.dtype) -> dict:
 
 def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                                scale: float, num_splits: int | None = None, config: dict | None = None
-                                ) -> torch.Tensor:
+                                scale: float, num_splits: int | None = None, config: dict | None = None,
+                                device_splits: bool = False) -> torch.Tensor:
     """query [B, Hq, D]; key/value_pages [num_pages, P, Hkv, D]; block_tables [B, max_pages] int32;
-    seq_lens [B] int32 -> [B, Hq, D] in query's dtype. `num_splits` None: chosen from the GPU size."""
+    seq_lens [B] int32 -> [B, Hq, D] in query's dtype. `num_splits` None: chosen from the GPU size.
+
+    device_splits: launch exactly `num_splits` splits and size them per sequence on the device
+    (max_seq_len is not read; CUDA-graph capturable)."""
     batch, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_pages.shape
     assert key_pages.stride(-1) == 1 and value_pages.stride(-1) == 1 and query.stride(-1) == 1
@@ -117,7 +131,10 @@ def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, va
     cfg = dict(default_config(head_dim, key_pages.dtype), **(config or {}))
     block_n = cfg.pop("BLOCK_N")
     waves = cfg.pop("waves", 2)
-    if num_splits is None:
+    if device_splits:
+        assert num_splits is not None and num_splits >= 1, "device_splits needs num_splits"
+        tokens_per_split = 0
+    elif num_splits is None:
         num_splits, tokens_per_split = plan_splits(batch, num_kv_heads, max_seq_len, block_n, query.device,
                                                    waves=waves)
     else:
@@ -128,21 +145,22 @@ def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, va
     check_launchable(_fp_decode_kernel, query)
     half, upcast = dot_modes(query, key_pages.dtype)
     common = dict(PAGE_SIZE=page_size, GROUP=group, BLOCK_H=pow2(group), HEAD_DIM=head_dim,
-                  BLOCK_D=pow2(head_dim), BLOCK_N=block_n, HALF=half, UPCAST=upcast, **cfg)
+                  BLOCK_D=pow2(head_dim), BLOCK_N=block_n, HALF=half, UPCAST=upcast,
+                  DEVICE_SPLITS=device_splits, **cfg)
     grid = (batch, num_kv_heads, num_splits)
     page_strides = (key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
                     value_pages.stride(0), value_pages.stride(1), value_pages.stride(2))
     if num_splits == 1:
         _fp_decode_kernel[grid](
             query, key_pages, value_pages, block_tables, seq_lens, out, out, scale * LOG2E,
-            tokens_per_split, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
+            tokens_per_split, num_splits, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0, SPLIT=False, **common)
         return out
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _fp_decode_kernel[grid](
         query, key_pages, value_pages, block_tables, seq_lens, partial, lse, scale * LOG2E,
-        tokens_per_split, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
+        tokens_per_split, num_splits, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         SPLIT=True, **common)
     return combine_splits(partial, lse, out)

@@ -22,6 +22,9 @@ fp16 operands carry 3 more mantissa bits than bf16.
 
 The step's new tokens (their keys/values are passed in full precision, not yet cached) are attended
 by split 0, causally. With more than one split the partial results meet in split_k.combine_splits.
+Decode steps with `meta.fixed_num_splits` (CUDA-graph decode) launch exactly that many splits and
+each program derives its sequence's pages per split from the sequence's own context length
+(DEVICE_SPLITS), reading no host length.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def _lowbit_attention_kernel(
     V_CAP: tl.constexpr,
     HALF: tl.constexpr, UPCAST: tl.constexpr, CODE_MODE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_C: tl.constexpr, SPLIT: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr,
-    SKIP: tl.constexpr, GATHER_P: tl.constexpr,
+    SKIP: tl.constexpr, GATHER_P: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -141,6 +144,8 @@ def _lowbit_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables + seq.to(tl.int64) * stride_bt
+    if DEVICE_SPLITS:                                                    # sized from this sequence's context
+        pages_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), PAGE_SIZE)
     SUBS: tl.constexpr = PAGE_SIZE // BLOCK_N                           # blocks of BLOCK_N tokens per page
     first_block = split * pages_per_split * SUBS
     last_block = tl.minimum(first_block + pages_per_split * SUBS, tl.cdiv(context_len, BLOCK_N))
@@ -313,18 +318,23 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
            "BLOCK_N": page_size, "waves": 2, "outliers": True, "skip": None, "gather_p": True}
     cfg.update(config or {})
     half, upcast = dot_modes(query, staging_keys.dtype)
+    device_splits = meta.is_decode and meta.fixed_num_splits is not None
     if meta.is_decode:
         block_m, block_q = pow2(group), 1
     else:
         block_m = max(cfg["BLOCK_M"], pow2(group))
         block_q = block_m // group
-    q_blocks = triton.cdiv(max(meta.max_query_len, 1), block_q)
-    max_context = max(meta.context_lens_host, default=0)
-    if num_splits is None:
-        num_splits, tokens_per_split = plan_splits(batch * q_blocks, num_kv_heads, max_context, page_size,
-                                                   query.device, waves=cfg["waves"])
+    if device_splits:        # graph-capturable: no host length is read; splits sized in the kernel
+        batch, q_blocks = meta.context_lens.shape[0], 1
+        num_splits, tokens_per_split = int(meta.fixed_num_splits), 0
     else:
-        tokens_per_split = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), page_size) * page_size
+        q_blocks = triton.cdiv(max(meta.max_query_len, 1), block_q)
+        max_context = max(meta.context_lens_host, default=0)
+        if num_splits is None:
+            num_splits, tokens_per_split = plan_splits(batch * q_blocks, num_kv_heads, max_context, page_size,
+                                                       query.device, waves=cfg["waves"])
+        else:
+            tokens_per_split = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), page_size) * page_size
     key_tensors, key_consts = _format_args(key_pages, key_spec, "K")
     value_tensors, value_consts = _format_args(value_pages, value_spec, "V")
     if not cfg["outliers"]:                        # benchmark diagnostic only: ignores the outliers (wrong output)
@@ -350,7 +360,7 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
         PRECISION="tf32x3" if query.is_cuda else "ieee", BLOCK_C=cfg["BLOCK_C"], SPLIT=num_splits > 1,
         GATHER=cfg["gather"], BLOCK_N=min(cfg["BLOCK_N"], page_size),
         SKIP={None: 0, "keys": 1, "values": 2, "both": 3}[cfg["skip"]], GATHER_P=cfg["gather_p"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        DEVICE_SPLITS=device_splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
         combine_splits(partial, lse, out)
     return out

@@ -6,6 +6,11 @@ deviations winning), takes min/max over the inliers, derives the fp16 (channel a
 (token axis) scale and zero point exactly as the reference does, rounds the codes, packs them into
 32-bit words and writes the outliers' fp16 residuals compacted in ascending index order.
 
+Two launch modes of one kernel: `quantize_pages` (page n of a dense [N, H, P, D] input into a new
+PackedPages) and `quantize_staged_pages` (the decode step of the cache, CUDA-graph safe: entry i reads
+its page id and staging slot from device tensors, returns at once for page -1, reads the slot's rows
+from the staging pool and stores straight into the layer's PackedPages at that page).
+
 Agreement with the reference run on the CPU (tests/ops/test_lowbit_quantize.py; on an H200 by
 benchmarks/bench_attention.py --check): bit-exact codes, scales, zero points and outliers on the
 channel axis; on the token axis the GPU's exp2/log2 differ from torch's in the last ulp, so a few
@@ -93,16 +98,24 @@ def _pack_plane(fields, P: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
 def _quantize_kernel(
     x_ptr, stride_xn, stride_xh, stride_xp,
     codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
-    qualifying_ptr, tau,
-    NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    qualifying_ptr, tau, pages_ptr, slots_ptr,
+    STAGED: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
 ):
-    page = tl.program_id(0).to(tl.int64)
+    entry = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if STAGED:      # entry -> (page id, staging slot) from device tensors; page -1: nothing to do
+        page = tl.load(pages_ptr + entry).to(tl.int64)
+        if page < 0:
+            return
+        source = tl.load(slots_ptr + entry).to(tl.int64)
+    else:           # entry n quantizes x[n] into output page n
+        page = entry
+        source = entry
     page_head = page * NUM_HEADS + head
     offs_p = tl.arange(0, P)
     offs_d = tl.arange(0, D)
-    x = tl.load(x_ptr + page * stride_xn + head * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :])
+    x = tl.load(x_ptr + source * stride_xn + head * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :])
     x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0)                # [P, D]
     levels: tl.constexpr = (1 << BITS) - 1
     flat_index = offs_p[:, None] * D + offs_d[None, :]                              # [P, D]
@@ -116,7 +129,7 @@ def _quantize_kernel(
     deviation = tl.math.div_rn(tl.abs(centered), tl.where(std > 0, std, 1.0))
     qualifies = deviation > tau
     num_qualifying = tl.sum(tl.sum(qualifies.to(tl.int32), axis=1), axis=0)
-    tl.store(qualifying_ptr + page_head, num_qualifying)
+    tl.store(qualifying_ptr + entry * NUM_HEADS + head, num_qualifying)
     if CAPACITY == 0:
         outlier = flat_index < 0
     elif num_qualifying <= CAPACITY:
@@ -227,16 +240,56 @@ def quantize_pages(x: torch.Tensor, spec) -> tuple[PackedPages, torch.Tensor]:
     qualifying = torch.empty((num_pages, num_heads), dtype=torch.int32, device=x.device)
     if num_pages == 0:
         return packed, qualifying
+    _launch(x, (x.stride(0), x.stride(1), x.stride(2)), packed, qualifying, spec, num_pages, num_heads,
+            pages=None, slots=None)
+    return packed, qualifying
+
+
+def quantize_staged_pages(staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, spec,
+                          out: PackedPages) -> torch.Tensor:
+    """Same contract as ops.reference.lowbit.quantize_staged_pages: staging [S, P, H, D], slots/pages [B]
+    (int32/int64 device tensors; pages[i] < 0 skips entry i) -> num_qualifying [B, H] int32 (0 when
+    skipped); the packed pages are stored straight into `out` at their page ids.
+
+    Fixed launch shape [B, H] and no host reads of the indices: safe to capture in a CUDA graph. Each
+    program reads its page id, returns at once for -1, loads the P rows of its staging slot through
+    the strided [S, P, H, D] view and writes codes / scale / zero / outliers at that page of `out`.
+    """
+    num_slots, page_size, num_heads, head_dim = staging.shape
+    if (page_size, head_dim) != (spec.page_size, spec.head_dim):
+        raise ValueError(f"staging pages of shape [P={page_size}, D={head_dim}] do not match the spec's "
+                         f"[{spec.page_size}, {spec.head_dim}]")
+    if slots.shape != pages.shape or pages.dim() != 1:
+        raise ValueError(f"slots {tuple(slots.shape)} and pages {tuple(pages.shape)} must both be [B]")
+    if out.codes.shape[1:] != (num_heads, page_size, spec.words_per_row):
+        raise ValueError(f"out holds pages of shape {tuple(out.codes.shape[1:])}, expected "
+                         f"{(num_heads, page_size, spec.words_per_row)}")
+    assert staging.stride(-1) == 1
+    assert all(t.is_contiguous() for t in out.tensors().values()), "out must be dense PackedPages"
+    count = pages.shape[0]
+    qualifying = torch.zeros((count, num_heads), dtype=torch.int32, device=staging.device)
+    if count == 0:
+        return qualifying
+    _launch(staging, (staging.stride(0), staging.stride(2), staging.stride(1)), out, qualifying, spec, count,
+            num_heads, pages=pages, slots=slots)
+    return qualifying
+
+
+def _launch(x: torch.Tensor, strides: tuple[int, int, int], out: PackedPages, qualifying: torch.Tensor, spec,
+            count: int, num_heads: int, pages: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+    """One program per (entry, head); `strides` are x's (source, head, row) strides."""
     check_launchable(_quantize_kernel, x)
-    base = packed.scale_base if packed.scale_base is not None else packed.scale
-    elements = page_size * head_dim
-    _quantize_kernel[(num_pages, num_heads)](
-        x, x.stride(0), x.stride(1), x.stride(2),
-        packed.codes, packed.scale, packed.zero, base, packed.outlier_vals, packed.outlier_idx,
-        packed.outlier_count, qualifying, float(spec.outlier_tau),
-        NUM_HEADS=num_heads, P=page_size, D=head_dim, G=spec.num_groups if spec.axis == "token" else 1,
+    base = out.scale_base if out.scale_base is not None else out.scale
+    staged = pages is not None
+    elements = spec.page_size * spec.head_dim
+    _quantize_kernel[(count, num_heads)](
+        x, *strides,
+        out.codes, out.scale, out.zero, base, out.outlier_vals, out.outlier_idx,
+        out.outlier_count, qualifying, float(spec.outlier_tau),
+        pages if staged else qualifying, slots if staged else qualifying,     # unread unless STAGED
+        STAGED=staged, NUM_HEADS=num_heads, P=spec.page_size, D=spec.head_dim,
+        G=spec.num_groups if spec.axis == "token" else 1,
         BITS=spec.bits, AXIS_CHANNEL=spec.axis == "channel",
-        GROUP_LEN=page_size if spec.axis == "channel" else spec.group_size, CAPACITY=spec.outlier_capacity,
+        GROUP_LEN=spec.page_size if spec.axis == "channel" else spec.group_size, CAPACITY=spec.outlier_capacity,
         BLOCK_C=min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))), WORDS=spec.words_per_row,
         num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)
-    return packed, qualifying

@@ -1,0 +1,202 @@
+"""Expert compute over device slots, bit-identical to the resident model (LocalExperts).
+
+`LocalExperts` calls `ops.dispatch.moe_experts` on the stacked [E, ...] weights. An offloaded
+layer only has S < E slots, and two things used to make its output differ from the resident one
+in the last bits (bf16 on CUDA; enough to change greedy tokens of a random-weight model):
+
+1. **Launch configuration keyed by the weight tensor's expert count.** The fused kernels pick
+   their configuration from the shape of the weights they are given: the decode path's K-split of
+   the down projection (`default_split_k` uses min(T*k, E) active experts; tuned files are keyed by
+   E), the decode / grouped crossover and the grouped path's BLOCK_M. With [S, ...] slot tensors a
+   16-token prefill ran the down projection in 4 K-splits instead of 1, so its fp32 sums were
+   added in a different order.
+2. **Several passes.** When a step needs more experts than there are slots (prefill), the experts
+   are computed in groups. Each pass used to return its own weighted sum, rounded to the model
+   dtype, and the passes were then added and rounded again (double rounding).
+
+`SlotExpertCompute` fixes both: it takes the launch configuration of the *resident* shape (E
+experts) and runs each pass only up to the per-(token, choice) expert outputs, which it gathers
+into one buffer; the weighted sum over a token's choices runs once at the end, in the same kernel
+and order as the resident path. Every per-row value is then computed by the same kernel binary on
+the same weights (MMA results of a row do not depend on the other rows of a tile), so the result
+is bit-identical to `LocalExperts` for any number of passes, tokens and slots.
+
+Paths (the same choice as `ops.dispatch.moe_experts` for the resident shape):
+    reference  per-expert F.linear, outputs in the model dtype, fp32 weighted index_add
+    decode     Triton (T <= decode limit): act, down partials [split, T*k, H] fp32, combine
+    grouped    Triton: align, act, down outputs [T*k, H] in the model dtype, combine
+The Triton paths call the launch pieces of ops.triton.moe_decode / moe_grouped (the same
+functions and kernels `moe_experts_decode` / `moe_experts_grouped` use).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moekv.ops import dispatch
+
+
+class SlotExpertCompute:
+    """One MoE block's expert compute, assembled over one or more passes of slot-resident experts.
+
+        compute = SlotExpertCompute(hidden, topk_ids, topk_weights, num_experts, inter, counts)
+        for each pass: compute.add(slot_w_gate_up, slot_w_down, slot_of_expert, experts_in_pass)
+        out = compute.result()                                  # [T, H], == LocalExperts' output
+
+    topk_ids are the true expert ids (they fix the reference path's summation order and select
+    each pass's rows); slot_of_expert maps them to slots (rows of experts outside the pass may
+    point anywhere: their values are discarded). counts: routed slots per expert (host ints,
+    already read by the caller), used by the reference path to avoid another host sync.
+    """
+
+    def __init__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 num_experts: int, inter: int, counts: list[int] | None = None):
+        self.hidden = hidden
+        self.topk_ids = topk_ids
+        self.topk_weights = topk_weights
+        self.num_experts = num_experts
+        num_tokens, hidden_size = hidden.shape
+        self.top_k = topk_ids.shape[1]
+        self.inter = inter
+        self.path = "reference"
+        if num_tokens > 0 and dispatch.use_triton("moe_experts", hidden):
+            from moekv.ops.triton import moe_decode
+            from moekv.ops.triton.moe_configs import decode_max_tokens
+
+            limit = min(decode_max_tokens(num_experts, hidden_size, inter, hidden.dtype, hidden.device),
+                        moe_decode.MAX_DECODE_TOKENS)
+            self.path = "decode" if num_tokens <= limit else "grouped"
+        num_rows = num_tokens * self.top_k
+        device = hidden.device
+        if self.path == "reference":
+            flat_ids = topk_ids.reshape(-1)                                            # [T*k]
+            self.order = torch.argsort(flat_ids, stable=True)                          # [T*k] slots by expert
+            if counts is None:
+                counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+            starts, total = [], 0
+            for count in counts:
+                starts.append(total)
+                total += int(count)
+            self.segments = {e: (starts[e], int(counts[e])) for e in range(num_experts) if counts[e] > 0}
+            self.buffer = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=device)   # sorted rows
+        elif self.path == "decode":
+            import triton
+
+            from moekv.ops.triton import moe_decode
+            from moekv.ops.triton.moe_configs import get_config
+
+            cfg = get_config("decode", num_experts, hidden_size, inter, num_tokens, hidden.dtype, device)
+            self.config = {part: dict(cfg[part]) for part in ("gate_up", "down")}
+            down = self.config["down"]
+            split_k = down.get("SPLIT_K") or moe_decode.default_split_k(
+                num_tokens, self.top_k, num_experts, hidden_size, inter, down["BLOCK_N"], down["BLOCK_K"])
+            k_per_split = triton.cdiv(triton.cdiv(inter, split_k), down["BLOCK_K"]) * down["BLOCK_K"]
+            down["SPLIT_K"] = triton.cdiv(inter, k_per_split)
+            self.k_per_split = k_per_split
+            self.buffer = torch.empty((down["SPLIT_K"], num_rows, hidden_size), dtype=torch.float32,
+                                      device=device)                                   # [split, T*k, H]
+        else:
+            from moekv.ops.triton.moe_configs import get_config
+
+            cfg = get_config("grouped", num_experts, hidden_size, inter, num_tokens, hidden.dtype, device,
+                             self.top_k)
+            self.config = {"BLOCK_M": cfg["BLOCK_M"], **{part: dict(cfg[part]) for part in ("gate_up", "down")}}
+            self.buffer = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=device)   # [T*k, H]
+        self.passes = 0
+
+    # -- one pass ----------------------------------------------------------------------------------
+    def add(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, slot_of_expert: list[int],
+            experts: list[int] | None = None) -> None:
+        """Compute the rows routed to `experts` (None: every row) with the slot tensors
+        w_gate_up [S, 2I, H], w_down [S, H, I]; slot_of_expert [E] (host) maps each of `experts` to
+        its slot (others: any valid slot or -1, their rows are discarded)."""
+        self.passes += 1
+        if self.hidden.shape[0] == 0:
+            return
+        if self.path == "reference":
+            self._add_reference(w_gate_up, w_down, slot_of_expert, experts)
+            return
+        lut = torch.tensor([max(slot, 0) for slot in slot_of_expert], dtype=torch.int64, device=self.topk_ids.device)
+        slot_ids = lut[self.topk_ids]                                                  # [T, k]
+        rows = None if experts is None else self._rows_of(experts)                     # [T*k] bool
+        target = self.buffer if rows is None else torch.empty_like(self.buffer)
+        if self.path == "decode":
+            self._decode(w_gate_up, w_down, slot_ids, target)
+        else:
+            self._grouped(w_gate_up, w_down, slot_ids, target)
+        if rows is not None:
+            if self.path == "decode":
+                self.buffer[:, rows] = target[:, rows]
+            else:
+                self.buffer[rows] = target[rows]
+
+    def _rows_of(self, experts: list[int]) -> torch.Tensor:
+        member = torch.zeros(self.num_experts, dtype=torch.bool, device=self.topk_ids.device)
+        member[experts] = True
+        return member[self.topk_ids.reshape(-1)]                                       # [T*k]
+
+    def _add_reference(self, w_gate_up, w_down, slot_of_expert, experts) -> None:
+        tokens = self.order // self.top_k                                              # [T*k]
+        inter = self.inter
+        for expert, (start, count) in self.segments.items():
+            if experts is not None and expert not in experts:
+                continue
+            slot = slot_of_expert[expert]
+            segment = self.hidden.index_select(0, tokens[start:start + count])         # [n, H]
+            gate_up = F.linear(segment, w_gate_up[slot])                               # [n, 2I]
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]                      # [n, I]
+            self.buffer[start:start + count] = F.linear(act, w_down[slot])             # [n, H]
+
+    def _decode(self, w_gate_up, w_down, slot_ids, partial) -> None:
+        from moekv.ops.triton import moe_decode
+
+        hidden = self.hidden
+        num_tokens, hidden_size = hidden.shape
+        act = moe_decode.decode_activation(hidden, w_gate_up, slot_ids, self.config)   # [T*k, I]
+        down = {k: v for k, v in self.config["down"].items() if k != "SPLIT_K"}
+        grid = (num_tokens * self.top_k, -(-hidden_size // down["BLOCK_N"]), partial.shape[0])
+        moe_decode._decode_down_kernel[grid](
+            act, w_down, slot_ids.contiguous(), partial, num_tokens, hidden_size, self.inter, self.k_per_split,
+            act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), partial.stride(0),
+            partial.stride(1), **moe_decode._common(num_tokens, self.top_k, hidden), **down)
+
+    def _grouped(self, w_gate_up, w_down, slot_ids, expert_out) -> None:
+        from moekv.ops.reference.moe import padded_capacity
+        from moekv.ops.triton import moe_grouped
+        from moekv.ops.triton.moe_align import moe_align
+        from moekv.ops.triton.moe_decode import upcast_dots
+
+        hidden = self.hidden
+        num_tokens, hidden_size = hidden.shape
+        num_slots = w_gate_up.shape[0]
+        block_m, part = self.config["BLOCK_M"], self.config["down"]
+        num_rows = num_tokens * self.top_k
+        aligned = moe_align(slot_ids, num_slots, block_m)
+        act = moe_grouped.grouped_activation(hidden, w_gate_up, slot_ids, self.config, aligned)   # [N, I]
+        sorted_slots, block_experts, num_padded = aligned
+        num_row_blocks = padded_capacity(num_rows, num_slots, block_m) // block_m
+        grid = (num_row_blocks * -(-hidden_size // part["BLOCK_N"]),)
+        moe_grouped._grouped_down_kernel[grid](
+            act, w_down, sorted_slots, block_experts, num_padded, expert_out, num_rows, hidden_size, self.inter,
+            num_row_blocks, act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
+            expert_out.stride(0), BLOCK_M=block_m, UPCAST=upcast_dots(hidden.dtype, hidden.device), **part)
+
+    # -- the weighted sum, once ----------------------------------------------------------------------
+    def result(self) -> torch.Tensor:
+        """[T, H] in hidden's dtype: sum_j w[t, j] * expert_out[t, j], as the resident path sums it."""
+        hidden = self.hidden
+        num_tokens, hidden_size = hidden.shape
+        if num_tokens == 0:
+            return torch.empty_like(hidden)
+        if self.path == "reference":
+            tokens = self.order // self.top_k                                          # [T*k]
+            weight = self.topk_weights.reshape(-1).float().index_select(0, self.order)  # [T*k]
+            weighted = self.buffer.float() * weight.unsqueeze(-1)                      # [T*k, H] fp32
+            out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
+            out.index_add_(0, tokens, weighted)
+            return out.to(hidden.dtype)
+        from moekv.ops.triton.moe_decode import combine
+
+        partial = self.buffer if self.path == "decode" else self.buffer.unsqueeze(0)
+        return combine(partial, self.topk_weights, torch.empty_like(hidden))           # [T, H]

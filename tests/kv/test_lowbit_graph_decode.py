@@ -1,0 +1,315 @@
+"""LowBitKVCache's step hooks (begin_step / attention / end_step) and its CUDA-graph-safe decode path
+against the lazy path (no hooks, the plan built inside attention()), which the rest of the suite checks
+against the oracle: the same attention outputs and the same cache contents, step after step, with
+padding sequences on a scratch page as the graph runner adds them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moekv.config import CacheConfig
+from moekv.errors import KVCacheCorruptionError
+from moekv.kvcache import KVCacheManager
+from moekv.kvcache.base import AttentionMetadata, KVCacheSpec
+from moekv.kvcache.formats.lowbit import LowBitKVCache
+from moekv.kvcache.formats.lowbit_plan import DecodePlan
+from moekv.ops import dispatch
+
+PAGE, HEADS, Q_HEADS, DIM, LAYERS, SCALE = 16, 2, 4, 32, 2, 0.18
+NUM_PAGES, STAGING, MAX_BATCH, BUCKET = 24, 12, 8, 6
+SCRATCH = "<scratch>"          # the runner's page for padding sequences, reserved for the cache's lifetime
+
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request):
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton backend on CPU tensors needs the interpreter (set without CUDA)")
+    previous = dispatch.get_backend()
+    dispatch.set_backend(request.param)
+    try:
+        yield request.param
+    finally:
+        dispatch.set_backend(previous)
+
+
+class Pair:
+    """Two caches fed the same tokens: `hooked` through begin_step/attention/end_step, decode steps padded
+    to BUCKET with dummy sequences on a scratch page; `lazy` without hooks and without padding."""
+
+    def __init__(self, seed=0, key_axis="channel"):
+        spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.float32)
+        config = CacheConfig(kv_cache_dtype="int3", page_size=PAGE, staging_pages=STAGING, outlier_fraction=0.02,
+                             key_axis=key_axis)
+        self.hooked = LowBitKVCache(spec, NUM_PAGES, "cpu", config)
+        self.lazy = LowBitKVCache(spec, NUM_PAGES, "cpu", config)
+        self.hooked.reserve_graph_decode(MAX_BATCH)
+        self.managers = {id(c): KVCacheManager(NUM_PAGES, PAGE, on_pages_freed=c.pages_freed)
+                         for c in (self.hooked, self.lazy)}
+        self.scratch_page: int | None = None     # reserved at the first padded step, after the first prefill:
+        # not page 0, which a real sequence then fills (a skipped entry's clamped page id must not matter)
+        self.lengths: dict[str, int] = {}
+        self.same_counters = True               # until the hooked cache runs a step the lazy one does not
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def manager(self, cache) -> KVCacheManager:
+        return self.managers[id(cache)]
+
+    def tokens(self, count: int):
+        """query, key, value for `count` tokens, per layer; keys with sparse spikes (outliers)."""
+        out = []
+        for _ in range(LAYERS):
+            query = torch.randn(count, Q_HEADS, DIM, generator=self.generator)
+            key = torch.randn(count, HEADS, DIM, generator=self.generator)
+            spikes = torch.rand(count, HEADS, DIM, generator=self.generator) < 0.03
+            key = torch.where(spikes, key * 30, key)
+            value = torch.randn(count, HEADS, DIM, generator=self.generator)
+            out.append((query, key, value))
+        return out
+
+    def meta(self, cache, new_tokens: dict[str, int], pad_to: int = 0) -> AttentionMetadata:
+        seqs = list(new_tokens)
+        manager = self.manager(cache)
+        query_lens = [new_tokens[s] for s in seqs]
+        context_lens = [self.lengths.get(s, 0) for s in seqs]
+        tables = [manager.block_table(s) for s in seqs]
+        ids = list(seqs)
+        if pad_to > len(seqs) and self.scratch_page is None:
+            for other in (self.hooked, self.lazy):    # same page ids in both; only the hooked cache uses it
+                self.manager(other).grow(SCRATCH, 1)
+            self.scratch_page = self.manager(self.hooked).block_table(SCRATCH)[0]
+        for _ in range(pad_to - len(seqs)):      # padding: one token, no context, the scratch page
+            query_lens.append(1)
+            context_lens.append(0)
+            tables.append([self.scratch_page])
+            ids.append("")
+        return AttentionMetadata.build(query_lens, context_lens, tables, PAGE, "cpu", request_ids=ids)
+
+    def grow(self, new_tokens: dict[str, int]) -> None:
+        for cache in (self.hooked, self.lazy):
+            for seq, n in new_tokens.items():
+                self.manager(cache).grow(seq, self.lengths.get(seq, 0) + n)
+
+    def step(self, new_tokens: dict[str, int], pad_to: int = 0, decode_plan: bool | None = None):
+        """One step on both caches; returns the hooked outputs per layer (real rows only)."""
+        self.grow(new_tokens)
+        real = sum(new_tokens.values())
+        data = self.tokens(real + max(pad_to - len(new_tokens), 0))
+        meta = self.meta(self.hooked, new_tokens, pad_to)
+        self.hooked.begin_step(meta)
+        if decode_plan is not None:
+            assert isinstance(self.hooked._plan, DecodePlan) == decode_plan
+        hooked_out = [self.hooked.attention(layer, q, k, v, meta, SCALE) for layer, (q, k, v) in enumerate(data)]
+        self.hooked.end_step(meta)
+        lazy_meta = self.meta(self.lazy, new_tokens)
+        lazy_out = [self.lazy.attention(layer, q[:real], k[:real], v[:real], lazy_meta, SCALE)
+                    for layer, (q, k, v) in enumerate(data)]
+        for got, want in zip(hooked_out, lazy_out):
+            assert torch.equal(got[:real], want)
+        for seq, n in new_tokens.items():
+            self.lengths[seq] = self.lengths.get(seq, 0) + n
+        self.check_same_contents()
+        return hooked_out
+
+    def finish(self, seq: str) -> None:
+        for cache in (self.hooked, self.lazy):
+            self.manager(cache).free(seq)
+        self.lengths.pop(seq)
+
+    def check_same_contents(self) -> None:
+        """Every real sequence's pages: quantized pages bit-equal, staged rows (its partial pages) equal."""
+        hooked, lazy = self.hooked, self.lazy
+        hooked_map, lazy_map = hooked.staging_slot_of_page.tolist(), lazy.staging_slot_of_page.tolist()
+        assert hooked_map == hooked.slots.slot_of_page and lazy_map == lazy.slots.slot_of_page
+        for seq, length in self.lengths.items():
+            table = self.manager(hooked).block_table(seq)
+            assert table == self.manager(lazy).block_table(seq)
+            for index, page in enumerate(table[:-(-length // PAGE)]):
+                rows = min(PAGE, length - index * PAGE)
+                assert (hooked_map[page] >= 0) == (lazy_map[page] >= 0) == (rows < PAGE), (seq, index)
+                for layer in range(LAYERS):
+                    if rows == PAGE:
+                        for mine, theirs in ((hooked.key_pages[layer], lazy.key_pages[layer]),
+                                             (hooked.value_pages[layer], lazy.value_pages[layer])):
+                            for name, t in mine.tensors().items():
+                                assert torch.equal(t[page], theirs.tensors()[name][page]), (seq, index, name)
+                    else:
+                        for mine, theirs in ((hooked.staging_keys[layer], lazy.staging_keys[layer]),
+                                             (hooked.staging_values[layer], lazy.staging_values[layer])):
+                            assert torch.equal(mine[hooked_map[page], :rows], theirs[lazy_map[page], :rows])
+        scratch = int(self.scratch_page is not None and hooked_map[self.scratch_page] >= 0)
+        assert hooked.slots.num_used == lazy.slots.num_used + scratch
+        if self.same_counters:
+            assert torch.equal(hooked._counters, lazy._counters)  # masked device counters: same totals
+
+
+def test_decode_steps_match_the_lazy_path(backend):
+    pair = Pair(key_axis="channel" if backend == "reference" else "token")
+    pair.step({"a": 13, "b": 10, "c": 30, "d": 24}, decode_plan=False)      # ragged prefill: hooked, variable plan
+    real = ["a", "b", "c", "d"]
+    for step in range(12):                       # a crosses 16, b 16, c 32, d 32, e 16
+        if step == 8:
+            pair.finish("b")                     # a sequence ends, a new one joins (a prefill step)
+            real = ["a", "c", "d", "e"]
+            pair.step({"e": 15, "a": 1}, decode_plan=False)
+        pad = BUCKET if step % 3 else len(real)  # padded buckets and unpadded decode steps
+        pair.step({s: 1 for s in real}, pad_to=pad, decode_plan=True)
+    assert pair.lengths == {"a": 26, "c": 42, "d": 36, "e": 19}
+    stats = pair.hooked.stats()
+    assert stats["pages_quantized"] == sum(n // PAGE for n in pair.lengths.values()) + 1   # + b's first page
+    assert stats["key_outliers_per_page_head"] > 0
+    assert pair.hooked.staging_slot_of_page[pair.scratch_page] >= 0    # the scratch page keeps its one slot
+
+
+def test_decode_larger_than_the_reservation_uses_the_variable_plan():
+    pair = Pair()
+    seqs = {f"s{i}": 15 for i in range(MAX_BATCH + 1)}
+    pair.step(seqs, decode_plan=False)
+    pair.step({s: 1 for s in seqs}, decode_plan=False)       # 9 > MAX_BATCH: hooked, but the variable plan
+    pair.step({s: 1 for s in list(seqs)[:MAX_BATCH]}, decode_plan=True)
+
+
+def test_without_reservation_or_hooks_nothing_changes():
+    spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.float32)
+    cache = LowBitKVCache(spec, 4, "cpu", CacheConfig(kv_cache_dtype="int3", page_size=PAGE, staging_pages=2))
+    assert LowBitKVCache.supports_graph_decode
+    meta = AttentionMetadata.build([1], [0], [[2]], PAGE, "cpu")
+    cache.begin_step(meta)                       # not reserved: the variable plan, committed by end_step
+    assert not isinstance(cache._plan, DecodePlan)
+    for layer in range(LAYERS):
+        cache.attention(layer, torch.randn(1, Q_HEADS, DIM), torch.randn(1, HEADS, DIM), torch.randn(1, HEADS, DIM),
+                        meta, SCALE)
+    assert cache._plan is not None               # the last layer does not commit a hooked plan
+    cache.end_step(meta)
+    assert cache._plan is None and cache.slots.num_used == 1
+    cache.end_step(meta)                         # nothing pending: a no-op
+    cache.reserve_graph_decode(4)
+    cache.reserve_graph_decode(2)                # no more than reserved: a no-op
+    buffers = cache._index.data_ptr(), cache._bad_seqs.data_ptr()
+    with pytest.raises(RuntimeError, match="cannot grow"):
+        cache.reserve_graph_decode(5)
+    assert (cache._index.data_ptr(), cache._bad_seqs.data_ptr()) == buffers
+
+
+class HostDataGuard:
+    """While active, anything that reads a tensor back to the host or builds one from host data raises."""
+
+    def __init__(self, monkeypatch):
+        self.active = False
+        self.monkeypatch = monkeypatch
+        for owner, name in ((torch, "tensor"), (torch, "as_tensor"), (torch, "from_numpy"), (torch, "nonzero"),
+                            (torch, "masked_select"), (torch.Tensor, "tolist"), (torch.Tensor, "item"),
+                            (torch.Tensor, "__bool__"), (torch.Tensor, "__int__"), (torch.Tensor, "__float__"),
+                            (torch.Tensor, "__index__"), (torch.Tensor, "cpu"), (torch.Tensor, "numpy"),
+                            (torch.Tensor, "nonzero"), (torch.Tensor, "masked_select")):
+            self.forbid(owner, name)
+        original_getitem = torch.Tensor.__getitem__
+
+        def getitem(tensor, index):
+            parts = index if isinstance(index, tuple) else (index,)
+            if self.active and any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+                raise AssertionError("boolean-mask indexing (a data-dependent shape) inside attention()")
+            return original_getitem(tensor, index)
+
+        monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+
+    def forbid(self, owner, name):
+        original = getattr(owner, name)
+
+        def guarded(*args, **kwargs):
+            if self.active:
+                raise AssertionError(f"{name} inside attention() of a prepared decode step")
+            return original(*args, **kwargs)
+
+        self.monkeypatch.setattr(owner, name, guarded)
+
+    def exempt(self, owner, name):
+        """Let `owner.name` (a kernel not owned by the cache) do what it likes."""
+        original = getattr(owner, name)
+        guard = self
+
+        def call(*args, **kwargs):
+            active, guard.active = guard.active, False
+            try:
+                return original(*args, **kwargs)
+            finally:
+                guard.active = active
+
+        self.monkeypatch.setattr(owner, name, call)
+
+
+def test_prepared_decode_attention_reads_nothing_from_the_host(backend, monkeypatch):
+    pair = Pair()
+    pair.step({"a": 15, "b": 3, "c": 16})
+    cache = pair.hooked
+    guard = HostDataGuard(monkeypatch)
+    # the attention kernels are other code (made graph-safe elsewhere); the reference quantizer runs on the CPU
+    guard.exempt(dispatch, "paged_attention_lowbit")
+    if backend == "reference":
+        from moekv.ops.reference import lowbit as reference
+        guard.exempt(reference, "quantize_staged_pages")
+    else:
+        from moekv.ops.triton import lowbit_quantize
+        guard.exempt(lowbit_quantize, "_launch")       # the launch itself (the interpreter copies to the host)
+    original = cache.attention
+
+    def attention(*args, **kwargs):
+        guard.active = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            guard.active = False
+
+    monkeypatch.setattr(cache, "attention", attention)
+    pair.step({"a": 1, "b": 1, "c": 1}, pad_to=BUCKET, decode_plan=True)     # a fills its page: quantized
+    pair.step({"a": 1, "b": 1, "c": 1}, pad_to=BUCKET, decode_plan=True)
+    assert pair.hooked.stats()["pages_quantized"] == 2      # c (prefill) and a
+    # the guard works: the lazy path (built inside attention()) trips it
+    meta = pair.meta(cache, {"a": 1})
+    guard.active = True
+    with pytest.raises(AssertionError, match="inside attention"):
+        original(0, torch.zeros(1, Q_HEADS, DIM), torch.zeros(1, HEADS, DIM), torch.zeros(1, HEADS, DIM), meta, SCALE)
+    guard.active = False
+
+
+def test_non_finite_decode_raises_at_end_step_and_commits_nothing(backend):
+    pair = Pair()
+    pair.step({"a": 15, "b": 15, "c": 6})
+    hooked = pair.hooked
+    before_map = hooked.staging_slot_of_page.clone()
+    before_used = hooked.slots.num_used
+    new = {"a": 1, "b": 1, "c": 1}
+    pair.grow(new)
+    data = pair.tokens(BUCKET)
+    data[0][1][1, 0, 3] = float("nan")           # b's key, layer 0 (b fills its page this step)
+    data[1][2][4, 1, 0] = float("inf")           # a padding sequence's value: never reported
+    meta = pair.meta(hooked, new, pad_to=BUCKET)
+    hooked.begin_step(meta)
+    assert isinstance(hooked._plan, DecodePlan)
+    for layer, (q, k, v) in enumerate(data):
+        hooked.attention(layer, q, k, v, meta, SCALE)
+    with pytest.raises(KVCacheCorruptionError, match="b") as caught:
+        hooked.end_step(meta)
+    assert caught.value.seq_indices == [1] and caught.value.request_ids == ["b"]
+    assert hooked._plan is None
+    pair.same_counters = False                   # statistics of the failed step stay counted
+    # not committed: a's and b's filled pages keep their slots (read from staging, as before the step); only
+    # the scratch page's slot, taken by begin_step for the padding, is new (it keeps it for good)
+    after_map = hooked.staging_slot_of_page.clone()
+    assert before_map[pair.scratch_page] == -1 and after_map[pair.scratch_page] >= 0
+    after_map[pair.scratch_page] = -1
+    assert torch.equal(after_map, before_map) and hooked.slots.num_used == before_used + 1
+    for layer in range(LAYERS):
+        for store in (hooked.key_pages[layer], hooked.value_pages[layer]):
+            assert all(torch.isfinite(t.float()).all() for t in store.tensors().values())
+    assert torch.isfinite(hooked.staging_keys).all() and torch.isfinite(hooked.staging_values).all()
+    # the engine ends b and re-runs the step for the others: both caches then agree (check in step())
+    for cache in (pair.hooked, pair.lazy):
+        pair.manager(cache).free("b")
+    pair.lengths.pop("b")
+    pair.step({"a": 1, "c": 1}, pad_to=BUCKET, decode_plan=True)
+    pair.step({"a": 1, "c": 1}, pad_to=BUCKET, decode_plan=True)
