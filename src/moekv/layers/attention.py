@@ -14,7 +14,7 @@ from moekv.config import ArchConfig
 from moekv.kvcache.base import AttentionMetadata, KVCache
 from moekv.layers.linear import Linear
 from moekv.layers.norm import RMSNorm
-from moekv.layers.rotary import apply_rotary
+from moekv.layers.rotary import apply_rotary_qk
 
 
 class Attention(nn.Module):
@@ -65,7 +65,6 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             query = self.q_norm(query)                                            # [T, Hq, D]
             key = self.k_norm(key)                                                # [T, Hkv, D]
-        query = apply_rotary(query, cos, sin)                                     # [T, Hq, D]
-        key = apply_rotary(key, cos, sin)                                         # [T, Hkv, D]
+        query, key = apply_rotary_qk(query, key, cos, sin)                        # [T, Hq, D], [T, Hkv, D]
         out = kv_cache.attention(self.layer_idx, query, key, value, meta, self.scale)   # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))                  # [T, hidden]

@@ -14,6 +14,7 @@ from torch import nn
 from moekv.config import ArchConfig
 from moekv.layers.linear import Linear
 from moekv.layers.router import Router
+from moekv.ops.reference.layers import count_expert_load
 from moekv.moe.experts import Experts, LocalExperts
 
 
@@ -53,14 +54,12 @@ class MoEBlock(nn.Module):
                 token_valid: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; adds routed slots per expert to expert_load [E] (int64).
         token_valid [T] int64 (0: a padding row of a CUDA-graph bucket, not counted); None: all count."""
-        topk_weights, topk_ids = self.router(hidden)                                  # [T, k], [T, k]
-        if expert_load is not None:
-            flat_ids = topk_ids.reshape(-1)                                           # [T*k]
-            if token_valid is None:
-                counts = torch.ones_like(flat_ids)
-            else:
-                counts = token_valid.unsqueeze(1).expand_as(topk_ids).reshape(-1)     # [T*k]
-            expert_load.index_add_(0, flat_ids, counts)                               # on device, no sync
+        if isinstance(self.router, Router):      # counts inside the routing kernel (on device, no sync)
+            topk_weights, topk_ids = self.router(hidden, expert_load, token_valid)    # [T, k], [T, k]
+        else:                                    # a stand-in router (moe.prefetch.trace): count here
+            topk_weights, topk_ids = self.router(hidden)                              # [T, k], [T, k]
+            if expert_load is not None:
+                count_expert_load(topk_ids, expert_load, token_valid)
         out = self.experts(hidden, topk_ids, topk_weights)                            # [T, hidden]
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(hidden))                     # [T, 1]

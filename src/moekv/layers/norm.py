@@ -1,4 +1,8 @@
-"""RMSNorm, computed in fp32 and cast back before the weight multiply (the Hugging Face order)."""
+"""RMSNorm, computed in fp32 and cast back before the weight multiply (the Hugging Face order).
+
+Through ops.dispatch: one Triton kernel on CUDA (optionally fused with the residual add, see
+`add_norm`), the PyTorch reference (ops.reference.layers) elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 from torch import nn
 
 from moekv.layers.linear import empty_parameter
+from moekv.ops import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -17,10 +22,18 @@ class RMSNorm(nn.Module):
         self.weight = empty_parameter(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()                                                  # [..., dim]
-        variance = x_fp32.pow(2).mean(-1, keepdim=True)                      # [..., 1]
-        normed = (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype)    # [..., dim]
-        return self.weight * normed
+        """x [..., dim] -> [..., dim]."""
+        return dispatch.rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(residual + x), residual + x) in one kernel on CUDA; the sum is rounded to the dtype
+        before the norm reads it, exactly as `hidden = hidden + x; self(hidden)`. With forward hooks
+        on this module (moe.prefetch.predictor's "attn" source) it runs exactly that, so the hooks see
+        the sum as the input and the normed tensor as the output."""
+        if self._forward_hooks or self._forward_pre_hooks:
+            hidden = residual + x
+            return self(hidden), hidden
+        return dispatch.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"dim={self.weight.shape[0]}, eps={self.eps}"

@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moekv.ops import dispatch
+from moekv.ops.reference.layers import apply_rotary, rotate_half  # noqa: F401  (the reference math)
+
 
 class RotaryEmbedding(nn.Module):
     """inv_freq[i] = theta^(-2i / head_dim); the angle of position p is p * inv_freq."""
@@ -30,13 +33,7 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D] -> [T, H, D] rotated."""
-    cos = cos.unsqueeze(1)                                                 # [T, 1, D]
-    sin = sin.unsqueeze(1)                                                 # [T, 1, D]
-    return x * cos + rotate_half(x) * sin
+def apply_rotary_qk(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, Hq, D], key [T, Hkv, D]; cos/sin [T, D] -> both rotated (one kernel on CUDA)."""
+    return dispatch.apply_rotary_qk(query, key, cos, sin)

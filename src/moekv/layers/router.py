@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekv.layers.linear import empty_parameter
+from moekv.ops import dispatch
+from moekv.ops.reference.layers import route_topk
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,11 +20,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
     Ties between equal probabilities resolve as torch.topk resolves them (as the reference does).
     """
-    probs = torch.softmax(logits.float(), dim=-1)                      # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)                    # [T, k], [T, k]
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)          # [T, k]
-    return weights, ids
+    return route_topk(logits, top_k, renormalize)
 
 
 class Router(nn.Module):
@@ -35,7 +33,10 @@ class Router(nn.Module):
         self.renormalize = renormalize
         self.weight = empty_parameter(num_experts, hidden_size, dtype=dtype, device=device)
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, hidden] -> (weights [T, k] float32, ids [T, k] int64)."""
+    def forward(self, hidden: torch.Tensor, expert_load: torch.Tensor | None = None,
+                token_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> (weights [T, k] float32, ids [T, k] int64); adds the routed slots per
+        expert to expert_load [E] int64 when given (token_valid [T]: 0 rows not counted). On CUDA the
+        softmax, top-k, renormalisation and count are one kernel (ties: lowest expert index first)."""
         logits = F.linear(hidden, self.weight)                         # [T, E] in the model dtype
-        return route(logits, self.top_k, self.renormalize)
+        return dispatch.route_topk(logits, self.top_k, self.renormalize, expert_load, token_valid)

@@ -3,6 +3,10 @@
     input_ids [T] -> embed -> L x (norm -> attention -> +residual -> norm -> MoE | dense MLP -> +residual)
     -> final norm -> hidden [T, H];  compute_logits(hidden [N, H]) -> [N, V] float32
 
+Each "+residual -> norm" is one fused op (RMSNorm.add_norm: one Triton kernel on CUDA): a layer
+returns its MLP output and the running residual, and the next layer's input norm (or the final
+norm) adds them. The sums are rounded to the model dtype exactly where `hidden = hidden + out` did.
+
 Tokens of all sequences of a step are flattened into T; `positions` gives each token's absolute
 position in its own sequence and `meta` (built by the engine) tells the KV cache where each
 sequence's pages are. Per-architecture differences are ArchConfig flags.
@@ -38,12 +42,28 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, expert_load: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> [T, H]; expert_load [E] is this layer's row of the model's counter."""
-        hidden = hidden + self.attn(self.input_norm(hidden), cos, sin, kv_cache, meta)   # [T, H]
-        normed = self.post_attn_norm(hidden)                                              # [T, H]
+        """hidden [T, H] -> [T, H]; expert_load [E] is this layer's row of the model's counter. The
+        whole output hidden state (what forward hooks on a layer see); the model itself runs
+        forward_residual, which leaves the last residual add to the next norm."""
+        mlp_out, residual = self.forward_residual(hidden, None, cos, sin, kv_cache, meta, expert_load)
+        return residual + mlp_out                                                         # [T, H]
+
+    def forward_residual(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                         sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, expert_load: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (mlp_out [T, H], residual [T, H]); this layer's output hidden state is residual + mlp_out
+        (added by the next norm). hidden [T, H]: the previous layer's mlp_out, or with residual None
+        the layer's input itself (the embedding). expert_load [E]: this layer's row of the counter."""
+        if residual is None:
+            residual = hidden                                                             # [T, H]
+            normed = self.input_norm(hidden)                                              # [T, H]
+        else:
+            normed, residual = self.input_norm.add_norm(hidden, residual)                 # [T, H] x2
+        attn_out = self.attn(normed, cos, sin, kv_cache, meta)                            # [T, H]
+        normed, residual = self.post_attn_norm.add_norm(attn_out, residual)               # [T, H] x2
         if self.is_moe:
-            return hidden + self.mlp(normed, expert_load, meta.token_valid)               # [T, H]
-        return hidden + self.mlp(normed)                                                  # [T, H]
+            return self.mlp(normed, expert_load, meta.token_valid), residual              # [T, H]
+        return self.mlp(normed), residual                                                 # [T, H]
 
 
 class MoEForCausalLM(nn.Module):
@@ -75,9 +95,19 @@ class MoEForCausalLM(nn.Module):
         """input_ids [T] int64, positions [T] int64 -> final hidden states [T, H] (after the final norm)."""
         hidden = self.embed_tokens(input_ids)                                    # [T, H]
         cos, sin = self.rotary(positions, hidden.dtype)                          # [T, D] each
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, kv_cache, meta, self.expert_load[layer.layer_idx])   # [T, H]
-        return self.norm(hidden)                                                 # [T, H]
+            load = self.expert_load[layer.layer_idx]                             # [E]
+            if layer._forward_hooks or layer._forward_pre_hooks:                 # hooks see whole hidden states
+                if residual is not None:
+                    hidden, residual = residual + hidden, None                   # [T, H]
+                hidden = layer(hidden, cos, sin, kv_cache, meta, load)           # [T, H]
+            else:
+                hidden, residual = layer.forward_residual(hidden, residual, cos, sin, kv_cache, meta,
+                                                          load)                  # [T, H] x2
+        if residual is None:                                                     # no layers
+            return self.norm(hidden)                                             # [T, H]
+        return self.norm.add_norm(hidden, residual)[0]                           # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""

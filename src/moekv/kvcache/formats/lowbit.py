@@ -20,8 +20,11 @@ Step hooks (CUDA-graph decode): `begin_step(meta)` plans the step on the host be
 `end_step(meta)` checks and commits it after; `attention()` then does device work only. For a decode
 step of at most `reserve_graph_decode(max_batch)` sequences the plan is three fixed-size index rows in
 persistent device buffers (staging row of each new token, page it fills or -1, that page's slot) and
-a persistent per-sequence non-finite flag; every layer writes the new tokens to staging and
-quantizes the pages that filled with a masked, fixed-shape op (`dispatch.quantize_staged_pages`).
+a persistent per-sequence non-finite flag; every layer runs one launch that checks the new tokens,
+sets the flags and writes the (zeroed where non-finite) rows to staging and to persistent copies the
+attention reads (`dispatch.stage_decode_tokens`), the attention, and one masked, fixed-shape launch
+that quantizes the key and value pages that filled and adds the statistics to the device counters
+(`dispatch.quantize_staged_kv_counted`).
 Without begin_step (tests, prefill until the runner calls the hooks) the plan is built lazily at
 layer 0 and checked/committed after the last layer, as before.
 """
@@ -44,6 +47,11 @@ STAGING_SHARE = 8   # default staging pool: one staging page per 8 pages (at lea
 _COUNTERS = ("page_heads_quantized", "key_budget_hits", "value_budget_hits", "key_outliers", "value_outliers",
              "key_qualifying", "value_qualifying")
 
+# Counter indices (budget hits, outliers, qualifying, page heads or -1) the decode step's quantizer adds to,
+# for the keys and for the values (page heads are counted once, with the keys).
+_DECODE_COUNTERS = tuple(
+    (_COUNTERS.index(f"{kind}_budget_hits"), _COUNTERS.index(f"{kind}_outliers"), _COUNTERS.index(f"{kind}_qualifying"),
+     _COUNTERS.index("page_heads_quantized") if kind == "key" else -1) for kind in ("key", "value"))
 
 def quant_specs(spec: KVCacheSpec, config: CacheConfig) -> tuple[QuantSpec, QuantSpec]:
     """The (key, value) page formats a cache config asks for."""
@@ -94,6 +102,7 @@ class LowBitKVCache(KVCache):
         self._index_host: torch.Tensor | None = None     # [3, max_batch] int64 (pinned on CUDA)
         self._index: torch.Tensor | None = None          # [3, max_batch] int64: stage_row, quant_page, quant_slot
         self._bad_seqs: torch.Tensor | None = None       # [max_batch] bool: non-finite key/value this step
+        self._new_kv: dict = {}                          # (key, value dtype) -> [max_batch, Hkv, D] buffers
         self._index_copied = None                        # CUDA event: the last host->device index copy is done
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=self.device)
 
@@ -142,8 +151,9 @@ class LowBitKVCache(KVCache):
         self._index_host = torch.full((3, max_batch), -1, dtype=torch.int64, pin_memory=cuda)
         self._index = torch.full((3, max_batch), -1, dtype=torch.int64, device=self.device)
         self._bad_seqs = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
-        self._index_copied = torch.cuda.Event() if cuda else None
         self._graph_batch = max_batch
+        self._new_token_buffers(self.spec.dtype, self.spec.dtype)
+        self._index_copied = torch.cuda.Event() if cuda else None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Plan the step before its forward (host work, no sync): take staging slots, and for a decode step
@@ -211,30 +221,33 @@ class LowBitKVCache(KVCache):
         if key.shape[0] != count:
             raise ValueError(f"a decode step of {count} sequences got {key.shape[0]} new tokens")
         stage_rows, quant_pages, quant_slots = (self._index[i, :count] for i in range(3))   # [B] int64 each
-        finite = torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1)   # [B]
-        bad = self._bad_seqs[:count]
-        bad.logical_or_(~finite)
-        keep = finite[:, None, None]
-        key = torch.where(keep, key, torch.zeros((), dtype=key.dtype, device=key.device))          # [B, Hkv, D]
-        value = torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device))
+        key_out, value_out = self._new_token_buffers(key.dtype, value.dtype)
+        # one launch: finiteness of each token's key and value rows -> its flag (OR), and the rows (zeros
+        # when non-finite) -> its staging row and the persistent copies the attention reads. Writing the
+        # staging row first is invisible to the attention: that row lies past the token's context.
+        key, value = dispatch.stage_decode_tokens(
+            key, value, self.staging_keys[layer], self.staging_values[layer], stage_rows, self._bad_seqs[:count],
+            key_out[:count], value_out[:count])                                    # [B, Hkv, D]
         out = dispatch.paged_attention_lowbit(
             query, key, value, self.key_pages[layer], self.value_pages[layer], self.key_spec, self.value_spec,
             self.staging_keys[layer], self.staging_values[layer], self.slots.device_map, meta, scale)
-        filled = quant_pages >= 0                                                  # [B]
-        for kind, new, staging, pages, spec in (
-                ("key", key, self.staging_keys[layer], self.key_pages[layer], self.key_spec),
-                ("value", value, self.staging_values[layer], self.value_pages[layer], self.value_spec)):
-            flat = staging.view(-1, *staging.shape[2:])                            # [S * P, Hkv, D]
-            flat.index_copy_(0, stage_rows, new.to(flat.dtype))
-            qualifying = dispatch.quantize_staged_pages(staging, quant_slots, quant_pages, spec, pages)  # [B, Hkv]
-            outliers = pages.outlier_count.index_select(0, quant_pages.clamp(min=0))                   # [B, Hkv]
-            counters = self._counters
-            counters[_COUNTERS.index(f"{kind}_budget_hits")] += (qualifying > spec.outlier_capacity).sum()
-            counters[_COUNTERS.index(f"{kind}_outliers")] += (outliers * filled[:, None]).sum(dtype=torch.int64)
-            counters[_COUNTERS.index(f"{kind}_qualifying")] += qualifying.sum(dtype=torch.int64)
-            if kind == "key":
-                counters[_COUNTERS.index("page_heads_quantized")] += filled.sum() * qualifying.shape[1]
+        # one launch, keys and values: pages that filled (page id >= 0) are quantized from their staging slot,
+        # the statistics added to the counters by the kernel (masked: skipped entries add nothing)
+        dispatch.quantize_staged_kv_counted(
+            self.staging_keys[layer], self.staging_values[layer], quant_slots, quant_pages, self.key_spec,
+            self.value_spec, self.key_pages[layer], self.value_pages[layer], self._counters, *_DECODE_COUNTERS)
         return out
+
+    def _new_token_buffers(self, key_dtype: torch.dtype, value_dtype: torch.dtype):
+        """Persistent [max_batch, Hkv, D] buffers of the new tokens' zero-checked key and value (one pair per
+        dtype pair, allocated at reserve_graph_decode for the cache dtype; captured graphs keep them)."""
+        buffers = self._new_kv.get((key_dtype, value_dtype))
+        if buffers is None:
+            shape = (self._graph_batch, self.spec.num_kv_heads, self.spec.head_dim)
+            buffers = (torch.empty(shape, dtype=key_dtype, device=self.device),
+                       torch.empty(shape, dtype=value_dtype, device=self.device))
+            self._new_kv[(key_dtype, value_dtype)] = buffers
+        return buffers
 
     def _write(self, kind: str, new: torch.Tensor, staging: torch.Tensor, pages: PackedPages, spec: QuantSpec,
                plan: StepPlan) -> None:

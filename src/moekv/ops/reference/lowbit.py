@@ -208,3 +208,57 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
         out[rows] = causal_attention_reference(query[rows], keys, values, context_len, scale).to(query.dtype)
         start += num_new
     return out
+
+
+def stage_decode_tokens(key: torch.Tensor, value: torch.Tensor, staging_keys: torch.Tensor,
+                        staging_values: torch.Tensor, stage_rows: torch.Tensor, flags: torch.Tensor,
+                        key_out: torch.Tensor, value_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step's staging write of one layer (no host reads).
+
+    key/value [B, Hkv, D]: the step's new tokens; staging_keys/values [S, P, Hkv, D]: the layer's staging
+    pools, written at flat row stage_rows[i] (slot * P + row) for token i; flags [B] bool: set (never
+    cleared) for each token whose key or value row holds a NaN or Inf; such a token is written as zeros
+    (key and value both). key_out/value_out [B, Hkv, D]: receive the rows as written (zeroed where
+    non-finite, in their own dtype); returned, for the attention call. Tokens sharing a staging row
+    write it in no set order.
+    """
+    finite = torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1)     # [B]
+    flags.logical_or_(~finite)
+    keep = finite[:, None, None]
+    key_out.copy_(torch.where(keep, key, torch.zeros((), dtype=key.dtype, device=key.device)))
+    value_out.copy_(torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device)))
+    for new, staging in ((key_out, staging_keys), (value_out, staging_values)):
+        flat = staging.view(-1, *staging.shape[2:])                                # [S * P, Hkv, D]
+        flat.index_copy_(0, stage_rows.long(), new.to(flat.dtype))
+    return key_out, value_out
+
+
+def quantize_staged_pages_counted(staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
+                                  spec: QuantSpec, out: PackedPages, counters: torch.Tensor,
+                                  budget_index: int, outliers_index: int, qualifying_index: int,
+                                  pages_index: int = -1) -> None:
+    """quantize_staged_pages, with its statistics added to `counters` (int64, device) instead of returned:
+    counters[budget_index] += page heads whose qualifying count exceeds the capacity,
+    counters[outliers_index] += outliers stored, counters[qualifying_index] += qualifying values and,
+    when pages_index >= 0, counters[pages_index] += page heads quantized -- over the entries with
+    pages[i] >= 0 (an entry repeated is counted each time)."""
+    qualifying = quantize_staged_pages(staging, slots, pages, spec, out)           # [B, Hkv]
+    filled = pages >= 0                                                            # [B]
+    outliers = out.outlier_count.index_select(0, pages.long().clamp(min=0))       # [B, Hkv]
+    counters[budget_index] += (qualifying > spec.outlier_capacity).sum()
+    counters[outliers_index] += (outliers * filled[:, None]).sum(dtype=torch.int64)
+    counters[qualifying_index] += qualifying.sum(dtype=torch.int64)
+    if pages_index >= 0:
+        counters[pages_index] += filled.sum() * qualifying.shape[1]
+
+
+def quantize_staged_kv_counted(staging_keys: torch.Tensor, staging_values: torch.Tensor, slots: torch.Tensor,
+                               pages: torch.Tensor, key_spec: QuantSpec, value_spec: QuantSpec,
+                               key_out: PackedPages, value_out: PackedPages, counters: torch.Tensor,
+                               key_counters: tuple[int, int, int, int],
+                               value_counters: tuple[int, int, int, int]) -> None:
+    """The decode step's page quantization of one layer, keys and values: quantize_staged_pages_counted of
+    the keys (counter indices key_counters = (budget, outliers, qualifying, pages or -1)), then of the
+    values (value_counters), with the same slots and pages."""
+    quantize_staged_pages_counted(staging_keys, slots, pages, key_spec, key_out, counters, *key_counters)
+    quantize_staged_pages_counted(staging_values, slots, pages, value_spec, value_out, counters, *value_counters)

@@ -9,7 +9,11 @@ deviations winning), takes min/max over the inliers, derives the fp16 (channel a
 Two launch modes of one kernel: `quantize_pages` (page n of a dense [N, H, P, D] input into a new
 PackedPages) and `quantize_staged_pages` (the decode step of the cache, CUDA-graph safe: entry i reads
 its page id and staging slot from device tensors, returns at once for page -1, reads the slot's rows
-from the staging pool and stores straight into the layer's PackedPages at that page).
+from the staging pool and stores straight into the layer's PackedPages at that page), plus the
+counted variants the decode step uses: `quantize_staged_pages_counted` (statistics added to int64
+counters with atomics instead of a qualifying output) and `quantize_staged_kv_counted`, keys and
+values in one launch (`_quantize_kv_staged_kernel`, grid [B, H, 2]; the body `_quantize_page_head`
+is shared by both kernels, so the codes are the same bits).
 
 Agreement with the reference run on the CPU (tests/ops/test_lowbit_quantize.py; on an H200 by
 benchmarks/bench_attention.py --check): bit-exact codes, scales, zero points and outliers on the
@@ -98,7 +102,9 @@ def _pack_plane(fields, P: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
 def _quantize_kernel(
     x_ptr, stride_xn, stride_xh, stride_xp,
     codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
-    qualifying_ptr, tau, pages_ptr, slots_ptr,
+    qualifying_ptr, tau, pages_ptr, slots_ptr, counters_ptr,
+    COUNT: tl.constexpr, CNT_BUDGET: tl.constexpr, CNT_OUTLIERS: tl.constexpr, CNT_QUALIFYING: tl.constexpr,
+    CNT_PAGES: tl.constexpr,
     STAGED: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
 ):
@@ -112,6 +118,63 @@ def _quantize_kernel(
     else:           # entry n quantizes x[n] into output page n
         page = entry
         source = entry
+    _quantize_page_head(
+        x_ptr, stride_xn, stride_xh, stride_xp,
+        codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
+        qualifying_ptr, tau, counters_ptr, entry, head, page, source,
+        COUNT, CNT_BUDGET, CNT_OUTLIERS, CNT_QUALIFYING, CNT_PAGES,
+        NUM_HEADS, P, D, G, BITS, AXIS_CHANNEL, GROUP_LEN, CAPACITY, BLOCK_C, WORDS)
+
+
+@triton.jit
+def _quantize_kv_staged_kernel(
+    pages_ptr, slots_ptr, counters_ptr, k_tau, v_tau,
+    kx_ptr, vx_ptr, stride_xn, stride_xh, stride_xp,
+    k_codes, k_scale, k_zero, k_base, k_ovals, k_oidx, k_ocount,
+    v_codes, v_scale, v_zero, v_base, v_ovals, v_oidx, v_ocount,
+    NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+    K_G: tl.constexpr, K_BITS: tl.constexpr, K_AXIS_CHANNEL: tl.constexpr, K_GROUP_LEN: tl.constexpr,
+    K_CAPACITY: tl.constexpr, K_BLOCK_C: tl.constexpr, K_WORDS: tl.constexpr,
+    V_G: tl.constexpr, V_BITS: tl.constexpr, V_AXIS_CHANNEL: tl.constexpr, V_GROUP_LEN: tl.constexpr,
+    V_CAPACITY: tl.constexpr, V_BLOCK_C: tl.constexpr, V_WORDS: tl.constexpr,
+    K_CNT_BUDGET: tl.constexpr, K_CNT_OUTLIERS: tl.constexpr, K_CNT_QUALIFYING: tl.constexpr,
+    K_CNT_PAGES: tl.constexpr, V_CNT_BUDGET: tl.constexpr, V_CNT_OUTLIERS: tl.constexpr,
+    V_CNT_QUALIFYING: tl.constexpr, V_CNT_PAGES: tl.constexpr,
+):
+    """Keys and values of the decode step in one launch: grid [B, H, 2], axis 2 picks keys (0) or values (1);
+    statistics always go to the counters (COUNT mode)."""
+    entry = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    page = tl.load(pages_ptr + entry).to(tl.int64)
+    if page >= 0:
+        source = tl.load(slots_ptr + entry).to(tl.int64)
+        if tl.program_id(2) == 0:
+            _quantize_page_head(
+                kx_ptr, stride_xn, stride_xh, stride_xp,
+                k_codes, k_scale, k_zero, k_base, k_ovals, k_oidx, k_ocount,
+                counters_ptr, k_tau, counters_ptr, entry, head, page, source,
+                True, K_CNT_BUDGET, K_CNT_OUTLIERS, K_CNT_QUALIFYING, K_CNT_PAGES,
+                NUM_HEADS, P, D, K_G, K_BITS, K_AXIS_CHANNEL, K_GROUP_LEN, K_CAPACITY, K_BLOCK_C, K_WORDS)
+        else:
+            _quantize_page_head(
+                vx_ptr, stride_xn, stride_xh, stride_xp,
+                v_codes, v_scale, v_zero, v_base, v_ovals, v_oidx, v_ocount,
+                counters_ptr, v_tau, counters_ptr, entry, head, page, source,
+                True, V_CNT_BUDGET, V_CNT_OUTLIERS, V_CNT_QUALIFYING, V_CNT_PAGES,
+                NUM_HEADS, P, D, V_G, V_BITS, V_AXIS_CHANNEL, V_GROUP_LEN, V_CAPACITY, V_BLOCK_C, V_WORDS)
+
+
+@triton.jit
+def _quantize_page_head(
+    x_ptr, stride_xn, stride_xh, stride_xp,
+    codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
+    qualifying_ptr, tau, counters_ptr, entry, head, page, source,
+    COUNT: tl.constexpr, CNT_BUDGET: tl.constexpr, CNT_OUTLIERS: tl.constexpr, CNT_QUALIFYING: tl.constexpr,
+    CNT_PAGES: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    BITS: tl.constexpr, AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr,
+    BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
+):
+    """Quantize rows `source` of x (head `head`) into page `page` of the output: the body of both kernels."""
     page_head = page * NUM_HEADS + head
     offs_p = tl.arange(0, P)
     offs_d = tl.arange(0, D)
@@ -129,7 +192,15 @@ def _quantize_kernel(
     deviation = tl.math.div_rn(tl.abs(centered), tl.where(std > 0, std, 1.0))
     qualifies = deviation > tau
     num_qualifying = tl.sum(tl.sum(qualifies.to(tl.int32), axis=1), axis=0)
-    tl.store(qualifying_ptr + entry * NUM_HEADS + head, num_qualifying)
+    if COUNT:       # statistics straight into the cache's int64 counters (no qualifying output)
+        tl.atomic_add(counters_ptr + CNT_QUALIFYING, num_qualifying.to(tl.int64), sem="relaxed")
+        tl.atomic_add(counters_ptr + CNT_BUDGET, (num_qualifying > CAPACITY).to(tl.int64), sem="relaxed")
+        tl.atomic_add(counters_ptr + CNT_OUTLIERS, tl.minimum(num_qualifying, CAPACITY).to(tl.int64),
+                      sem="relaxed")                          # outliers stored: min(qualifying, capacity)
+        if CNT_PAGES >= 0:
+            tl.atomic_add(counters_ptr + CNT_PAGES, tl.full([], 1, tl.int64), sem="relaxed")
+    else:
+        tl.store(qualifying_ptr + entry * NUM_HEADS + head, num_qualifying)
     if CAPACITY == 0:
         outlier = flat_index < 0
     elif num_qualifying <= CAPACITY:
@@ -275,21 +346,116 @@ def quantize_staged_pages(staging: torch.Tensor, slots: torch.Tensor, pages: tor
     return qualifying
 
 
+def quantize_staged_pages_counted(staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, spec,
+                                  out: PackedPages, counters: torch.Tensor, budget_index: int, outliers_index: int,
+                                  qualifying_index: int, pages_index: int = -1) -> None:
+    """Same contract as ops.reference.lowbit.quantize_staged_pages_counted: quantize_staged_pages whose
+    programs add their statistics to the int64 `counters` with atomics (integers: exact in any order),
+    so the decode step needs no qualifying tensor and no counter kernels after it."""
+    num_slots, page_size, num_heads, head_dim = staging.shape
+    if (page_size, head_dim) != (spec.page_size, spec.head_dim):
+        raise ValueError(f"staging pages of shape [P={page_size}, D={head_dim}] do not match the spec's "
+                         f"[{spec.page_size}, {spec.head_dim}]")
+    if slots.shape != pages.shape or pages.dim() != 1:
+        raise ValueError(f"slots {tuple(slots.shape)} and pages {tuple(pages.shape)} must both be [B]")
+    if out.codes.shape[1:] != (num_heads, page_size, spec.words_per_row):
+        raise ValueError(f"out holds pages of shape {tuple(out.codes.shape[1:])}, expected "
+                         f"{(num_heads, page_size, spec.words_per_row)}")
+    if counters.dtype != torch.int64 or not counters.is_contiguous():
+        raise ValueError("counters must be a contiguous int64 tensor")
+    if (min(budget_index, outliers_index, qualifying_index) < 0
+            or max(budget_index, outliers_index, qualifying_index, pages_index) >= counters.numel()):
+        raise ValueError("counter index out of range")
+    assert staging.stride(-1) == 1
+    assert all(t.is_contiguous() for t in out.tensors().values()), "out must be dense PackedPages"
+    if pages.shape[0] == 0:
+        return
+    _launch(staging, (staging.stride(0), staging.stride(2), staging.stride(1)), out, counters, spec, pages.shape[0],
+            num_heads, pages=pages, slots=slots,
+            count_at=(budget_index, outliers_index, qualifying_index, pages_index))
+
+
 def _launch(x: torch.Tensor, strides: tuple[int, int, int], out: PackedPages, qualifying: torch.Tensor, spec,
-            count: int, num_heads: int, pages: torch.Tensor | None, slots: torch.Tensor | None) -> None:
-    """One program per (entry, head); `strides` are x's (source, head, row) strides."""
+            count: int, num_heads: int, pages: torch.Tensor | None, slots: torch.Tensor | None,
+            count_at: tuple[int, int, int, int] | None = None) -> None:
+    """One program per (entry, head); `strides` are x's (source, head, row) strides. With `count_at`
+    (budget, outliers, qualifying, pages indices), `qualifying` is the int64 counters tensor instead."""
     check_launchable(_quantize_kernel, x)
     base = out.scale_base if out.scale_base is not None else out.scale
     staged = pages is not None
     elements = spec.page_size * spec.head_dim
+    counting = count_at is not None
+    cnt = count_at if counting else (0, 0, 0, -1)
     _quantize_kernel[(count, num_heads)](
         x, *strides,
         out.codes, out.scale, out.zero, base, out.outlier_vals, out.outlier_idx,
         out.outlier_count, qualifying, float(spec.outlier_tau),
         pages if staged else qualifying, slots if staged else qualifying,     # unread unless STAGED
+        qualifying,                                                           # the counters when COUNT
+        COUNT=counting, CNT_BUDGET=cnt[0], CNT_OUTLIERS=cnt[1], CNT_QUALIFYING=cnt[2], CNT_PAGES=cnt[3],
         STAGED=staged, NUM_HEADS=num_heads, P=spec.page_size, D=spec.head_dim,
         G=spec.num_groups if spec.axis == "token" else 1,
         BITS=spec.bits, AXIS_CHANNEL=spec.axis == "channel",
         GROUP_LEN=spec.page_size if spec.axis == "channel" else spec.group_size, CAPACITY=spec.outlier_capacity,
         BLOCK_C=min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))), WORDS=spec.words_per_row,
+        num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)
+
+
+def quantize_staged_kv_counted(staging_keys: torch.Tensor, staging_values: torch.Tensor, slots: torch.Tensor,
+                               pages: torch.Tensor, key_spec, value_spec, key_out: PackedPages,
+                               value_out: PackedPages, counters: torch.Tensor, key_counters: tuple[int, int, int, int],
+                               value_counters: tuple[int, int, int, int]) -> None:
+    """Same contract as ops.reference.lowbit.quantize_staged_kv_counted: the key and the value
+    quantize_staged_pages_counted of one decode step in one launch (grid [B, H, 2]; CUDA-graph safe)."""
+    num_slots, page_size, num_heads, head_dim = staging_keys.shape
+    for spec, staging, out in ((key_spec, staging_keys, key_out), (value_spec, staging_values, value_out)):
+        if (page_size, head_dim) != (spec.page_size, spec.head_dim) or staging.shape != staging_keys.shape:
+            raise ValueError(f"staging pages of shape {tuple(staging.shape)} do not match the spec's "
+                             f"[P={spec.page_size}, D={spec.head_dim}]")
+        if out.codes.shape[1:] != (num_heads, page_size, spec.words_per_row):
+            raise ValueError(f"out holds pages of shape {tuple(out.codes.shape[1:])}, expected "
+                             f"{(num_heads, page_size, spec.words_per_row)}")
+        assert all(t.is_contiguous() for t in out.tensors().values()), "out must be dense PackedPages"
+    if slots.shape != pages.shape or pages.dim() != 1:
+        raise ValueError(f"slots {tuple(slots.shape)} and pages {tuple(pages.shape)} must both be [B]")
+    if counters.dtype != torch.int64 or not counters.is_contiguous():
+        raise ValueError("counters must be a contiguous int64 tensor")
+    indices = (*key_counters, *value_counters)
+    if min(key_counters[:3] + value_counters[:3]) < 0 or max(indices) >= counters.numel():
+        raise ValueError("counter index out of range")
+    assert staging_keys.stride() == staging_values.stride() and staging_keys.stride(-1) == 1
+    count = pages.shape[0]
+    if count == 0:
+        return
+    _launch_kv(staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out, value_out, counters,
+               key_counters, value_counters)
+
+
+def _launch_kv(staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out, value_out, counters,
+               key_counters, value_counters) -> None:
+    check_launchable(_quantize_kv_staged_kernel, staging_keys)
+    num_heads = staging_keys.shape[2]
+
+    def spec_args(prefix: str, spec) -> dict:
+        return {f"{prefix}G": spec.num_groups if spec.axis == "token" else 1, f"{prefix}BITS": spec.bits,
+                f"{prefix}AXIS_CHANNEL": spec.axis == "channel",
+                f"{prefix}GROUP_LEN": spec.page_size if spec.axis == "channel" else spec.group_size,
+                f"{prefix}CAPACITY": spec.outlier_capacity,
+                f"{prefix}BLOCK_C": min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))),
+                f"{prefix}WORDS": spec.words_per_row}
+
+    def out_args(out: PackedPages) -> tuple:
+        base = out.scale_base if out.scale_base is not None else out.scale
+        return (out.codes, out.scale, out.zero, base, out.outlier_vals, out.outlier_idx, out.outlier_count)
+
+    names = ("CNT_BUDGET", "CNT_OUTLIERS", "CNT_QUALIFYING", "CNT_PAGES")
+    counter_args = {**{f"K_{n}": i for n, i in zip(names, key_counters)},
+                    **{f"V_{n}": i for n, i in zip(names, value_counters)}}
+    elements = key_spec.page_size * key_spec.head_dim
+    _quantize_kv_staged_kernel[(pages.shape[0], num_heads, 2)](
+        pages, slots, counters, float(key_spec.outlier_tau), float(value_spec.outlier_tau),
+        staging_keys, staging_values, staging_keys.stride(0), staging_keys.stride(2), staging_keys.stride(1),
+        *out_args(key_out), *out_args(value_out),
+        NUM_HEADS=num_heads, P=key_spec.page_size, D=key_spec.head_dim,
+        **spec_args("K_", key_spec), **spec_args("V_", value_spec), **counter_args,
         num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)

@@ -1,0 +1,82 @@
+"""Top-k routing in one launch (the Triton twin of ops.reference.layers.route_topk): softmax over the
+experts in fp32, top-k, optional renormalisation and the expert-load count, one token per program.
+
+Top-k is k rounds of (max, lowest index holding it, knock it out), so ties between equal
+probabilities go to the lowest expert index first. The expert-load count is k atomic adds into
+expert_load [E] (int64), skipped for tokens whose token_valid is 0 (padding rows of a CUDA-graph
+bucket) -- it replaces the reference's index_add_ and its mask expansion.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.ops.triton.common import check_launchable
+
+MAX_EXPERTS = 256
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, load_ptr, valid_ptr, num_experts, stride_t,
+                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LOAD: tl.constexpr,
+                       HAS_VALID: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, E_PAD)
+    emask = experts < num_experts
+    x = tl.load(logits_ptr + t * stride_t + experts, mask=emask, other=float("-inf")).to(tl.float32)
+    e = tl.where(emask, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    probs = e / tl.sum(e, axis=0)                                         # [E_PAD]
+    work = tl.where(emask, probs, -1.0)                                  # probabilities are >= 0
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros([K_PAD], tl.float32)
+    ids = tl.zeros([K_PAD], tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(work, axis=0)
+        index = tl.min(tl.where(work == best, experts, E_PAD), axis=0)   # lowest index among equals
+        weights = tl.where(slots == i, best, weights)
+        ids = tl.where(slots == i, index, ids)
+        work = tl.where(experts == index, -1.0, work)
+    kmask = slots < TOP_K
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(weights_ptr + t * TOP_K + slots, weights, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + slots, ids.to(tl.int64), mask=kmask)
+    if HAS_LOAD:
+        if HAS_VALID:
+            count = tl.load(valid_ptr + t).to(tl.int64)
+        else:
+            count = tl.full([], 1, tl.int64)
+        counts = tl.zeros([K_PAD], tl.int64) + count
+        tl.atomic_add(load_ptr + ids, counts, mask=kmask & (counts != 0), sem="relaxed")
+
+
+def supports(logits: torch.Tensor, top_k: int, expert_load: torch.Tensor | None = None) -> bool:
+    if logits.dim() != 2 or not 1 <= logits.shape[1] <= MAX_EXPERTS or not 1 <= top_k <= logits.shape[1]:
+        return False
+    if expert_load is not None and (expert_load.dtype != torch.int64 or not expert_load.is_contiguous()):
+        return False
+    return logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, expert_load: torch.Tensor | None = None,
+               token_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ops.reference.layers.route_topk (ties: lowest expert index first)."""
+    check_launchable(_route_topk_kernel, logits)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    if token_valid is not None and not token_valid.is_contiguous():
+        token_valid = token_valid.contiguous()
+    _route_topk_kernel[(num_tokens,)](
+        logits, weights, ids, expert_load if expert_load is not None else ids,
+        token_valid if token_valid is not None else ids, num_experts, logits.stride(0),
+        TOP_K=top_k, RENORMALIZE=renormalize, HAS_LOAD=expert_load is not None, HAS_VALID=token_valid is not None,
+        E_PAD=triton.next_power_of_2(max(num_experts, 2)), K_PAD=triton.next_power_of_2(max(top_k, 2)),
+        num_warps=1 if num_experts <= 64 else 2)
+    return weights, ids

@@ -1,0 +1,50 @@
+"""A prepared (CUDA-graph) decode step of the low-bit cache makes three op calls a layer -- the fused
+staging write, the attention, the one-launch key+value quantizer -- and no elementwise torch ops."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from moekv.ops import dispatch
+from tests.kv.test_lowbit_graph_decode import BUCKET, LAYERS, Pair
+
+
+def test_prepared_decode_step_is_three_ops_a_layer(monkeypatch):
+    pair = Pair()
+    pair.step({"a": 15, "b": 3})
+    calls: collections.Counter = collections.Counter()
+    active = [False]
+    for name in ("stage_decode_tokens", "paged_attention_lowbit", "quantize_staged_kv_counted"):
+        original = getattr(dispatch, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += active[0]               # the hooked cache's calls only (not the lazy twin's)
+            active[0], before = False, active[0]
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                active[0] = before
+        monkeypatch.setattr(dispatch, name, counted)
+    for owner, name in ((torch, "isfinite"), (torch, "where"), (torch.Tensor, "index_copy_"),
+                        (torch.Tensor, "logical_or_"), (torch.Tensor, "index_select")):
+        original = getattr(owner, name)
+
+        def forbidden(*args, _name=name, _original=original, **kwargs):
+            assert not active[0], f"{_name} in the cache's own decode-step code"
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, forbidden)
+    cache = pair.hooked
+    original_attention = cache.attention
+
+    def attention(*args, **kwargs):
+        active[0] = True
+        try:
+            return original_attention(*args, **kwargs)
+        finally:
+            active[0] = False
+    monkeypatch.setattr(cache, "attention", attention)
+    pair.step({"a": 1, "b": 1}, pad_to=BUCKET, decode_plan=True)      # a fills its page: quantized
+    assert calls == {"stage_decode_tokens": LAYERS, "paged_attention_lowbit": LAYERS,
+                     "quantize_staged_kv_counted": LAYERS}
