@@ -55,8 +55,11 @@ DIAGNOSTICS = {"no outliers": dict(outliers=False), "no key codes": dict(skip="k
 # decode-only kernels take their launch overrides as keyword arguments.
 LOWBIT_IMPLS = {
     "v4": ("moekv.ops.triton.lowbit_attention", "paged_attention_lowbit", [dict(num_warps=4)]),
-    "cc": ("moekv.ops.triton.lowbit_decode", "paged_attention_lowbit_decode", [{}]),
-    "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc", [{}]),
+    "cc": ("moekv.ops.triton.lowbit_decode", "paged_attention_lowbit_decode",
+           [{}, dict(maxnreg=168), dict(num_warps=8), dict(K_WT=2)]),
+    "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc",
+           [{}, dict(codes="subnormal"), dict(codes="subnormal", num_warps=8), dict(codes="subnormal", maxnreg=168),
+            dict(codes="subnormal", prefetch=True), dict(codes="subnormal", BLOCK_C=32)]),
 }
 TUNING = ((32, 16384), (1, 16384))           # the first one's winners serve every other shape
 SWEPT_BITS = (3,)                          # other widths take int3's winner

@@ -18,6 +18,20 @@ if _backend not in _BACKENDS:
     raise ValueError(f"MOEKV_OPS_BACKEND must be one of {_BACKENDS}, got {_backend!r}")
 _warned: set[str] = set()
 
+# Decode-only low-bit attention kernels (one query token per sequence). "auto" takes
+# DEFAULT_LOWBIT_DECODE; "v4" keeps the general kernel (lowbit_attention) for decode as well.
+# Measured side by side on the H200 by benchmarks/bench_attention.py (docs/attention-kernels.md).
+_LOWBIT_DECODE_KERNELS = {
+    "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc"),
+    "cc": ("moekv.ops.triton.lowbit_decode", "paged_attention_lowbit_decode"),
+    "v4": None,
+}
+DEFAULT_LOWBIT_DECODE = "tc"
+_lowbit_decode = os.environ.get("MOEKV_LOWBIT_DECODE", "auto")
+if _lowbit_decode not in (*_LOWBIT_DECODE_KERNELS, "auto"):
+    raise ValueError(f"MOEKV_LOWBIT_DECODE must be auto or one of {tuple(_LOWBIT_DECODE_KERNELS)}, "
+                     f"got {_lowbit_decode!r}")
+
 
 def set_backend(name: str) -> None:
     """Force the kernel backend for every op: "auto" (Triton on CUDA), "reference" or "triton"."""
@@ -54,6 +68,28 @@ def use_triton(op: str, tensor: torch.Tensor, has_triton: bool = True) -> bool:
     return False
 
 
+def set_lowbit_decode(name: str) -> None:
+    """Pick the low-bit decode kernel: "auto", "tc" (tensor cores), "cc" (CUDA cores) or "v4" (general kernel)."""
+    global _lowbit_decode
+    if name not in (*_LOWBIT_DECODE_KERNELS, "auto"):
+        raise ValueError(f"low-bit decode kernel must be auto or one of {tuple(_LOWBIT_DECODE_KERNELS)}, got {name!r}")
+    _lowbit_decode = name
+
+
+def lowbit_decode_kernel(key_spec, value_spec, head_dim: int):
+    """The decode-only kernel function chosen for this format, or None (use the general kernel)."""
+    import importlib
+
+    name = DEFAULT_LOWBIT_DECODE if _lowbit_decode == "auto" else _lowbit_decode
+    target = _LOWBIT_DECODE_KERNELS[name]
+    if target is None:
+        return None
+    module = importlib.import_module(target[0])
+    if not module.supports(key_spec, value_spec, head_dim):
+        return None
+    return getattr(module, target[1])
+
+
 def paged_attention_full_precision(query, key_pages, value_pages, meta, scale):
     """See ops.reference.attention.paged_attention_full_precision (Triton: ops.triton.attention)."""
     if use_triton("paged_attention_full_precision", query):
@@ -71,6 +107,10 @@ def paged_attention_lowbit(query, key, value, key_pages, value_pages, key_spec, 
     if use_triton("paged_attention_lowbit", query):
         from moekv.ops.triton import lowbit_attention
 
+        decode = lowbit_decode_kernel(key_spec, value_spec, query.shape[-1]) if meta.is_decode else None
+        if decode is not None and query.shape[0] == meta.num_seqs:
+            return decode(query, key, value, key_pages, value_pages, key_spec, value_spec, staging_keys,
+                          staging_values, staging_slot_of_page, meta, scale)
         if lowbit_attention.supports(key_spec, value_spec, query):
             return lowbit_attention.paged_attention_lowbit(
                 query, key, value, key_pages, value_pages, key_spec, value_spec, staging_keys, staging_values,
@@ -147,3 +187,105 @@ def moe_align(topk_ids, num_experts, block_m):
     from moekv.ops.reference.moe import moe_align_reference as reference
 
     return reference(topk_ids, num_experts, block_m)
+
+
+def stage_decode_tokens(key, value, staging_keys, staging_values, stage_rows, flags, key_out, value_out):
+    """See ops.reference.lowbit.stage_decode_tokens (Triton: ops.triton.lowbit_stage)."""
+    if use_triton("stage_decode_tokens", key):
+        from moekv.ops.triton.lowbit_stage import stage_decode_tokens as kernel
+
+        return kernel(key, value, staging_keys, staging_values, stage_rows, flags, key_out, value_out)
+    from moekv.ops.reference.lowbit import stage_decode_tokens as reference
+
+    return reference(key, value, staging_keys, staging_values, stage_rows, flags, key_out, value_out)
+
+
+def quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, budget_index, outliers_index,
+                                  qualifying_index, pages_index=-1):
+    """See ops.reference.lowbit.quantize_staged_pages_counted (Triton: ops.triton.lowbit_quantize)."""
+    if use_triton("quantize_staged_pages", staging):
+        from moekv.ops.triton import lowbit_quantize
+
+        if lowbit_quantize.supports(spec):
+            return lowbit_quantize.quantize_staged_pages_counted(staging, slots, pages, spec, out, counters,
+                                                                 budget_index, outliers_index, qualifying_index,
+                                                                 pages_index)
+        _warn_once("quantize_staged_pages:unsupported",
+                   f"moekv: no Triton page quantizer for page_size={spec.page_size}, head_dim={spec.head_dim}; "
+                   "running the reference")
+    from moekv.ops.reference.lowbit import quantize_staged_pages_counted as reference
+
+    return reference(staging, slots, pages, spec, out, counters, budget_index, outliers_index, qualifying_index,
+                     pages_index)
+
+
+def rms_norm(x, weight, eps):
+    """See ops.reference.layers.rms_norm (Triton: ops.triton.norm, one row per program)."""
+    if use_triton("rms_norm", x):
+        from moekv.ops.triton import norm
+
+        if norm.supports(x, weight):
+            return norm.rms_norm(x, weight, eps)
+        _warn_once("rms_norm:unsupported", f"moekv: no Triton RMSNorm for shape {tuple(x.shape)} / "
+                   f"{x.dtype}, weight {weight.dtype}; running the reference")
+    from moekv.ops.reference.layers import rms_norm as reference
+
+    return reference(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """See ops.reference.layers.fused_add_rms_norm -> (normed, residual + x) (Triton: ops.triton.norm)."""
+    if use_triton("fused_add_rms_norm", x):
+        from moekv.ops.triton import norm
+
+        if norm.supports(x, weight, residual):
+            return norm.fused_add_rms_norm(x, residual, weight, eps)
+        _warn_once("fused_add_rms_norm:unsupported", f"moekv: no Triton fused add + RMSNorm for shape "
+                   f"{tuple(x.shape)} / {x.dtype}, residual {residual.dtype}; running the reference")
+    from moekv.ops.reference.layers import fused_add_rms_norm as reference
+
+    return reference(x, residual, weight, eps)
+
+
+def apply_rotary_qk(query, key, cos, sin):
+    """See ops.reference.layers.apply_rotary_qk (Triton: ops.triton.rotary, q and k in one launch)."""
+    if use_triton("apply_rotary_qk", query):
+        from moekv.ops.triton import rotary
+
+        if rotary.supports(query, key, cos, sin):
+            return rotary.apply_rotary_qk(query, key, cos, sin)
+        _warn_once("apply_rotary_qk:unsupported", f"moekv: no Triton rotary for q {tuple(query.shape)} "
+                   f"{query.dtype}, cos {tuple(cos.shape)} {cos.dtype}; running the reference")
+    from moekv.ops.reference.layers import apply_rotary_qk as reference
+
+    return reference(query, key, cos, sin)
+
+
+def route_topk(logits, top_k, renormalize, expert_load=None, token_valid=None):
+    """See ops.reference.layers.route_topk (Triton: ops.triton.routing: softmax, top-k, renormalisation
+    and the expert-load count in one launch; ties go to the lowest expert index)."""
+    if use_triton("route_topk", logits):
+        from moekv.ops.triton import routing
+
+        if routing.supports(logits, top_k, expert_load):
+            return routing.route_topk(logits, top_k, renormalize, expert_load, token_valid)
+        _warn_once("route_topk:unsupported", f"moekv: no Triton routing for logits {tuple(logits.shape)}, "
+                   f"top_k={top_k}; running the reference")
+    from moekv.ops.reference.layers import route_topk as reference
+
+    return reference(logits, top_k, renormalize, expert_load, token_valid)
+
+
+def quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out, value_out,
+                               counters, key_counters, value_counters):
+    """See ops.reference.lowbit.quantize_staged_kv_counted (Triton: ops.triton.lowbit_quantize, one launch)."""
+    if use_triton("quantize_staged_pages", staging_keys):
+        from moekv.ops.triton import lowbit_quantize
+
+        if lowbit_quantize.supports(key_spec) and lowbit_quantize.supports(value_spec):
+            return lowbit_quantize.quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_spec,
+                                                              value_spec, key_out, value_out, counters,
+                                                              key_counters, value_counters)
+    for staging, spec, out, indices in ((staging_keys, key_spec, key_out, key_counters),
+                                        (staging_values, value_spec, value_out, value_counters)):
+        quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, *indices)

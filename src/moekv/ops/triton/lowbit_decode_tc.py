@@ -1,0 +1,533 @@
+"""Decode attention over the low-bit paged KV cache on tensor cores (one new token per sequence):
+a faster alternative to lowbit_attention.py's decode path, same contract as
+ops.reference.lowbit.paged_attention_lowbit (docs/kv-format.md is the byte format).
+
+Programs: one per (sequence, kv head, split of the context). The rows of every tile are the GQA
+group's query heads, padded to 16 (the smallest tl.dot M); BLOCK_N tokens (default: a whole page)
+per step, so each page's codes are unpacked once for the whole group.
+
+Math (q already holds scale * log2(e); base-2 online softmax; qn = q / |q_h|max, |qn| <= 1):
+  keys, channel axis: s[h, t] = ((qn[h] * S / S_max) . code[t] * S_max + qn[h] . Z) * |q_h|max --
+      the per-channel scale folds into q once per page; qn . Z runs on the tensor cores as
+      (qn_hi + qn_lo) @ [Z broadcast to 16 columns] (Z is exact in fp16, qn split in two fp16 parts:
+      22 bits), which avoids a row sum across lanes (bias_dot; else a plain fp32 row sum).
+  keys, token axis (one group): s[h, t] = ((qn[h] . code[t]) * S_t + sum(qn[h]) * Z_t) * |q_h|max
+  values, token axis (one group): o[h] += ((p[h, t] * S_t / scale_base) . code[t]) * scale_base
+      + sum_t p[h, t] Z_t -- the per-token scale folds into p (<= 1).
+  16-bit queries: every low-bit dot is fp16 x fp16 -> fp32 on these normalised operands (3 more
+  mantissa bits than bf16, nothing overflows); fp32 queries: fp32 operands, exact ("ieee") dots.
+  Outliers (fp16 residual r at token t, channel d; up to the page-head's count, BLOCK_C slots at a
+  time; slots past the count hold r = 0, so only the capacity is masked), as exact 0/1 dots:
+    keys: s[h, t] += q[h, d] r = (q_sel / 2^e) @ R * 2^e, q_sel [M, C] = the raw query at the slots'
+      channels (read again from L1), 2^e >= |q_h| a power of two, so q_sel / 2^e and r are exact in
+      fp16 and one fp16 MMA against R [C, N] = r at (slot, its token) is exact (fp32 accumulation);
+    values: o[h, d] += p[h, t] r: p_sel = fp16(p) @ [N, C] one-hot (an exact pick of fp16(p), the
+      same rounding the main value dot applies to p * S_t / scale_base), then p_sel @ R [C, D] = r at
+      (slot, its channel): two MMAs, no tl.gather shuffles (gather_p switches to tl.gather with p kept
+      to 22 bits as hi + lo). The 0/1 matrices are built as [N, C] / [D, C] and fed transposed: in
+      that orientation each thread holds few slots, so each slot's index is loaded by few threads.
+    OUTLIERS=2 ("elementwise"): compare-and-sum over [M, C, N] in fp32 instead (a sweep variant).
+
+Unpack, in registers: for a plane of k-bit fields (32 / k per word), fields f and f + 16/k sit at
+bits k*f and k*f + 16, so one shift and one mask cut out a packed pair `(w >> k*f) & (m | m << 16)`
+whose 16-bit halves are the two codes; int3 ORs in the 1-bit plane's bits, spread once per word to
+bits g + 2 / g + 18 of the matching 2-bit-plane word, so a code costs ~2 integer instructions (int4,
+int2: ~1). Each half is read as fp16: (code | 0x6400) - 1024 = code exactly ("magic"), or the raw
+bits as an fp16 subnormal = code * 2^-24 ("subnormal": no instruction at all; the 2^24 is applied to
+the fp32 dot result). The per-field [N, W] tiles are combined by a tree of tl.interleave (join +
+reshape: interleave(even fields, odd fields) puts field f of word w at column w*F + f, the format's
+channel order); every join's new axis lands in registers, so the [N, D] tile is built without moving
+data between lanes. Its only trip through shared memory is the MMA operand load itself (local_alloc
++ ldmatrix, as for any register-produced tl.dot operand on sm_80/90).
+
+Staging pages (staging_slot_of_page[page] >= 0: a sequence's partial last page and its sink pages)
+are not branched on in the main loop: it treats every page of the split as low-bit (a staged page's
+stale low-bit storage is finite, and its scores are masked to -inf, its value contribution and
+outlier counts to 0); a second short loop scans the split's block-table entries SCAN at a time and
+attends the staged pages from their fp rows (STAGE_N tokens per step). The main loop therefore has
+no data-dependent branch; `prefetch` software-pipelines the next block's code words through
+registers (Triton's own pipeliner does not touch loads that feed elementwise code). Split 0 also
+attends the step's new token (passed in full precision, fp32 math).
+
+Splits: (a) `meta.fixed_num_splits` an int: exactly that many splits per (sequence, head), each
+sequence's page range computed on the device from its own context length (pages_per_split =
+cdiv(cdiv(len, P), splits)); the wrapper then reads no host list and never syncs (CUDA-graph safe);
+(b) otherwise split_k.plan_splits on the host. Partial results meet in split_k.combine_splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, pow2
+from moekv.ops.triton.split_k import combine_splits, plan_splits
+
+CODES_FP32 = 0          # fp32 queries: fp32 operands, exact fp32 dots
+CODES_MAGIC = 1         # fp16 (code | 0x6400) - 1024
+CODES_SUBNORMAL = 2     # fp16 subnormal code * 2^-24 (bit pattern = the code); 2^24 applied after the dot
+OUTLIERS_DOT = 1        # outlier corrections by exact 0/1-matrix tensor-core dots (fp16, or fp32 "ieee")
+OUTLIERS_ELEMENTWISE = 2
+
+
+@triton.jit
+def _leaf(lo, hi, F: tl.constexpr, K: tl.constexpr, THREE: tl.constexpr, CODES: tl.constexpr):
+    """Field F of every word of `lo` [N, W] (k = K bits, 32 / K fields per word) as a dot operand tile.
+
+    Fields f and f + 16 / K (bits K*f and K*f + 16) are cut out of a word as one packed pair by a
+    shift and a mask (shared by the two leaves after CSE); 16-bit modes then read each 16-bit half as
+    fp16: CODES_MAGIC ORs 0x6400 into both halves (fp16 1024 + code) and subtracts 1024, CODES_SUBNORMAL
+    reads the code itself as an fp16 subnormal (code * 2^-24, exact, no instruction: the 2^24 comes
+    back on the fp32 dot result). THREE (int3): `hi` holds the high bits pre-spread (bit g + 2 for
+    field g < 8, bit g + 18 for field g + 8)."""
+    HALF_F: tl.constexpr = 16 // K
+    G: tl.constexpr = F % HALF_F
+    MASK: tl.constexpr = (1 << K) - 1
+    pair = (lo >> (K * G)) & (MASK | (MASK << 16))
+    if THREE:
+        pair = pair | ((hi >> G) & 0x00040004)
+    if CODES == 1:
+        pair = pair | 0x64006400
+    if F >= HALF_F:
+        pair = pair >> 16
+    if CODES == 0:
+        return pair & 0xFFFF
+    elif CODES == 1:
+        return pair.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return pair.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fields(lo, hi, SHIFT: tl.constexpr, STEP: tl.constexpr, COUNT: tl.constexpr, K: tl.constexpr,
+            THREE: tl.constexpr, CODES: tl.constexpr):
+    """Fields SHIFT, SHIFT+STEP, ... (COUNT of them) of the words `lo` [N, W] as one tile [N, W*COUNT],
+    field i of word w at column w*COUNT + i: interleave(even fields, odd fields), recursively (each
+    join adds an axis held in registers; the reshape only renames registers)."""
+    if COUNT == 1:
+        return _leaf(lo, hi, SHIFT, K, THREE, CODES)
+    else:
+        even = _fields(lo, hi, SHIFT, STEP * 2, COUNT // 2, K, THREE, CODES)
+        odd = _fields(lo, hi, SHIFT + STEP, STEP * 2, COUNT // 2, K, THREE, CODES)
+        return tl.interleave(even, odd)
+
+
+@triton.jit
+def _load_words(codes_ptr, page_head, offs_n, BITS: tl.constexpr, WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """Packed rows offs_n [N] of one page: int3 -> (2-bit plane [N, D/16], 1-bit plane [N, D/32]),
+    else (words [N, D*BITS/32], the same tile again)."""
+    rows = codes_ptr + page_head * (PAGE_SIZE * WORDS) + offs_n * WORDS             # [N] pointers
+    if BITS == 3:
+        LO: tl.constexpr = HEAD_DIM // 16
+        # the 2-bit plane as even / odd words interleaved: lands in the layout the unpack tree wants
+        # (a plain [N, LO] load gets a coalesced layout that costs a shared-memory round trip)
+        even = tl.arange(0, LO // 2) * 2
+        lo = tl.interleave(tl.load(rows[:, None] + even[None, :]), tl.load(rows[:, None] + 1 + even[None, :]))
+        hi = tl.load(rows[:, None] + LO + tl.arange(0, HEAD_DIM // 32)[None, :])
+        return lo, hi
+    else:
+        words = tl.load(rows[:, None] + tl.arange(0, HEAD_DIM * BITS // 32)[None, :])
+        return words, words
+
+
+@triton.jit
+def _unpack(lo, hi, BITS: tl.constexpr, CODES: tl.constexpr):
+    """Word tiles from _load_words -> [N, HEAD_DIM] dot operand holding the codes (fp32 for CODES_FP32,
+    else fp16: exact codes (magic) or codes * 2^-24 (subnormal))."""
+    if BITS == 3:
+        hi = tl.interleave(hi, hi >> 16)                                             # bit f: high bit of lo's field f
+        hi = ((hi & 0xFF) | ((hi & 0xFF00) << 8)) << 2                               # fields g, g+8 -> bits g+2, g+18
+        codes = _fields(lo, hi, 0, 1, 16, 2, True, CODES)
+    else:
+        codes = _fields(lo, lo, 0, 1, 32 // BITS, BITS, False, CODES)
+    if CODES == 0:
+        codes = codes.to(tl.float32)
+    return codes
+
+
+@triton.jit
+def _token_scale_zero(scale_ptr, zero_ptr, base, rows, BITS: tl.constexpr):
+    """Per-token (one group) S / scale_base and Z of the rows `rows` [N] (uint8 codes)."""
+    relative = tl.exp2(-tl.load(scale_ptr + rows).to(tl.float32) * (1.0 / 16.0))
+    zero = -((base * relative) * tl.load(zero_ptr + rows).to(tl.float32)) * (1.0 / (1 << (8 - BITS)))
+    return relative, zero
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Base-2 online softmax over one block of scores [M, N] (rows may be all -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _decode_tc_kernel(
+    q_ptr, new_k_ptr, new_v_ptr, out_ptr, lse_ptr,
+    k_codes, k_scale, k_zero, k_base, k_ovals, k_oidx, k_ocount,
+    v_codes, v_scale, v_zero, v_base, v_ovals, v_oidx, v_ocount,
+    staging_k, staging_v, slot_of_page,
+    block_tables, query_start_loc, context_lens,
+    qk_scale, pages_per_split, num_splits,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_bt,
+    NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGE_N: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_BITS: tl.constexpr, K_WORDS: tl.constexpr, K_CAP: tl.constexpr,
+    V_BITS: tl.constexpr, V_WORDS: tl.constexpr, V_CAP: tl.constexpr,
+    CODES: tl.constexpr, CODE_SCALE: tl.constexpr, FP_HALF: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_C: tl.constexpr, OUTLIERS: tl.constexpr, PREFETCH: tl.constexpr, GATHER_P: tl.constexpr,
+    BIAS_DOT: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr,
+    SCAN: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc + seq).to(tl.int64)
+    context_len = tl.load(context_lens + seq)
+    num_pages = tl.cdiv(context_len, PAGE_SIZE)
+    if FIXED:
+        pages_per_split = tl.cdiv(num_pages, num_splits)
+    first = split * pages_per_split
+    last = tl.minimum(first + pages_per_split, num_pages)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_b = tl.arange(0, BLOCK_N)
+    SUBS: tl.constexpr = PAGE_SIZE // BLOCK_N                                     # steps per page
+    head = kv_head * GROUP + offs_m
+    row_mask = offs_m < GROUP
+    q_rows = q_ptr + q_row * stride_qt + head * stride_qh                          # [M] pointers
+    q_sel_rows = q_ptr + q_row * stride_qt + (kv_head * GROUP + tl.minimum(offs_m, GROUP - 1)) * stride_qh
+    q32 = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32) * qk_scale
+    q_max = tl.max(tl.abs(q32), axis=1)
+    q_max = tl.where(q_max > 0, q_max, 1.0)                                        # [M]
+    q_p2 = tl.exp2(tl.ceil(tl.log2(q_max / qk_scale)))                             # power of two >= |raw q|
+    q_inv_p2 = 1.0 / q_p2
+    q_p2_scale = q_p2 * qk_scale
+    HALF: tl.constexpr = CODES != 0
+    if HALF:
+        low_dtype = tl.float16
+    else:
+        low_dtype = tl.float32
+    qn = q32 / q_max[:, None]                                                      # |qn| <= 1
+    qn_op = qn.to(low_dtype)
+    if HALF:
+        qn_lo = (qn - qn_op.to(tl.float32)).to(tl.float16)                         # qn = qn_op + qn_lo (22 bits)
+    q_sum = tl.sum(qn, axis=1)                                                     # sum(q) / |q|max
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables + seq.to(tl.int64) * stride_bt
+
+    # ---- low-bit pages (staged pages computed too, then masked out) ----
+    # software prefetch (PREFETCH): the next block's page id and code words are loaded one iteration
+    # ahead (the last block reloads itself), so their DRAM latency overlaps this block's math
+    end = last * SUBS
+    next_page = tl.load(table + tl.minimum(first, tl.maximum(last - 1, 0))).to(tl.int64)
+    next_rows = tl.minimum(first * SUBS, tl.maximum(end - 1, 0)) % SUBS * BLOCK_N + offs_b
+    k_lo, k_hi = _load_words(k_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, K_BITS, K_WORDS, PAGE_SIZE,
+                             HEAD_DIM)
+    v_lo, v_hi = _load_words(v_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, V_BITS, V_WORDS, PAGE_SIZE,
+                             HEAD_DIM)
+    for block in range(first * SUBS, end):
+        page_index = block // SUBS
+        offs_n = (block % SUBS) * BLOCK_N + offs_b                                 # [N] rows in the page
+        if PREFETCH:
+            page = next_page
+            k_lo_cur, k_hi_cur, v_lo_cur, v_hi_cur = k_lo, k_hi, v_lo, v_hi
+            following = tl.minimum(block + 1, end - 1)
+            next_page = tl.load(table + following // SUBS).to(tl.int64)
+            next_rows = following % SUBS * BLOCK_N + offs_b
+            k_lo, k_hi = _load_words(k_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, K_BITS, K_WORDS,
+                                     PAGE_SIZE, HEAD_DIM)
+            v_lo, v_hi = _load_words(v_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, V_BITS, V_WORDS,
+                                     PAGE_SIZE, HEAD_DIM)
+        else:
+            page = tl.load(table + page_index).to(tl.int64)
+            k_lo_cur, k_hi_cur = _load_words(k_codes, page * NUM_KV_HEADS + kv_head, offs_n, K_BITS, K_WORDS,
+                                             PAGE_SIZE, HEAD_DIM)
+            v_lo_cur, v_hi_cur = _load_words(v_codes, page * NUM_KV_HEADS + kv_head, offs_n, V_BITS, V_WORDS,
+                                             PAGE_SIZE, HEAD_DIM)
+        lowbit = tl.load(slot_of_page + page) < 0
+        page_head = page * NUM_KV_HEADS + kv_head
+        valid = lowbit & (page_index * PAGE_SIZE + offs_n < context_len)           # [N]
+        # keys -> scores [M, N]
+        k_op = _unpack(k_lo_cur, k_hi_cur, K_BITS, CODES)
+        if K_CHANNEL:
+            k_s = tl.load(k_scale + page_head * HEAD_DIM + offs_d).to(tl.float32)
+            k_z = tl.load(k_zero + page_head * HEAD_DIM + offs_d)                 # fp16
+            s_max = tl.max(k_s, axis=0)
+            s_max = tl.where(s_max > 0, s_max, 1.0)
+            qs_op = (qn * (k_s / s_max)[None, :]).to(low_dtype)
+            if HALF and BIAS_DOT:
+                # q . Z by the tensor cores (a row sum across lanes costs ~5 shuffles per row): Z is exact
+                # in fp16, qn = hi + lo; every column of the [M, 16] result holds the row's q . Z / |q|max
+                z_op = tl.broadcast_to(k_z[:, None], (HEAD_DIM, 16))
+                bias = tl.max(tl.dot(qn_op, z_op) + tl.dot(qn_lo, z_op), axis=1)
+            else:
+                bias = tl.sum(qn * k_z.to(tl.float32)[None, :], axis=1)
+            s = (tl.dot(qs_op, tl.trans(k_op), input_precision="ieee") * (s_max * CODE_SCALE)
+                 + bias[:, None]) * q_max[:, None]
+        else:
+            k_b = tl.load(k_base + page_head).to(tl.float32)
+            k_rel, k_zt = _token_scale_zero(k_scale, k_zero, k_b, page_head * PAGE_SIZE + offs_n, K_BITS)
+            s = (tl.dot(qn_op, tl.trans(k_op), input_precision="ieee") * ((k_b * CODE_SCALE) * k_rel)[None, :]
+                 + q_sum[:, None] * k_zt[None, :]) * q_max[:, None]
+        if K_CAP > 0:
+            count = tl.minimum(tl.load(k_ocount + page_head).to(tl.int32), K_CAP)
+            count = tl.where(lowbit, count, 0)
+            s_out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)       # 16-bit: corrections / 2^e, MMA-accumulated
+            for c0 in range(0, count, BLOCK_C):
+                # slot vectors loaded as [1, C] rows: they broadcast into the [N, C] / [M, C] tiles without
+                # layout conversions. Slots >= count hold residual 0 at index 0 (docs/kv-format.md §4):
+                # only the capacity is masked
+                offs_c = c0 + tl.arange(0, BLOCK_C)[None, :]                         # [1, C]
+                c_mask = offs_c < K_CAP
+                idx = tl.load(k_oidx + page_head * K_CAP + offs_c, mask=c_mask, other=0).to(tl.int32) & 0xFFFF
+                resid = tl.load(k_ovals + page_head * K_CAP + offs_c, mask=c_mask, other=0.0)   # fp16 [1, C]
+                q_sel = tl.load(q_sel_rows[:, None] + idx % HEAD_DIM).to(tl.float32)   # [M, C] raw q (L1)
+                token = tl.where(c_mask, idx // HEAD_DIM, -1)
+                # built as [N, C] (few slots per thread) and fed transposed
+                hit = offs_n[:, None] == token                                       # [N, C]
+                if OUTLIERS == 2:
+                    w = q_sel * (resid.to(tl.float32) * qk_scale)
+                    s += tl.sum(tl.where(tl.trans(hit)[None, :, :], w[:, :, None], 0.0), axis=1)
+                elif HALF:
+                    # q_sel / 2^e and the fp16 residual are exact fp16: one exact MMA
+                    a_op = (q_sel * q_inv_p2[:, None]).to(tl.float16)
+                    s_out = tl.dot(a_op, tl.trans(tl.where(hit, resid, 0.0).to(tl.float16)), s_out)
+                else:
+                    s += tl.dot(q_sel, tl.trans(tl.where(hit, resid.to(tl.float32), 0.0)),
+                                input_precision="ieee") * qk_scale
+            if HALF and OUTLIERS == 1:
+                s += s_out * q_p2_scale[:, None]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)                            # p [M, N] in [0, 1]
+        # values (token axis, one group) -> [M, D]
+        v_op = _unpack(v_lo_cur, v_hi_cur, V_BITS, CODES)
+        v_b = tl.load(v_base + page_head).to(tl.float32)
+        v_rel, v_zt = _token_scale_zero(v_scale, v_zero, v_b, page_head * PAGE_SIZE + offs_n, V_BITS)
+        ps_op = (p * v_rel[None, :]).to(low_dtype)
+        # computed transposed, V^T [D, N] @ (p S / base)^T [N, M]: the code tile is then the A operand,
+        # which Triton loads with plain ldmatrix (as [M, N] @ [N, D] the probabilities come from the
+        # score MMA's registers and Triton picks kWidth = 4 operands: ~150 register moves per page)
+        pv = tl.trans(tl.dot(tl.trans(v_op), tl.trans(ps_op), input_precision="ieee")) * (v_b * CODE_SCALE) \
+            + tl.sum(p * v_zt[None, :], axis=1)[:, None]
+        if V_CAP > 0:
+            count = tl.minimum(tl.load(v_ocount + page_head).to(tl.int32), V_CAP)
+            count = tl.where(lowbit, count, 0)
+            if HALF:
+                p_op = p.to(tl.float16)                     # what the outlier corrections see of p
+            else:
+                p_op = p
+            for c0 in range(0, count, BLOCK_C):
+                offs_c = c0 + tl.arange(0, BLOCK_C)[None, :]                         # [1, C], as for keys
+                c_mask = offs_c < V_CAP
+                idx = tl.load(v_oidx + page_head * V_CAP + offs_c, mask=c_mask, other=0).to(tl.int32) & 0xFFFF
+                resid = tl.load(v_ovals + page_head * V_CAP + offs_c, mask=c_mask, other=0.0)   # fp16 [1, C]
+                column = idx // HEAD_DIM - (block % SUBS) * BLOCK_N                  # token in this block
+                in_block = c_mask & (column >= 0) & (column < BLOCK_N)
+                channel = tl.where(in_block, idx % HEAD_DIM, -1)
+                if GATHER_P:                                                       # warp shuffles
+                    column = tl.minimum(tl.maximum(column, 0), BLOCK_N - 1)
+                    p_sel = tl.gather(p, tl.broadcast_to(column, (BLOCK_M, BLOCK_C)), axis=1)   # [M, C]
+                else:                                                              # an exact 0/1 dot
+                    pick = offs_b[:, None] == column                               # [N, C]
+                    if HALF:
+                        p_sel = tl.dot(p_op, pick.to(tl.float16))                  # = fp16(p) at the slots
+                    else:
+                        p_sel = tl.dot(p_op, pick.to(tl.float32), input_precision="ieee")
+                hit = offs_d[:, None] == channel                                     # [D, C]
+                if OUTLIERS == 2:
+                    w = p_sel * resid.to(tl.float32)
+                    pv += tl.sum(tl.where(tl.trans(hit)[None, :, :], w[:, :, None], 0.0), axis=1)
+                elif HALF:
+                    b_op = tl.trans(tl.where(hit, resid, 0.0).to(tl.float16))       # fp16 residual: exact
+                    if GATHER_P:
+                        # p <= 1 as fp16 hi + lo (22 bits): two MMAs sharing b
+                        p_hi = p_sel.to(tl.float16)
+                        p_lo = (p_sel - p_hi.to(tl.float32)).to(tl.float16)
+                        pv = tl.dot(p_lo, b_op, tl.dot(p_hi, b_op, pv))
+                    else:
+                        # fp16(p) as in the main value dot (which rounds p * S_t / base to fp16): exact MMA
+                        pv = tl.dot(p_sel.to(tl.float16), b_op, pv)
+                else:
+                    pv += tl.dot(p_sel, tl.trans(tl.where(hit, resid.to(tl.float32), 0.0)), input_precision="ieee")
+        pv = tl.where(lowbit, pv, 0.0)                                              # staged: stale storage
+        acc = acc * alpha[:, None] + pv
+
+    # ---- staged pages of the split (fp rows), found a vector of table entries at a time ----
+    if FP_HALF:
+        q_op = q32.to(q_ptr.dtype.element_ty)
+    else:
+        q_op = q32
+    offs_scan = tl.arange(0, SCAN)
+    for s0 in range(first, last, SCAN):
+        index = s0 + offs_scan
+        in_range = index < last
+        pages = tl.load(table + index, mask=in_range, other=0)
+        slots = tl.load(slot_of_page + pages, mask=in_range, other=-1)
+        staged = in_range & (slots >= 0)
+        for _ in range(tl.sum(staged.to(tl.int32), axis=0)):
+            page_index = tl.min(tl.where(staged, index, last), axis=0)
+            slot = tl.max(tl.where(index == page_index, slots, -1), axis=0).to(tl.int64)
+            staged = staged & (index != page_index)
+            for t0 in range(0, tl.minimum(context_len - page_index * PAGE_SIZE, PAGE_SIZE), STAGE_N):
+                offs_t = t0 + tl.arange(0, STAGE_N)
+                rows = (slot * PAGE_SIZE + offs_t) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+                n_valid = page_index * PAGE_SIZE + offs_t < context_len
+                k = tl.load(staging_k + rows[:, None] + offs_d[None, :])
+                if UPCAST:
+                    s = tl.dot(q_op.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(q_op, tl.trans(k.to(q_op.dtype)))
+                s = tl.where(n_valid[None, :], s, float("-inf"))
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+                v = tl.load(staging_v + rows[:, None] + offs_d[None, :])
+                if UPCAST:
+                    pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(q_op.dtype), v.to(q_op.dtype))
+                acc = acc * alpha[:, None] + pv
+
+    # ---- the step's new token, full precision (split 0) ----
+    if split == 0:
+        k_new = tl.load(new_k_ptr + q_row * stride_kt + kv_head * stride_kh + offs_d).to(tl.float32)
+        v_new = tl.load(new_v_ptr + q_row * stride_vt + kv_head * stride_vh + offs_d).to(tl.float32)
+        s_new = tl.sum(q32 * k_new[None, :], axis=1)
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new[None, :]
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if SPLIT:
+        tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + split * stride_os
+                 + offs_d[None, :], out, mask=row_mask[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + q_row * stride_lt + head * stride_lh + split, lse, mask=row_mask)
+    else:
+        tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def supports(key_spec, value_spec, head_dim: int) -> bool:
+    """Whether this kernel handles the format: keys channel axis or token axis with one group, values
+    token axis with one group, bits 4/3/2, head_dim 64 or 128, equal power-of-two pages >= 16."""
+    page_size = key_spec.page_size
+    return (page_size == value_spec.page_size and page_size >= 16 and page_size & (page_size - 1) == 0
+            and head_dim in (64, 128) and key_spec.head_dim == value_spec.head_dim == head_dim
+            and key_spec.bits in (2, 3, 4) and value_spec.bits in (2, 3, 4)
+            and (key_spec.axis == "channel" or key_spec.num_groups == 1)
+            and value_spec.axis == "token" and value_spec.num_groups == 1)
+
+
+def _tensors(pages, prefix: str) -> list[torch.Tensor]:
+    for name, tensor in pages.tensors().items():
+        assert tensor.is_contiguous(), f"{prefix} {name} must be contiguous"
+    base = pages.scale_base if pages.scale_base is not None else pages.scale
+    return [pages.codes, pages.scale, pages.zero, base, pages.outlier_vals, pages.outlier_idx, pages.outlier_count]
+
+
+def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,
+                                     value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
+                                     staging_values: torch.Tensor, staging_slot_of_page: torch.Tensor, meta,
+                                     scale: float, **launch_overrides) -> torch.Tensor:
+    """Decode (one new token per sequence) attention over low-bit pages; query [B, Hq, D] -> [B, Hq, D].
+
+    `meta.fixed_num_splits` (an int) switches to device-side split ranges: no host list is read and
+    nothing syncs (CUDA-graph safe); otherwise the split count is planned on the host.
+    launch_overrides (defaults in brackets; all give the same results within rounding):
+      num_warps [4], num_stages [1] (no loop here is pipelined by Triton), maxnreg [None],
+      BLOCK_N [128, capped to the page]: low-bit tokens per step (a divisor of the page size, >= 16),
+      STAGE_N [32]: staged fp tokens per step, SCAN [32]: block-table entries scanned per step,
+      BLOCK_C [16]: outlier slots per step (>= 16),
+      codes ["magic"] | "subnormal": fp16 codes as (code | 0x6400) - 1024, or the code's bits read as an
+          fp16 subnormal (code * 2^-24; ~1 instruction per value less; needs tensor cores that keep
+          fp16 subnormal inputs -- the tests check it),
+      prefetch [False]: load the next block's code words one iteration ahead (register double buffer),
+      outliers ["dot"] | "elementwise", gather_p [False]: value outliers pick p by tl.gather (warp
+          shuffles, p kept to 22 bits) instead of an exact 0/1 dot on fp16(p),
+      bias_dot [True]: channel-axis keys' q . Z by two small MMAs instead of a cross-lane row sum,
+      num_splits [None: planned] (host mode only), waves [2] (host planning).
+    """
+    cfg = {"num_warps": 4, "num_stages": 1, "maxnreg": None, "BLOCK_N": 128, "STAGE_N": 32, "SCAN": 32,
+           "BLOCK_C": 16, "codes": "magic", "prefetch": False, "outliers": "dot", "gather_p": False,
+           "bias_dot": True, "num_splits": None, "waves": 2}
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    page_size = key_spec.page_size
+    if not supports(key_spec, value_spec, head_dim):
+        raise NotImplementedError(f"lowbit decode_tc: unsupported format {key_spec} / {value_spec} at D={head_dim}")
+    unknown = set(launch_overrides) - set(cfg)
+    if unknown:
+        raise TypeError(f"unknown launch overrides {sorted(unknown)}")
+    cfg.update(launch_overrides)
+    batch = meta.context_lens.shape[0]
+    fixed = getattr(meta, "fixed_num_splits", None)
+    if fixed is not None:
+        if num_tokens != batch:
+            raise ValueError("paged_attention_lowbit_decode_tc: decode only (one new token per sequence)")
+    elif not meta.is_decode:
+        raise ValueError("paged_attention_lowbit_decode_tc: decode only (one new token per sequence)")
+    out = torch.empty_like(query)
+    if num_tokens == 0 or batch == 0:
+        return out
+    check_launchable(_decode_tc_kernel, query)
+    assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+    assert staging_keys.is_contiguous() and staging_values.is_contiguous()
+    half, upcast = dot_modes(query, staging_keys.dtype)
+    if query.dtype in (torch.float16, torch.bfloat16):
+        codes = {"magic": CODES_MAGIC, "subnormal": CODES_SUBNORMAL}[cfg["codes"]]
+    else:
+        codes = CODES_FP32
+    if fixed is not None:
+        num_splits, pages_per_split = int(fixed), 0
+    else:
+        max_context = max(meta.context_lens_host, default=0)
+        if cfg["num_splits"] is None:
+            num_splits, tokens_per_split = plan_splits(batch, num_kv_heads, max_context, page_size, query.device,
+                                                       waves=cfg["waves"])
+        else:
+            num_splits = cfg["num_splits"]
+            tokens_per_split = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), page_size) * page_size
+        pages_per_split = tokens_per_split // page_size
+    num_splits = max(int(num_splits), 1)
+    if num_splits > 1:
+        partial = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        target, strides = partial, (partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+                                    lse.stride(1))
+    else:
+        lse, target, strides = out, out, (out.stride(0), out.stride(1), 0, 0, 0)
+    _decode_tc_kernel[(batch, num_kv_heads, num_splits)](
+        query, key, value, target, lse, *_tensors(key_pages, "K"), *_tensors(value_pages, "V"),
+        staging_keys, staging_values, staging_slot_of_page,
+        meta.block_tables, meta.query_start_loc, meta.context_lens,
+        scale * LOG2E, pages_per_split, num_splits,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *strides, meta.block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        GROUP=num_heads // num_kv_heads, BLOCK_M=pow2(num_heads // num_kv_heads),
+        BLOCK_N=min(cfg["BLOCK_N"], page_size), STAGE_N=min(cfg["STAGE_N"], page_size),
+        K_CHANNEL=key_spec.axis == "channel", K_BITS=key_spec.bits, K_WORDS=key_spec.words_per_row,
+        K_CAP=key_spec.outlier_capacity,
+        V_BITS=value_spec.bits, V_WORDS=value_spec.words_per_row, V_CAP=value_spec.outlier_capacity,
+        CODES=codes, CODE_SCALE=2.0 ** 24 if codes == CODES_SUBNORMAL else 1.0, FP_HALF=half, UPCAST=upcast,
+        BLOCK_C=cfg["BLOCK_C"], OUTLIERS={"dot": OUTLIERS_DOT, "elementwise": OUTLIERS_ELEMENTWISE}[cfg["outliers"]],
+        PREFETCH=bool(cfg["prefetch"]), GATHER_P=bool(cfg["gather_p"]), BIAS_DOT=bool(cfg["bias_dot"]),
+        FIXED=fixed is not None, SPLIT=num_splits > 1, SCAN=cfg["SCAN"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
+    if num_splits > 1:
+        combine_splits(partial, lse, out)
+    return out

@@ -1,0 +1,42 @@
+"""The dispatch point picks a decode-only low-bit kernel for decode steps and the general kernel
+otherwise; every choice agrees with the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv.ops import dispatch
+from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
+from tests.ops.helpers import assert_close
+from tests.ops.lowbit_cases import build_case
+
+SCALE = 0.125
+
+
+@pytest.fixture
+def decode_kernel():
+    previous = dispatch._lowbit_decode
+    yield dispatch.set_lowbit_decode
+    dispatch.set_lowbit_decode(previous)
+
+
+@pytest.mark.parametrize("name", ["tc", "cc", "v4", "auto"])
+def test_decode_choice_matches_reference(device, triton_backend, decode_kernel, name):
+    decode_kernel(name)
+    case = build_case([0, 40, 33], [1, 1, 1], 2, 4, 64, 3, 16, kind="outlier_channels", seed=11, device=device)
+    chosen = dispatch.lowbit_decode_kernel(case.key_spec, case.value_spec, 64)
+    assert (chosen is None) == (name == "v4")
+    assert_close(dispatch.paged_attention_lowbit(*case.args(), SCALE), reference(*case.args(), SCALE), torch.float32)
+
+
+def test_prefill_uses_the_general_kernel(device, triton_backend, decode_kernel):
+    decode_kernel("tc")
+    case = build_case([0, 17], [5, 1], 2, 2, 64, 4, 16, seed=12, device=device)
+    assert not case.meta.is_decode
+    assert_close(dispatch.paged_attention_lowbit(*case.args(), SCALE), reference(*case.args(), SCALE), torch.float32)
+
+
+def test_unknown_choice_is_rejected():
+    with pytest.raises(ValueError, match="low-bit decode kernel"):
+        dispatch.set_lowbit_decode("fast")
