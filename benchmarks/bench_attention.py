@@ -55,8 +55,6 @@ DIAGNOSTICS = {"no outliers": dict(outliers=False), "no key codes": dict(skip="k
 # decode-only kernels take their launch overrides as keyword arguments.
 LOWBIT_IMPLS = {
     "v4": ("moekv.ops.triton.lowbit_attention", "paged_attention_lowbit", [dict(num_warps=4)]),
-    "cc": ("moekv.ops.triton.lowbit_decode", "paged_attention_lowbit_decode",
-           [{}, dict(maxnreg=168), dict(num_warps=8), dict(K_WT=2)]),
     "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc",
            [{}, dict(codes="subnormal"), dict(codes="subnormal", num_warps=8), dict(codes="subnormal", maxnreg=168),
             dict(codes="subnormal", prefetch=True), dict(codes="subnormal", BLOCK_C=32)]),
@@ -219,9 +217,20 @@ def time_lowbit(timer: Timer, impls: dict, lb_args, chosen: dict, sweep: bool, r
     tuning shape (filled when sweeping). Every timing lands in row[f"int{bits}_sweep"]."""
     fns = {}
     for name, (fn, configs) in impls.items():
-        for c in (configs if sweep or name not in chosen else [chosen[name]]):
+        for c in (configs if sweep else [chosen.get(name, configs[0])]):
             fns[f"{name} {json.dumps(c)}"] = (lambda fn=fn, c=c: fn(*lb_args, SCALE, **c))
     row.setdefault(f"int{bits}_sweep", {})
+    if row["batch"] == 1:                 # correctness at the benchmark's own shape, against the reference
+        want = lowbit_reference.paged_attention_lowbit(*lb_args, SCALE).float()
+        errors = row.setdefault(f"int{bits}_max_rel_err", {})
+        for key, fn in fns.items():
+            if key.split(" ", 1)[0] not in errors:
+                try:
+                    got = fn().float()
+                    errors[key.split(" ", 1)[0]] = float((got - want).abs().max() / want.abs().max())
+                except Exception as exc:  # noqa: BLE001 - recorded, the timing below reports the failure too
+                    errors[key.split(" ", 1)[0]] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        print(f"    int{bits} max error / max |ref|: {errors}", flush=True)
     ms, best_key = best(timer, fns, row[f"int{bits}_sweep"])
     per_impl = {}
     for key, t in row[f"int{bits}_sweep"].items():
@@ -323,6 +332,8 @@ NAMES = ["bf16_paged", *[f"int{b}" for b in BITS], "sdpa"]
 def add_derived(row: dict, bandwidth: float) -> None:
     """Achieved TB/s, bandwidth floor and speed-up over SDPA of each kernel in a row."""
     for name in NAMES:
+        if f"{name}_bytes" not in row:                 # a width this run did not measure (--bits)
+            continue
         row[f"{name}_tbps"] = row[f"{name}_bytes"] / row[f"{name}_ms"] / 1e9
         row[f"{name}_floor_ms"] = row[f"{name}_bytes"] / bandwidth / 1e9
         row[f"{name}_speedup"] = row["sdpa_ms"] / row[f"{name}_ms"]
@@ -356,6 +367,8 @@ def quantize_cost(timer: Timer, batch: int, bits: int, attention_ms: float, gen)
 def short_row(row) -> str:
     parts = [f"B={row['batch']:>3} L={row['context']:>6}  sdpa {row['sdpa_ms']:.4f} ms"]
     for name in ["bf16_paged", *[f"int{b}" for b in BITS]]:
+        if f"{name}_ms" not in row:
+            continue
         parts.append(f"{name} {row[f'{name}_ms']:.4f} ms ({row[f'{name}_speedup']:.2f}x, {row[f'{name}_tbps']:.2f} TB/s)")
     return " | ".join(parts)
 
@@ -498,8 +511,9 @@ def write_markdown(path, env, result) -> None:
     for r in result["rows"]:
         cells = [str(r["batch"]), str(r["context"]), f"{r['sdpa_ms']:.4f}"]
         for name in ["bf16_paged", "int4", "int3", "int2"]:
-            cells.append(f"{r[name + '_ms']:.4f} ({r[name + '_speedup']:.2f}x, {r[name + '_tbps']:.2f})")
-        cells.append(f"{r['int3_floor_ms']:.4f}")
+            cells.append(f"{r[name + '_ms']:.4f} ({r[name + '_speedup']:.2f}x, {r[name + '_tbps']:.2f})"
+                         if name + "_ms" in r else "-")
+        cells.append(f"{r['int3_floor_ms']:.4f}" if "int3_floor_ms" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Page quantization (one full page per sequence, K and V, all heads, Triton kernel) vs the int3 "
               "decode step's attention time:", "", "| B | L | quantize ms | reference quantizer ms | share of a step | "
@@ -522,7 +536,8 @@ def write_markdown(path, env, result) -> None:
     lines += ["", "Launch configs chosen (swept at B=1 and B=32, L=16k):", ""]
     for r in result["rows"][:1]:
         for name in ["bf16_paged", "int4", "int3", "int2"]:
-            lines.append(f"- {name}: `{r[name + '_config']}`")
+            if name + "_config" in r:
+                lines.append(f"- {name}: `{r[name + '_config']}`")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -566,16 +581,19 @@ def main(argv=None) -> int:
     parser.add_argument("--dry", action="store_true", help="plumbing test on a CPU (interpreter, tiny shapes)")
     parser.add_argument("--shapes", help="BxL,BxL,... instead of the default shapes")
     parser.add_argument("--lowbit-configs", help="JSON object impl -> list of launch configs to sweep (int3)")
+    parser.add_argument("--bits", help="comma-separated low-bit widths (default 4,3,2)")
     parser.add_argument("--impls", help="comma-separated low-bit implementations (default: all of LOWBIT_IMPLS)")
     parser.add_argument("--fp-configs", help="JSON list of full-precision launch configs to sweep")
     parser.add_argument("--no-diag", action="store_true", help="skip the int3 diagnostics")
     parser.add_argument("--check-configs", action="store_true", help="--check also runs every sweep config")
     parser.add_argument("--render", help="re-write the markdown and plot of a saved attention-bench.json")
     args = parser.parse_args(argv)
-    global SHAPES, CURVE, FP_CONFIGS, DIAGNOSTICS
+    global SHAPES, CURVE, FP_CONFIGS, DIAGNOSTICS, BITS
     if args.shapes:
         SHAPES = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
         CURVE = []
+    if args.bits:
+        BITS = tuple(int(b) for b in args.bits.split(","))
     if args.lowbit_configs:
         for name, configs in json.loads(args.lowbit_configs).items():
             LOWBIT_IMPLS[name] = (*LOWBIT_IMPLS[name][:2], configs)

@@ -21,7 +21,7 @@ def decode_kernel():
     dispatch.set_lowbit_decode(previous)
 
 
-@pytest.mark.parametrize("name", ["tc", "cc", "v4", "auto"])
+@pytest.mark.parametrize("name", ["tc", "v4", "auto"])
 def test_decode_choice_matches_reference(device, triton_backend, decode_kernel, name):
     decode_kernel(name)
     case = build_case([0, 40, 33], [1, 1, 1], 2, 4, 64, 3, 16, kind="outlier_channels", seed=11, device=device)
@@ -40,3 +40,15 @@ def test_prefill_uses_the_general_kernel(device, triton_backend, decode_kernel):
 def test_unknown_choice_is_rejected():
     with pytest.raises(ValueError, match="low-bit decode kernel"):
         dispatch.set_lowbit_decode("fast")
+
+
+def test_fused_layer_ops_are_opt_in_under_auto(monkeypatch):
+    monkeypatch.setattr(dispatch, "_backend", "auto")
+    monkeypatch.setattr(dispatch, "use_triton", lambda op, tensor, has_triton=True: True)   # as on a GPU
+    x = torch.ones(2, 4)
+    monkeypatch.setattr(dispatch, "_fused_layer_ops", False)
+    assert not dispatch._layer_op_triton("rms_norm", x)
+    dispatch.set_fused_layer_ops(True)
+    assert dispatch._layer_op_triton("route_topk", x)
+    monkeypatch.setattr(dispatch, "_backend", "reference")
+    assert not dispatch._layer_op_triton("route_topk", x)

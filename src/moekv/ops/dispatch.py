@@ -23,7 +23,6 @@ _warned: set[str] = set()
 # Measured side by side on the H200 by benchmarks/bench_attention.py (docs/attention-kernels.md).
 _LOWBIT_DECODE_KERNELS = {
     "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc"),
-    "cc": ("moekv.ops.triton.lowbit_decode", "paged_attention_lowbit_decode"),
     "v4": None,
 }
 DEFAULT_LOWBIT_DECODE = "tc"
@@ -69,7 +68,7 @@ def use_triton(op: str, tensor: torch.Tensor, has_triton: bool = True) -> bool:
 
 
 def set_lowbit_decode(name: str) -> None:
-    """Pick the low-bit decode kernel: "auto", "tc" (tensor cores), "cc" (CUDA cores) or "v4" (general kernel)."""
+    """Pick the low-bit decode kernel: "auto", "tc" (decode-only, tensor cores) or "v4" (the general kernel)."""
     global _lowbit_decode
     if name not in (*_LOWBIT_DECODE_KERNELS, "auto"):
         raise ValueError(f"low-bit decode kernel must be auto or one of {tuple(_LOWBIT_DECODE_KERNELS)}, got {name!r}")
@@ -219,9 +218,30 @@ def quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, bu
                      pages_index)
 
 
+# The fused per-layer ops (RMSNorm, add + RMSNorm, rotary, routing) are opt-in on CUDA: their first
+# H200 run (2026-11-30) failed tests/ops/test_layer_kernels.py (rotary off by one bf16 ulp against a
+# bit-equality check; the whole-model comparison, magnitude not captured) and that run's
+# transformers parity check read cosine 0.41 -- not yet attributed. Until a GPU run clears them, the
+# torch ops stay the CUDA default; MOEKV_FUSED_LAYER_OPS=1 (or set_fused_layer_ops(True)) turns the
+# Triton kernels on; a forced backend ("triton" / "reference") applies to them as to every op.
+_fused_layer_ops = os.environ.get("MOEKV_FUSED_LAYER_OPS", "0") == "1"
+
+
+def set_fused_layer_ops(enabled: bool) -> None:
+    """Use the Triton per-layer kernels on CUDA under the "auto" backend (default off, see above)."""
+    global _fused_layer_ops
+    _fused_layer_ops = bool(enabled)
+
+
+def _layer_op_triton(op: str, tensor: torch.Tensor) -> bool:
+    if _backend != "auto":
+        return _backend == "triton"
+    return _fused_layer_ops and use_triton(op, tensor)
+
+
 def rms_norm(x, weight, eps):
     """See ops.reference.layers.rms_norm (Triton: ops.triton.norm, one row per program)."""
-    if use_triton("rms_norm", x):
+    if _layer_op_triton("rms_norm", x):
         from moekv.ops.triton import norm
 
         if norm.supports(x, weight):
@@ -235,7 +255,7 @@ def rms_norm(x, weight, eps):
 
 def fused_add_rms_norm(x, residual, weight, eps):
     """See ops.reference.layers.fused_add_rms_norm -> (normed, residual + x) (Triton: ops.triton.norm)."""
-    if use_triton("fused_add_rms_norm", x):
+    if _layer_op_triton("fused_add_rms_norm", x):
         from moekv.ops.triton import norm
 
         if norm.supports(x, weight, residual):
@@ -249,7 +269,7 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 def apply_rotary_qk(query, key, cos, sin):
     """See ops.reference.layers.apply_rotary_qk (Triton: ops.triton.rotary, q and k in one launch)."""
-    if use_triton("apply_rotary_qk", query):
+    if _layer_op_triton("apply_rotary_qk", query):
         from moekv.ops.triton import rotary
 
         if rotary.supports(query, key, cos, sin):
@@ -264,7 +284,7 @@ def apply_rotary_qk(query, key, cos, sin):
 def route_topk(logits, top_k, renormalize, expert_load=None, token_valid=None):
     """See ops.reference.layers.route_topk (Triton: ops.triton.routing: softmax, top-k, renormalisation
     and the expert-load count in one launch; ties go to the lowest expert index)."""
-    if use_triton("route_topk", logits):
+    if _layer_op_triton("route_topk", logits):
         from moekv.ops.triton import routing
 
         if routing.supports(logits, top_k, expert_load):
