@@ -18,7 +18,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -30,6 +29,7 @@ from timing import cuda_graph_ms  # noqa: E402  (benchmarks/timing.py)
 import torch.nn.functional as F  # noqa: E402
 
 from moekv.kvcache.base import AttentionMetadata
+from moekv.provenance import git_commit
 from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops.reference import lowbit as lowbit_reference
 from moekv.ops.reference.attention import paged_attention_full_precision as fp_reference
@@ -485,13 +485,7 @@ def dump_kernels(out_dir: str, log) -> None:
 
 # ---------------------------------------------------------------- outputs
 def environment(argv) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        commit = commit + ("+uncommitted" if dirty else "")
-    except Exception:
-        commit = "uncommitted"
+    commit = git_commit() or "unknown"
     import triton
     return {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)", "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "commit": commit, "torch": torch.__version__, "triton": triton.__version__,

@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -45,6 +44,7 @@ from moekv.distributed.placement import ExpertPlacement
 from moekv.distributed.sharding import build_random_model
 from moekv.entrypoints.ep_runner import initial_placements, make_runtime
 from moekv.models.registry import named_arch
+from moekv.provenance import git_commit
 from synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402  (benchmarks/synthetic_kv.py)
 
 TINY = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -181,13 +181,7 @@ def single_device_batch1(args, arch, kv_dtype: str, device) -> dict:
 
 # ---------------------------------------------------------------- outputs
 def environment(argv: list[str], device, world_size: int) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True, cwd=REPO).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO).stdout
-        commit += "+uncommitted" if dirty.strip() else ""
-    except Exception:  # noqa: BLE001
-        commit = "unknown"
+    commit = git_commit() or "unknown"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"cpu (gloo, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})"
     return {"gpu": f"{world_size} x {gpu}", "date": datetime.datetime.now().isoformat(timespec="seconds"),

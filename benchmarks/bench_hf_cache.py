@@ -29,13 +29,14 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from moekv import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "models" / "tiny-shakespeare-moe"
@@ -179,15 +180,11 @@ def time_interleaved(timers: list[DecodeTimer], steps: int, rounds: int = 8) -> 
 
 
 def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src/moekv/integrations", "src/moekv/kv",
-                                "src/moekv/ops/reference", "src/moekv/kvcache/formats", "benchmarks/bench_hf_cache.py"],
-                               cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        return f"uncommitted (on {head})" if dirty else head
-    except (OSError, subprocess.CalledProcessError):
+    commit = provenance.git_commit(dirty_paths=["src/moekv/integrations", "src/moekv/kv", "src/moekv/ops/reference",
+                                                "src/moekv/kvcache/formats", "benchmarks/bench_hf_cache.py"])
+    if commit is None:
         return "unknown"
+    return f"uncommitted (on {commit[:-len('+uncommitted')]})" if commit.endswith("+uncommitted") else commit
 
 
 def package_versions() -> dict:

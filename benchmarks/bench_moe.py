@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from timing import cuda_graph_ms  # noqa: E402  (benchmarks/timing.py)
 from moekv.models.registry import NAMED_SHAPES  # noqa: E402
 from moekv.ops import dispatch  # noqa: E402
 from moekv.ops.reference.moe import moe_experts_reference  # noqa: E402
+from moekv.provenance import git_commit  # noqa: E402
 
 TINY_SHAPE = dict(num_experts=8, hidden_size=64, expert_intermediate_size=48, top_k=2)
 FLUSH_BYTES = 256 * 2**20
@@ -209,13 +209,7 @@ def bench_layer(shape: dict, token_counts: list[int], dtype: torch.dtype, device
 
 # ---------------------------------------------------------------- outputs
 def environment(argv: list[str], device: torch.device) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        commit += "+uncommitted" if dirty else ""
-    except Exception:                                                  # noqa: BLE001
-        commit = "unknown"
+    commit = git_commit() or "unknown"
     import triton
     try:
         import transformers

@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 from moekv import datasets
 from moekv.models.loader import build_random_model, load_model
 from moekv.models.registry import named_arch
+from moekv.provenance import git_commit
 from moekv.moe.prefetch.manager import ExpertOffload, expert_bytes, resolve_cache_slots
 from moekv.moe.prefetch.predictor import ExpertPredictor, moe_layer_ids
 from moekv.moe.prefetch.trace import (TracePredictor, record_trace, replay_trace, run_windows, simulate_cache,
@@ -56,19 +56,12 @@ TOKEN_STRIDE = 997
 
 # ---------------------------------------------------------------------------------------- common
 def provenance(command: list[str]) -> dict:
-    def git(*args):
-        try:
-            out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=REPO)
-            return out.stdout.strip() if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            return None
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = git("status", "--porcelain", "--", "src/moekv/moe", "benchmarks/bench_offload.py")
+    commit = git_commit(dirty_paths=["src/moekv/moe", "benchmarks/bench_offload.py"])
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                         "cpu_threads": torch.get_num_threads(), "gpu": gpu, "torch": torch.__version__},
-            "commit": (f"{head}+uncommitted" if dirty else head) if head else "uncommitted",
+            "commit": commit or "uncommitted",
             "command": "python " + " ".join(command)}
 
 

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from moekv.models.registry import NAMED_SHAPES  # noqa: E402
 from moekv.ops.reference.moe import moe_experts_reference  # noqa: E402
 from moekv.ops.triton import moe_configs, moe_decode, moe_grouped  # noqa: E402
 from moekv.ops.triton.moe_align import moe_align  # noqa: E402
+from moekv.provenance import git_commit  # noqa: E402
 
 FULL_SPACE = {
     "decode_gate_up": {"BLOCK_N": [16, 32, 64, 128], "BLOCK_K": [64, 128, 256]},
@@ -228,14 +228,6 @@ def crossover(decode_ms: dict[int, float], grouped_ms: dict[int, float]) -> int:
             break
         limit = t
     return min(limit, moe_decode.MAX_DECODE_TOKENS)
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except Exception:                                                         # noqa: BLE001
-        return None
 
 
 def main(argv=None) -> Path:

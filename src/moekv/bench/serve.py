@@ -17,12 +17,13 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+from moekv.provenance import git_commit
 
 FALLBACK_PROMPTS = [
     "ROMEO:\nBut soft, what light through yonder window breaks?",
@@ -240,7 +241,7 @@ def _report(config: BenchConfig, model: str, results: list[RequestResult], durat
         "command": " ".join(["moekv"] + sys.argv[1:]) if sys.argv and "moekv" in sys.argv[0] else None,
         "host": {"machine": platform.machine(), "processor": platform.processor() or None,
                  "cpu_count": os.cpu_count(), "load_average_1m_after": _load_average(),
-                 "python": platform.python_version(), "commit": _git_commit()},
+                 "python": platform.python_version(), "commit": git_commit()},
         "config": {**asdict(config), "api_key": "***" if config.api_key else None},   # never write the key
         "model": model,
         "requests": {"total": len(results), "completed": len(ok), "cancelled": len(cancelled), "failed": len(failed)},
@@ -275,15 +276,6 @@ def _load_average() -> float | None:
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
-        return None
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return (out.stdout.strip() or None) if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
         return None
 
 

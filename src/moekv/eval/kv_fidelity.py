@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from moekv.errors import ConfigError
+from moekv.provenance import git_commit
 
 
 @dataclass(frozen=True)
@@ -181,11 +181,7 @@ def _provenance(model_dir: Path, args) -> dict:
     """What every JSON row carries: where, when, from which commit and command it was measured."""
     import platform
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).parent).stdout.strip() or "uncommitted"
-    except OSError:
-        commit = "unknown"
+    commit = git_commit(short=False) or "unknown"
     command = ("moekv " + " ".join(sys.argv[1:]) if sys.argv[1:3] == ["eval", "kv"]
                else f"moekv eval kv --context {args.context} --windows {args.windows} --chunk {args.chunk}")
     return {"model": model_dir.name, "context": args.context, "windows": args.windows, "chunk": args.chunk,
