@@ -148,7 +148,8 @@ class CacheConfig:
     token_group_size: int | None = None  # per-token quantization: head_dim values per group (None: head_dim)
     staging_pages: int | None = None    # full-precision staging pages (one per running sequence's partly
                                         # filled page, plus sink pages); None: max_num_seqs * (2 +
-                                        # fp_sink_pages), at most num_pages (engine)
+                                        # fp_sink_pages) + 1 (the CUDA-graph padding rows' scratch
+                                        # page), at most num_pages (engine)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))

@@ -167,3 +167,62 @@ def test_cuda_engine_uses_graphs_by_default():
     assert llm.engine.runner.graph_steps > 0
     eager = LLM(model=default_model_dir(), device="cuda", max_model_len=256, max_num_seqs=4, cuda_graphs=False)
     assert eager.engine.runner.graph_mode is None
+
+
+# -- review regressions ---------------------------------------------------------------------------------------
+def _int3_llm(**kwargs):
+    llm = LLM(model=default_model_dir(), dtype="fp32", kv_cache_dtype="int3", device="cpu", page_size=16,
+              max_model_len=128, cuda_graphs=False, **kwargs)
+    assert llm.engine.runner.enable_graphs(capture=False), llm.engine.runner.graph_fallback_reason
+    return llm
+
+
+def test_padding_only_step_then_chunked_prefill_with_one_seq():
+    """On CUDA a bucket's capture runs padding-only warm-up steps (here: _execute_graph with no chunks), and the
+    scratch page keeps the staging slot its padding rows took. With max_num_seqs=1 a prefill chunk from a partial
+    page into the next partial page needs two more: the default staging pool (2 per sequence) ran out
+    (OutOfKVCacheError) unless it counts the scratch page's slot too."""
+    from moekv.scheduler.output import SchedulerOutput
+
+    llm = _int3_llm(max_num_seqs=1, max_num_batched_tokens=20)
+    runner = llm.engine.runner
+    with torch.inference_mode():
+        runner._execute_graph(SchedulerOutput())          # what _capture's warm-up runs: padding rows only
+    assert llm.engine.kv_cache.slots.num_used == 1        # the scratch page's, kept for good
+    expected, _ = _generate(False, "int3", "fp32", page_size=16, prompts=[list(range(1, 51))], max_tokens=[4],
+                            max_num_seqs=1, max_num_batched_tokens=20)
+    out = llm.generate([list(range(1, 51))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in out] == expected
+
+
+def test_empty_request_id_is_rejected():
+    """"" is the request id of a bucket's padding rows: the low-bit cache never reports non-finite keys/values
+    under it, so a real request named "" would have its corruption silently zeroed and committed."""
+    from moekv.errors import InvalidRequestError
+
+    llm = _int3_llm(max_num_seqs=4)
+    with pytest.raises(InvalidRequestError):
+        llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id="")
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+
+
+def test_failed_capture_falls_back_to_eager_once(monkeypatch):
+    expected, _ = _generate(False, "fp32", "fp32", page_size=4)
+    llm = LLM(model=default_model_dir(), dtype="fp32", kv_cache_dtype="fp32", device="cpu", page_size=4,
+              max_model_len=128, max_num_seqs=8, cuda_graphs=False)
+    runner = llm.engine.runner
+    assert runner.enable_graphs(capture=False)
+    runner.graph_mode = "cuda"                                  # as on a GPU: the next new bucket captures
+    attempts = []
+
+    def failing_capture(bucket):
+        attempts.append(bucket.size)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "_capture", failing_capture)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == expected
+    assert attempts == [8]                                      # tried once, then eager for good
+    assert runner.graph_mode is None and "capture failed" in runner.graph_fallback_reason

@@ -313,3 +313,61 @@ def test_non_finite_decode_raises_at_end_step_and_commits_nothing(backend):
     pair.lengths.pop("b")
     pair.step({"a": 1, "c": 1}, pad_to=BUCKET, decode_plan=True)
     pair.step({"a": 1, "c": 1}, pad_to=BUCKET, decode_plan=True)
+
+
+def _run_layers(cache, meta, data):
+    return [cache.attention(layer, q, k, v, meta, SCALE) for layer, (q, k, v) in enumerate(data)]
+
+
+@pytest.mark.parametrize("freed_when", ["before_forward", "after_forward"])
+@pytest.mark.parametrize("decode", [True, False])
+def test_pages_freed_while_a_step_is_pending_keeps_the_others_commit(decode, freed_when):
+    """A request aborted between begin_step and end_step (its pages freed): the step's plan stays, the other
+    sequences' filled pages return their slots at end_step, and the freed one holds no slot."""
+    pair = Pair()
+    pair.step({"a": 15, "b": 5, "c": 9})
+    cache = pair.hooked
+    new = {"a": 1, "b": 1, "c": 1} if decode else {"a": 1, "b": 2, "c": 3}
+    pair.grow(new)
+    data = pair.tokens(sum(new.values()))
+    data[0][1][1, 0, 0] = float("nan")          # b (the aborted one) has a non-finite key: not reported
+    meta = pair.meta(cache, new)
+    cache.begin_step(meta)
+    assert isinstance(cache._plan, DecodePlan) == decode
+    if freed_when == "before_forward":
+        pair.manager(cache).free("b")
+        _run_layers(cache, meta, data)
+    else:
+        _run_layers(cache, meta, data)
+        pair.manager(cache).free("b")
+    cache.end_step(meta)                        # commits a's filled page; b is gone
+    assert cache._plan is None
+    a_pages = pair.manager(cache).block_table("a")
+    c_pages = pair.manager(cache).block_table("c")
+    assert cache.slots.slot_of_page[a_pages[0]] == -1          # a's page filled: its slot returned
+    assert cache.slots.slot_of_page[c_pages[0]] >= 0           # c's page is still partial
+    live = {p for p, s in enumerate(cache.slots.slot_of_page) if s >= 0}
+    assert live == {c_pages[0]} and cache.slots.num_used == 1
+    assert cache.staging_slot_of_page.tolist() == cache.slots.slot_of_page
+
+
+def test_padding_on_the_scratch_page_is_never_quantized_or_counted_page_size_1():
+    """With P = 1 every decode token fills its page, the padding sequences' scratch page too: the padding
+    must not quantize it (and add to the statistics) once per padding row; it keeps its one slot."""
+    spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, page_size=1, dtype=torch.float32)
+    cache = LowBitKVCache(spec, 16, "cpu", CacheConfig(kv_cache_dtype="int3", page_size=1, staging_pages=4))
+    cache.reserve_graph_decode(4)
+    scratch, real = 15, [3, 4]
+    gen = torch.Generator().manual_seed(0)
+    for context in (0, 1):
+        meta = AttentionMetadata.build([1] * 4, [context, 0, 0, 0], [real, [scratch], [scratch], [scratch]], 1,
+                                       "cpu", request_ids=["a", "", "", ""])
+        cache.begin_step(meta)
+        assert isinstance(cache._plan, DecodePlan)
+        for layer in range(LAYERS):
+            cache.attention(layer, torch.randn(4, Q_HEADS, DIM, generator=gen), torch.randn(4, HEADS, DIM, generator=gen),
+                            torch.randn(4, HEADS, DIM, generator=gen), meta, SCALE)
+        cache.end_step(meta)
+    assert cache.stats()["pages_quantized"] == 2                 # a's two pages, not the scratch page 6 times
+    assert cache.slots.slot_of_page[real[0]] == cache.slots.slot_of_page[real[1]] == -1
+    assert cache.slots.slot_of_page[scratch] >= 0 and cache.slots.num_used == 1

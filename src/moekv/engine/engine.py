@@ -72,10 +72,11 @@ class Engine:
                            dtype=full_dtype)
         if self.cache_config.is_low_bit and self.cache_config.staging_pages is None:
             # Each running sequence holds one fp staging page for its partial tail (plus its sink pages),
-            # and briefly two in the step that fills a page; never more than there are pages.
+            # and briefly two in the step that fills a page; never more than there are pages. One more
+            # for the graph runner's scratch page: its padding rows take a slot and keep it for good.
             per_seq = 2 + self.cache_config.fp_sink_pages
             self.cache_config = replace(self.cache_config,
-                                        staging_pages=config.scheduler.max_num_seqs * per_seq)
+                                        staging_pages=config.scheduler.max_num_seqs * per_seq + 1)
         num_pages = self._num_pages(spec)
         if self.cache_config.is_low_bit and self.cache_config.staging_pages > num_pages:
             self.cache_config = replace(self.cache_config, staging_pages=num_pages)
@@ -172,6 +173,9 @@ class Engine:
                 f"the prompt is {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room "
                 f"for a generated token", param="prompt")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id == "":
+            # "" names the padding rows of a CUDA-graph decode bucket (the low-bit cache never reports them)
+            raise InvalidRequestError("a request id must not be empty", param="request_id")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         generator = None

@@ -170,7 +170,14 @@ class ModelRunner:
                              self._num_splits(size), self.device)
             self._fill(bucket, [])
             if self.graph_mode == "cuda":
-                self._capture(bucket)
+                try:
+                    with torch.cuda.device(self.device):
+                        self._capture(bucket)
+                except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail every later step
+                    bucket.graph = None
+                    self.graph_mode = None
+                    self.graph_fallback_reason = f"CUDA graph capture failed ({type(exc).__name__}: {exc}); eager from now on"
+                    logger.warning("moekv: %s", self.graph_fallback_reason)
             self._buckets[size] = bucket
         return bucket
 
@@ -188,7 +195,8 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         self.kv_cache.begin_step(meta)
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the server's /metrics thread may read device tensors while a bucket is captured
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._static_forward(bucket)
         self.kv_cache.end_step(meta)
         torch.cuda.synchronize(self.device)

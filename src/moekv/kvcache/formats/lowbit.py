@@ -170,8 +170,8 @@ class LowBitKVCache(KVCache):
             rows[1, :count] = plan.quant_pages
             rows[2, :count] = plan.quant_slots
             self._index.copy_(self._index_host, non_blocking=True)     # whole buffer: one contiguous copy
-            if self._index_copied is not None:
-                self._index_copied.record()
+            if self._index_copied is not None:      # on the stream the copy went to (the cache's device)
+                self._index_copied.record(torch.cuda.current_stream(self.device))
             self._bad_seqs.zero_()
         else:
             plan = build_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots, self.device)
@@ -277,7 +277,9 @@ class LowBitKVCache(KVCache):
         self._plan, self._plan_hooked = None, False
         bad = plan.bad_tokens
         if bad is not None and bool(bad.any()):                    # the one host sync of a step
-            self._raise_corruption(plan.meta, sorted(set(plan.seq_of_token[bad].tolist())))
+            seq_indices = self._live(plan, sorted(set(plan.seq_of_token[bad].tolist())))
+            if seq_indices:
+                self._raise_corruption(plan.meta, seq_indices)
         self._release(plan.release)
 
     def _finish_decode(self, plan: DecodePlan) -> None:
@@ -286,10 +288,19 @@ class LowBitKVCache(KVCache):
         flags = self._bad_seqs[:plan.meta.num_seqs].tolist()      # the one host sync of a step
         ids = plan.meta.request_ids
         # padding sequences (request id "") write only the runner's scratch page: never reported
-        seq_indices = [i for i, bad in enumerate(flags) if bad and not (i < len(ids) and ids[i] == "")]
+        seq_indices = self._live(plan, [i for i, bad in enumerate(flags)
+                                        if bad and not (i < len(ids) and ids[i] == "")])
         if seq_indices:
             self._raise_corruption(plan.meta, seq_indices)
         self._release(plan.release)
+
+    @staticmethod
+    def _live(plan: StepPlan | DecodePlan, seq_indices: list[int]) -> list[int]:
+        """The sequences of `seq_indices` none of whose pages was freed while the plan was pending."""
+        if not plan.freed:
+            return seq_indices
+        tables = plan.meta.block_tables_host
+        return [i for i in seq_indices if plan.freed.isdisjoint(tables[i])]
 
     def _raise_corruption(self, meta: AttentionMetadata, seq_indices: list[int]) -> None:
         ids = meta.request_ids
@@ -306,8 +317,18 @@ class LowBitKVCache(KVCache):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def pages_freed(self, pages: list[int]) -> None:
-        """Freed pages give back their staging slots; their low-bit storage is overwritten when refilled."""
-        self._plan, self._plan_hooked = None, False
+        """Freed pages give back their staging slots; their low-bit storage is overwritten when refilled.
+
+        A plan pending from begin_step stays (a request aborted between begin_step and end_step): the
+        step's forward may still run it (a captured graph holds its index rows) and end_step still checks
+        and commits the other sequences. Its writes for the freed pages land in slots now free and in
+        free pages (neither read before they are taken and refilled), its commit skips them (their slot
+        is no longer the one planned) and sequences holding a freed page are not reported. A lazy plan
+        (no begin_step) is dropped, as before."""
+        if self._plan is not None and self._plan_hooked:
+            self._plan.freed.update(pages)
+        else:
+            self._plan, self._plan_hooked = None, False
         self.slots.give_back(list(pages))
 
     # -- accounting ---------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class StepPlan:
     seq_of_token: torch.Tensor      # [T] sequence index of each new token
     release: list[tuple[int, int]] = field(default_factory=list)   # (page, slot) returned at commit
     bad_tokens: torch.Tensor | None = None   # [T] bool: non-finite key or value seen in any layer
+    freed: set[int] = field(default_factory=set)   # pages freed while the plan was pending (see pages_freed)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class DecodePlan:
     quant_pages: list[int]          # [B] page this step fills (quantized now), or -1
     quant_slots: list[int]          # [B] staging slot of that page, or -1 (read only where quant_pages >= 0)
     release: list[tuple[int, int]] = field(default_factory=list)   # (page, slot) returned at commit, no repeats
+    freed: set[int] = field(default_factory=set)   # pages freed while the plan was pending (see pages_freed)
 
 
 class StagingSlots:
@@ -150,8 +152,11 @@ def build_decode_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: in
     Unlike `build_plan`, the new token always goes to a staging row (a page that fills is quantized from
     its slot afterwards), so every page written in the step needs a slot. Several sequences may name the
     same page at offset 0 (the runner's padding sequences on its scratch page): they share its slot.
+    Padding entries (request id "") never quantize their page, also when it fills (page_size 1): the
+    scratch page keeps its slot and the statistics count real pages only.
     """
     stage_rows, quant_pages, quant_slots, release, taken = [], [], [], {}, []
+    ids = meta.request_ids
     try:
         for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
             if num_new != 1:
@@ -166,7 +171,8 @@ def build_decode_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: in
                 slot = slots.take(page)
                 taken.append(page)
             stage_rows.append(slot * page_size + offset)
-            if offset == page_size - 1 and index >= fp_sink_pages:                 # the page fills: quantize
+            padding = seq < len(ids) and ids[seq] == ""                 # the runner's dummies: never quantized
+            if offset == page_size - 1 and index >= fp_sink_pages and not padding:   # the page fills: quantize
                 quant_pages.append(page)
                 quant_slots.append(slot)
                 release[page] = slot
