@@ -263,6 +263,8 @@ def best(timer: Timer, fns: dict, sweep: dict | None = None) -> tuple[float, str
     for name, fn in fns.items():
         try:
             results[name] = timer(fn)
+            # one line per timing, flushed: a run cut short by its time limit still shows how far it got
+            print(f"    [{time.perf_counter() - T0:.0f}s] {name}: {results[name]:.4f} ms", flush=True)
         except Exception as exc:                                                  # a config that fails to compile
             print(f"    {name}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
     if not results:
@@ -616,6 +618,7 @@ def main(argv=None) -> int:
             def log(line):
                 print(line, flush=True)
                 f.write(line + "\n")
+                f.flush()
             log(json.dumps(env))
             ok = run_check(log, args.check_configs)
             log("ALL PASS" if ok else "SOME CHECKS FAILED")
