@@ -7,6 +7,7 @@ a loud warning is printed once per op (it is slow).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -77,9 +78,15 @@ def set_lowbit_decode(name: str) -> None:
 
 def lowbit_decode_kernel(key_spec, value_spec, head_dim: int):
     """The decode-only kernel function chosen for this format, or None (use the general kernel)."""
+    return _lowbit_decode_kernel(DEFAULT_LOWBIT_DECODE if _lowbit_decode == "auto" else _lowbit_decode,
+                                 key_spec, value_spec, head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _lowbit_decode_kernel(name: str, key_spec, value_spec, head_dim: int):
+    """Cached per (choice, format): an eager decode step asks once per layer."""
     import importlib
 
-    name = DEFAULT_LOWBIT_DECODE if _lowbit_decode == "auto" else _lowbit_decode
     target = _LOWBIT_DECODE_KERNELS[name]
     if target is None:
         return None

@@ -18,6 +18,17 @@ def mma(a, b, UPCAST: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """Base-2 online softmax over one block of scores s [M, N] -> (p, alpha, new m, new l); a row whose
+    scores are all -inf so far gets p = 0 and alpha = 1 instead of NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
 def dot_modes(query: torch.Tensor, pages_dtype: torch.dtype) -> tuple[bool, bool]:
     """(HALF, UPCAST) for a kernel's dots.
 

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
+from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, online_softmax_step, pow2
 from moekv.ops.triton.lowbit_unpack import (CODES_FP16_CVT, CODES_FP16_MAGIC, CODES_FP32, code_operand,
                                             key_outlier_scores, token_scale_zero, unpack_codes, value_outlier_output)
 from moekv.ops.triton.split_k import combine_splits, plan_splits
@@ -75,15 +75,6 @@ def _page_operand(codes_ptr, scale_ptr, zero_ptr, base_ptr, page_head, offs_n, n
             if CODE_MODE != 0:
                 operand = operand.to(tl.float16)
     return operand, relative, zero, base
-
-
-@triton.jit
-def _online_softmax(s, m_i, l_i):
-    """One block of scores [M, N] -> (p, alpha, new m, new l) of the base-2 online softmax."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -188,7 +179,7 @@ def _lowbit_attention_kernel(
                                        tl.load(k_outlier_count + page_head).to(tl.int32), q_rows, row_mask,
                                        qk_scale, in_page, HEAD_DIM, BLOCK_C, PRECISION)
         s = tl.where(n_valid[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)                # p [M, N] in [0, 1]
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)                # p [M, N] in [0, 1]
         # ---- p . V [M, D] ----
         if slot >= 0:
             v = tl.load(staging_v + staging_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -235,7 +226,7 @@ def _lowbit_attention_kernel(
             else:
                 s = mma(q_op, tl.trans(k), UPCAST)
             s = tl.where(j_valid[None, :] & (j[None, :] <= token[:, None]), s, float("-inf"))
-            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+            p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
             if HALF:
                 pv = mma(p.to(half_dtype), v.to(half_dtype), UPCAST)
             else:

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, pow2
+from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, online_softmax_step, pow2
 from moekv.ops.triton.split_k import combine_splits, plan_splits
 
 CODES_FP32 = 0          # fp32 queries: fp32 operands, exact fp32 dots
@@ -153,16 +153,6 @@ def _token_scale_zero(scale_ptr, zero_ptr, base, rows, BITS: tl.constexpr):
     relative = tl.exp2(-tl.load(scale_ptr + rows).to(tl.float32) * (1.0 / 16.0))
     zero = -((base * relative) * tl.load(zero_ptr + rows).to(tl.float32)) * (1.0 / (1 << (8 - BITS)))
     return relative, zero
-
-
-@triton.jit
-def _softmax_step(s, m_i, l_i):
-    """Base-2 online softmax over one block of scores [M, N] (rows may be all -inf)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -308,7 +298,7 @@ def _decode_tc_kernel(
             if HALF and OUTLIERS == 1:
                 s += s_out * q_p2_scale[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)                            # p [M, N] in [0, 1]
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)                            # p [M, N] in [0, 1]
         # values (token axis, one group) -> [M, D]
         v_op = _unpack(v_lo_cur, v_hi_cur, V_BITS, CODES)
         v_b = tl.load(v_base + page_head).to(tl.float32)
@@ -388,7 +378,7 @@ def _decode_tc_kernel(
                 else:
                     s = tl.dot(q_op, tl.trans(k.to(q_op.dtype)))
                 s = tl.where(n_valid[None, :], s, float("-inf"))
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+                p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
                 v = tl.load(staging_v + rows[:, None] + offs_d[None, :])
                 if UPCAST:
                     pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
