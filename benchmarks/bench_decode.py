@@ -331,7 +331,7 @@ def prefill_cell(row: dict) -> str:
 
 def markdown(result: dict) -> list[str]:
     env = result["env"]
-    lines = [f"# Decode benchmark: {result['model']} ({result['dtype']}, random weights)", "",
+    lines = [f"# Decode benchmark: {result['model']} ({result['dtype']}, {result.get('num_layers', '?')} layers, random weights)", "",
              f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton {env['triton']}, "
              f"transformers {env['transformers']}", f"Command: `{env['command']}`", ""]
     if result.get("copy_bandwidth_tbps"):
@@ -401,6 +401,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers entirely")
     parser.add_argument("--moe-tokens", default="1,8,128", help="token counts of the MoE-layer section ('' = skip)")
     parser.add_argument("--parity-tokens", type=int, default=256)
+    parser.add_argument("--parity-only", action="store_true",
+                        help="build the model, run the transformers parity check, write the results, stop")
+    parser.add_argument("--num-layers", type=int, help="override the named shape's layer count (parity studies)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                        help="model dtype (fp32: parity studies; bf16 drift over 32 random layers is large)")
     parser.add_argument("--out", type=Path, help="result folder (default benchmarks/results; --tiny: a temp dir)")
     parser.add_argument("--tag", default="", help="appended to the result file names (split runs)")
     parser.add_argument("--tiny", action="store_true", help="tiny Mixtral-shaped model on the CPU (code paths)")
@@ -410,21 +415,26 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA device: use --tiny to check the code paths on the CPU")
-    dtype = torch.bfloat16
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    overrides = {} if args.num_layers is None else {"num_layers": args.num_layers}
     if args.tiny:
-        arch = named_arch(args.model, **TINY_ARCH)
+        arch = named_arch(args.model, **{**TINY_ARCH, **overrides})
         args.scenarios = args.scenarios or TINY_SCENARIOS
         args.page_size = args.page_size or 16
         args.parity_tokens = min(args.parity_tokens, 40)
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     else:
-        arch = named_arch(args.model)
+        arch = named_arch(args.model, **overrides)
     scenarios = parse_scenarios(args.scenarios or DEFAULT_SCENARIOS)
     env = bench_moe.environment(["benchmarks/bench_decode.py", *argv], device)
     copy_tbps = bench_moe.copy_bandwidth(device)
-    print(f"{env['gpu']}: building random {args.model}{' (tiny)' if args.tiny else ''} in bf16 ...")
+    print(f"{env['gpu']}: building random {args.model}{' (tiny)' if args.tiny else ''} "
+          f"({arch.num_layers} layers) in {args.dtype} ...")
     model = build_random_model(arch, dtype=dtype, device=device, seed=0)
-    result = {"env": env, "model": args.model + ("-tiny" if args.tiny else ""), "dtype": "bf16",
+    if args.parity_only:
+        scenarios, args.no_hf, args.moe_tokens, args.hf = [], False, "", args.hf or "eager"
+    result = {"env": env, "model": args.model + ("-tiny" if args.tiny else ""), "dtype": args.dtype,
+              "num_layers": arch.num_layers,
               "copy_bandwidth_tbps": copy_tbps, "decode": [], "errors": [], "moe_layer": [], "parity": None}
 
     hf = None
