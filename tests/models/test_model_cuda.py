@@ -1,4 +1,5 @@
-"""The same model on a CUDA device: fp32 matches transformers (on the CPU), bf16 stays close."""
+"""The same model on a CUDA device: fp32 matches transformers (on the CPU), bf16 stays close -- with the
+torch per-layer ops (the CUDA default) and with the fused Triton ones (ops.dispatch.set_fused_layer_ops)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from moekv.models import load_model
+from moekv.ops import dispatch
 from tests.hf_fixtures import (assert_half_close, assert_logits_close, hf_greedy, hf_logits, make_checkpoint,
                                moekv_greedy)
 
@@ -22,8 +24,10 @@ PROMPTS = [[5, 6, 7, 8, 9], [11], [3, 4, 10, 20, 30, 40, 50, 60, 70]]
     ("qwen3_moe", dict(head_dim=96, norm_topk_prob=True)),
     ("olmoe", dict(clip_qkv=0.3, attention_bias=True)),
 ])
-def test_cuda_matches_transformers(tmp_path, family, overrides):
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-layer-ops", "fused-layer-ops"])
+def test_cuda_matches_transformers(tmp_path, monkeypatch, family, overrides, fused):
     torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(dispatch, "_fused_layer_ops", fused)
     path, hf_model = make_checkpoint(tmp_path, family, **overrides)
     model = load_model(path, device="cuda")
     assert model.device.type == "cuda" and model.expert_load.device.type == "cuda"

@@ -226,11 +226,13 @@ def quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, bu
 
 
 # The fused per-layer ops (RMSNorm, add + RMSNorm, rotary, routing) are opt-in on CUDA: their first
-# H200 run (2026-11-30) failed tests/ops/test_layer_kernels.py (rotary off by one bf16 ulp against a
-# bit-equality check; the whole-model comparison, magnitude not captured) and that run's
-# transformers parity check read cosine 0.41 -- not yet attributed. Until a GPU run clears them, the
-# torch ops stay the CUDA default; MOEKV_FUSED_LAYER_OPS=1 (or set_fused_layer_ops(True)) turns the
-# Triton kernels on; a forced backend ("triton" / "reference") applies to them as to every op.
+# H200 run (2026-11-30) failed tests/ops/test_layer_kernels.py -- rotary off by one 16-bit ulp (FMA
+# contraction fused its product and sum into one fma.rn.bf16/f16; now launched without it, see
+# ops.triton.rotary) and the whole-model comparison, which built its model on the CPU, where compiled
+# kernels refuse to run (the test now uses the test device and reports the measured error) -- and
+# that run's transformers parity check read cosine 0.41, not yet attributed. Until a GPU run clears
+# them, the torch ops stay the CUDA default; MOEKV_FUSED_LAYER_OPS=1 (or set_fused_layer_ops(True))
+# turns the Triton kernels on; a forced backend ("triton" / "reference") applies to them as to every op.
 _fused_layer_ops = os.environ.get("MOEKV_FUSED_LAYER_OPS", "0") == "1"
 
 

@@ -5,6 +5,14 @@ out[h:] = x2*cos2 + x1*sin2 (rotate_half convention, h = D/2). For 16-bit inputs
 rounded to the dtype before the sum, as the reference's `x * cos + rotate_half(x) * sin` does, so the
 results match it bit for bit. q and k may be strided views (the split of a fused qkv projection);
 the outputs are new contiguous tensors.
+
+The launch passes enable_fp_fusion=False. With contraction on, the compiled code does not keep these
+rounding points: LLVM narrows `fp32 product -> 16-bit -> fp32 -> sum -> 16-bit` to native 16-bit
+mul/add and then contracts them into one `fma.rn.bf16` / `fma.rn.f16` (fp32: `fma.rn.f32`), one
+rounding where the reference has two -- the one-ulp difference of the first H200 run. Without it the
+PTX holds `mul.rn` + `add.rn`/`sub.rn`, each correctly rounded, which equals the reference's rounding
+of every product and of the sum (rounding a sum or product of 16-bit values to fp32 and then to 16
+bits rounds as once: fp32's 24 significand bits >= 2p + 2 for p = 8 and 11).
 """
 
 from __future__ import annotations
@@ -96,5 +104,5 @@ def apply_rotary_qk(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, s
         query, key, cos, sin, q_out, k_out, num_q_heads, num_k_heads, half,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos.stride(0), sin.stride(0),
         BLOCK_HQ=block_heads(num_q_heads, half_pad), BLOCK_HK=block_heads(num_k_heads, half_pad), HALF=half_pad,
-        EMULATE_BF16=not query.is_cuda, num_warps=4)
+        EMULATE_BF16=not query.is_cuda, num_warps=4, enable_fp_fusion=False)   # no FMA: see the module doc
     return q_out, k_out

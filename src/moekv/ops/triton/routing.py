@@ -5,6 +5,12 @@ Top-k is k rounds of (max, lowest index holding it, knock it out), so ties betwe
 probabilities go to the lowest expert index first. The expert-load count is k atomic adds into
 expert_load [E] (int64), skipped for tokens whose token_valid is 0 (padding rows of a CUDA-graph
 bucket) -- it replaces the reference's index_add_ and its mask expansion.
+
+Numerics against torch.softmax: on CUDA the exponential is libdevice's expf (the CUDA math library's,
+as torch's softmax kernel calls; tl.exp would be ex2.approx of x * log2(e), whose error grows with
+|x - max|) and both divisions are correctly rounded (div_rn; `/` compiles to the approximate
+div.full.f32). What stays different is the order of the fp32 sum of the exponentials, so weights
+agree to a few fp32 ulps, and ids agree except where two probabilities tie to that precision.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from moekv.ops.triton.common import check_launchable
 
@@ -21,13 +28,19 @@ MAX_EXPERTS = 256
 @triton.jit
 def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, load_ptr, valid_ptr, num_experts, stride_t,
                        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LOAD: tl.constexpr,
-                       HAS_VALID: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+                       HAS_VALID: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                       LIBDEVICE_EXP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
     emask = experts < num_experts
     x = tl.load(logits_ptr + t * stride_t + experts, mask=emask, other=float("-inf")).to(tl.float32)
-    e = tl.where(emask, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    probs = e / tl.sum(e, axis=0)                                         # [E_PAD]
+    shifted = x - tl.max(x, axis=0)
+    if LIBDEVICE_EXP:                                                     # compiled (CUDA): expf
+        e = libdevice.exp(shifted)
+    else:                                                                 # the interpreter: numpy's exp
+        e = tl.exp(shifted)
+    e = tl.where(emask, e, 0.0)
+    probs = tl.math.div_rn(e, tl.sum(e, axis=0))                          # [E_PAD]
     work = tl.where(emask, probs, -1.0)                                  # probabilities are >= 0
     slots = tl.arange(0, K_PAD)
     weights = tl.zeros([K_PAD], tl.float32)
@@ -40,7 +53,7 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, load_ptr, valid_ptr, nu
         work = tl.where(experts == index, -1.0, work)
     kmask = slots < TOP_K
     if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=0)
+        weights = tl.math.div_rn(weights, tl.sum(weights, axis=0))
     tl.store(weights_ptr + t * TOP_K + slots, weights, mask=kmask)
     tl.store(ids_ptr + t * TOP_K + slots, ids.to(tl.int64), mask=kmask)
     if HAS_LOAD:
@@ -78,5 +91,5 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, expert_load:
         token_valid if token_valid is not None else ids, num_experts, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_LOAD=expert_load is not None, HAS_VALID=token_valid is not None,
         E_PAD=triton.next_power_of_2(max(num_experts, 2)), K_PAD=triton.next_power_of_2(max(top_k, 2)),
-        num_warps=1 if num_experts <= 64 else 2)
+        LIBDEVICE_EXP=logits.is_cuda, num_warps=1 if num_experts <= 64 else 2)
     return weights, ids
