@@ -209,6 +209,12 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # every running sequence needs a token of the step's budget to decode; with fewer tokens than
+            # sequences the last admitted ones would wait while the first ones decode (starvation)
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                              f"({self.max_num_seqs}): each running sequence decodes one token per step; raise "
+                              "max_num_batched_tokens or lower max_num_seqs")
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from moekv.config import EngineConfig, torch_dtype
-from moekv.engine.model_runner import ModelRunner, graph_pool_bytes
+from moekv.engine.model_runner import ModelRunner, graph_pool_bytes, usable_rows
 from moekv.engine.request import Request, RequestOutput, RequestStatus
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
-from moekv.sampling import SamplingParams, sample
+from moekv.sampling import SampleResult, SamplingParams, sample
 from moekv.scheduler.scheduler import Scheduler
 from moekv.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -253,12 +253,18 @@ class Engine:
             requests = [sched.chunks[i].request for i in result.sample_chunks]
             # A row is broken if it holds NaN or +inf, or nothing finite; -inf alone is a legal mask.
             logits = result.logits
-            broken = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) \
-                | ~torch.isfinite(logits).any(dim=-1)                                  # [S]
-            finite = (~broken).tolist()
-            if not all(finite):
-                logits = logits.masked_fill(broken.unsqueeze(-1), 0.0)   # sampled but discarded below
-            sampled = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+            params = [r.params for r in requests]
+            finite = result.finite            # graph decode steps read it back with the step's one host read
+            if finite is None:
+                finite = usable_rows(logits).tolist()                                   # [S]
+            if result.greedy_tokens is not None and all(p.greedy and p.logprobs is None for p in params):
+                # the argmax the graph step computed (what sample() would pick); broken rows are discarded below
+                sampled = SampleResult(list(result.greedy_tokens), [None] * len(requests))
+            else:
+                if not all(finite):
+                    broken = torch.tensor([not f for f in finite], device=logits.device)
+                    logits = logits.masked_fill(broken.unsqueeze(-1), 0.0)   # sampled but discarded below
+                sampled = sample(logits, params, [r.generator for r in requests])
             now = time.monotonic()
             for row, request in enumerate(requests):
                 if not finite[row]:

@@ -12,8 +12,11 @@ AttentionMetadata whose device tensors are views of it, with `fixed_num_splits` 
 kernels size their split-K work on the device; the output logits [Bb, V]). A step fills one host
 buffer, copies it to the device in one transfer and replays. Rows past the step's batch are dummy
 sequences (one token at position 0, context 0, block table [scratch page], request id "") whose
-keys/values land in a page the runner holds for its lifetime. Sampling stays eager on the real rows.
-See docs/architecture.md, "CUDA-graph decode step".
+keys/values land in a page the runner holds for its lifetime. The captured forward also writes a small
+status buffer [3, Bb] (each row's logits usable, its argmax, the cache's non-finite KV flag from
+`KVCache.step_flags`), which the step reads back in its one host read: the engine then needs no check of
+its own and, for greedy requests without logprobs, no sampling op. Sampling otherwise stays eager on the
+real rows. See docs/architecture.md, "CUDA-graph decode step".
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ _FIELDS = ("input_ids", "positions", "context_lens", "seq_lens", "slot_mapping",
 class StepResult:
     logits: torch.Tensor          # [S, V] float32: one row per chunk that samples, in chunk order
     sample_chunks: list[int]      # indices into SchedulerOutput.chunks of those rows
+    # Graph decode steps only (None otherwise), read back with the step's one host read:
+    finite: list[bool] | None = None         # [S] the row has no NaN / +inf and a finite value (engine rule)
+    greedy_tokens: list[int] | None = None   # [S] argmax of each row (the greedy token)
+
+
+def usable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[S, V] -> [S] bool: the row holds no NaN and no +inf and something finite (-inf alone is a legal
+    mask). Its max says it all: NaN propagates, +inf wins, and it is -inf only when nothing is finite."""
+    return torch.isfinite(logits.amax(dim=-1))
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -86,6 +98,10 @@ class _Bucket:
             token_valid=torch.zeros(size, dtype=torch.int64, device=device))        # filled in the forward
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)      # [Bb]
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)      # [Bb]
+        # What the step reads back, in one transfer: [0] logits row usable (no NaN / +inf, something finite),
+        # [1] its argmax, [2] the cache's non-finite KV flag (KVCache.step_flags; 0 when it has none)
+        self.status = torch.zeros(3, size, dtype=torch.int64, device=device)        # [3, Bb]
+        self.kv_flags = False                              # the forward copies the cache's flags into status[2]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None            # [Bb, V] float32, the graph's output
 
@@ -133,6 +149,9 @@ class ModelRunner:
         """Run decode-only steps through per-bucket static buffers: replayed CUDA graphs (capture=True,
         CUDA only), or the same static-buffer code run eagerly (capture=False: tests, any device).
         Reserves the scratch page. Returns False (and stays eager) when the model or cache cannot."""
+        mode = "cuda" if capture else "static"
+        if self.scratch_page is not None and self.graph_mode == mode:
+            return True                 # already enabled: keep the scratch page, buffers and graphs
         reason = self.graph_ineligibility(hooks_safe)
         if reason is None and capture and self.device.type != "cuda":
             reason = "CUDA graphs need a CUDA device"
@@ -144,11 +163,14 @@ class ModelRunner:
         if self.kv_manager.pool.num_pages * page_size >= 2 ** 31:
             self.graph_fallback_reason = "the KV pool has more than 2**31 slots"
             return False
-        self.scratch_page = self.kv_manager.pool.allocate(1)[0]      # held for the runner's lifetime
+        if self.scratch_page is None:
+            self.scratch_page = self.kv_manager.pool.allocate(1)[0]      # held for the runner's lifetime
         self.buckets = graph_buckets(self.max_num_seqs)
-        self.graph_mode = "cuda" if capture else "static"
+        self._buckets = {}              # another mode (static <-> cuda): buckets are rebuilt on first use
+        self.graph_mode = mode
+        self.graph_fallback_reason = None
         self.kv_cache.reserve_graph_decode(self.buckets[-1])
-        if capture:
+        if capture and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return True
 
@@ -214,7 +236,14 @@ class ModelRunner:
         meta.slot_mapping.copy_(views["slot_mapping"])
         meta.token_valid.copy_(views["token_valid"])
         hidden = self.model.forward(bucket.input_ids, bucket.positions, self.kv_cache, meta)   # [Bb, H]
-        return self.model.compute_logits(hidden)                                     # [Bb, V]
+        logits = self.model.compute_logits(hidden)                                   # [Bb, V]
+        bucket.status[0].copy_(usable_rows(logits))
+        bucket.status[1].copy_(logits.argmax(dim=-1))
+        flags = self.kv_cache.step_flags(meta)                                       # [Bb] bool or None
+        bucket.kv_flags = flags is not None
+        if flags is not None:
+            bucket.status[2].copy_(flags)
+        return logits
 
     def _fill(self, bucket: _Bucket, rows: list[tuple[int, int, list[int], str]]) -> None:
         """Write a step's rows (token id, position, block table, request id) into the bucket's host
@@ -283,9 +312,15 @@ class ModelRunner:
             logits = bucket.logits
         else:
             logits = self._static_forward(bucket)
-        self.kv_cache.end_step(bucket.meta)
+        finite, greedy, kv_flags = bucket.status.tolist()      # the step's one host read (waits for the forward)
+        if bucket.kv_flags:
+            self.kv_cache.end_step(bucket.meta, [bool(f) for f in kv_flags])     # no host read of its own
+        else:
+            self.kv_cache.end_step(bucket.meta)
         self.graph_steps += 1
-        return StepResult(logits=logits[:len(rows)], sample_chunks=list(range(len(rows))))
+        count = len(rows)
+        return StepResult(logits=logits[:count], sample_chunks=list(range(count)),
+                          finite=[bool(f) for f in finite[:count]], greedy_tokens=greedy[:count])
 
     # -- the step -----------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -162,10 +162,18 @@ class KVCache(ABC):
         reads), so a captured forward replays correctly after it. `meta`'s host lists describe the
         step (for a graph step: the padded batch, padding rows included)."""
 
-    def end_step(self, meta: AttentionMetadata) -> None:
+    def step_flags(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """For a step prepared by begin_step(meta): a [num_seqs] bool device tensor the forward sets for
+        sequences whose new keys/values were non-finite, at a fixed address (a captured graph may copy it
+        into its own outputs), or None when the format keeps no such flags. A caller that reads it back with
+        its own outputs passes the values to end_step, which then reads nothing from the device."""
+        return None
+
+    def end_step(self, meta: AttentionMetadata, flags: list[bool] | None = None) -> None:
         """After the step's forward: may do the step's single host sync (e.g. non-finite checks)
         and raise KVCacheCorruptionError (the step is then not committed); otherwise commits the
-        step's bookkeeping (e.g. returns staging slots)."""
+        step's bookkeeping (e.g. returns staging slots). `flags`: step_flags(meta) as read back by the
+        caller after the forward (then no host read here)."""
 
     # -- lifecycle ----------------------------------------------------------------------------
     def pages_freed(self, pages: list[int]) -> None:

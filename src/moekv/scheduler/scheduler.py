@@ -6,7 +6,9 @@ Each step:
    freed; it goes back to the front of the queue and is recomputed later) until the chunk fits.
 2. Waiting requests are admitted in arrival order while the token budget, `max_num_seqs` and the
    free pages allow; a long prompt is split into chunks under the token budget.
-Nothing is ever dropped: a request that can never fit is rejected when it is added (engine).
+Nothing is ever dropped: a request that can never fit is rejected when it is added (engine). The token
+budget covers a decode token for every running sequence: SchedulerConfig rejects max_num_batched_tokens <
+max_num_seqs, which would leave the last running sequences waiting while the first ones decode.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Attention: each new token attends to its sequence's cached context (low-bit page
 staging pages as stored) and to the step's new tokens up to itself in full precision; then the new
 tokens are written.
 
-Non-finite keys/values: detected on the device in every layer, written as zeros (a page never holds
-NaN/Inf), and reported once per step, after the last layer, as KVCacheCorruptionError carrying
+Non-finite keys/values: detected on the device in every layer after rounding to the cache dtype (an fp32
+value beyond the fp16 range is Inf there), written as zeros (a page never holds NaN/Inf), and reported once
+per step, after the last layer, as KVCacheCorruptionError carrying
 `.seq_indices` and `.request_ids`. A step that raises is not committed: every sequence's cached
 context is as before the step, so the engine may end the bad requests and re-run the rest.
 
@@ -20,7 +21,11 @@ Step hooks (CUDA-graph decode): `begin_step(meta)` plans the step on the host be
 `end_step(meta)` checks and commits it after; `attention()` then does device work only. For a decode
 step of at most `reserve_graph_decode(max_batch)` sequences the plan is three fixed-size index rows in
 persistent device buffers (staging row of each new token, page it fills or -1, that page's slot) and
-a persistent per-sequence non-finite flag; every layer runs one launch that checks the new tokens,
+a persistent per-sequence non-finite flag, all in one buffer that begin_step uploads in one copy (which
+also clears the flags; no kernel). `step_flags(meta)` is that flag row: the graph runner copies it into
+the outputs it reads back anyway and hands the values to `end_step(meta, flags)`, so the cache adds no
+host read of its own to an ordinary decode step (slots taken or returned when a page starts or fills add
+a small map update on those steps only). Every layer runs one launch that checks the new tokens,
 sets the flags and writes the (zeroed where non-finite) rows to staging and to persistent copies the
 attention reads (`dispatch.stage_decode_tokens`), the attention, and one masked, fixed-shape launch
 that quantizes the key and value pages that filled and adds the statistics to the device counters
@@ -102,6 +107,8 @@ class LowBitKVCache(KVCache):
         self._index_host: torch.Tensor | None = None     # [3, max_batch] int64 (pinned on CUDA)
         self._index: torch.Tensor | None = None          # [3, max_batch] int64: stage_row, quant_page, quant_slot
         self._bad_seqs: torch.Tensor | None = None       # [max_batch] bool: non-finite key/value this step
+        self._step_host: torch.Tensor | None = None      # uint8: index rows then flags (0), pinned on CUDA
+        self._step_device: torch.Tensor | None = None    # uint8: its device twin; _index, _bad_seqs view it
         self._new_kv: dict = {}                          # (key, value dtype) -> [max_batch, Hkv, D] buffers
         self._index_copied = None                        # CUDA event: the last host->device index copy is done
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=self.device)
@@ -148,16 +155,25 @@ class LowBitKVCache(KVCache):
                                    f"cannot grow to {max_batch} (captured graphs hold their addresses)")
             return
         cuda = self.device.type == "cuda"
-        self._index_host = torch.full((3, max_batch), -1, dtype=torch.int64, pin_memory=cuda)
-        self._index = torch.full((3, max_batch), -1, dtype=torch.int64, device=self.device)
-        self._bad_seqs = torch.zeros(max_batch, dtype=torch.bool, device=self.device)
+        # One byte buffer per side: the three int64 index rows, then the per-sequence flags (bool), padded to
+        # 8 bytes. The host twin's flag bytes stay 0, so the step's one host->device copy also clears the flags.
+        index_bytes = 3 * max_batch * 8
+        width = index_bytes + -(-max_batch // 8) * 8
+        self._step_host = torch.zeros(width, dtype=torch.uint8, pin_memory=cuda)          # [width] (pinned on CUDA)
+        self._step_device = torch.zeros(width, dtype=torch.uint8, device=self.device)     # [width]
+        self._index_host = self._step_host[:index_bytes].view(torch.int64).view(3, max_batch)
+        self._index_host.fill_(-1)
+        self._index = self._step_device[:index_bytes].view(torch.int64).view(3, max_batch)
+        self._index.fill_(-1)
+        self._bad_seqs = self._step_device[index_bytes:index_bytes + max_batch].view(torch.bool)
         self._graph_batch = max_batch
         self._new_token_buffers(self.spec.dtype, self.spec.dtype)
         self._index_copied = torch.cuda.Event() if cuda else None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Plan the step before its forward (host work, no sync): take staging slots, and for a decode step
-        within the reserved size write the fixed-size device index rows and clear the non-finite flags.
+        within the reserved size write the fixed-size device index rows and clear the non-finite flags -- one
+        host->device copy of one buffer, no kernel (staging slots taken or returned add a map update).
         Replaces a plan still pending (a forward that failed before end_step)."""
         self._plan, self._plan_hooked = None, False
         if self._graph_batch and 0 < meta.num_seqs <= self._graph_batch and meta.is_decode:
@@ -169,23 +185,32 @@ class LowBitKVCache(KVCache):
             rows[0, :count] = plan.stage_rows
             rows[1, :count] = plan.quant_pages
             rows[2, :count] = plan.quant_slots
-            self._index.copy_(self._index_host, non_blocking=True)     # whole buffer: one contiguous copy
+            # index rows and zeroed flags: the whole buffer in one contiguous copy
+            self._step_device.copy_(self._step_host, non_blocking=True)
             if self._index_copied is not None:      # on the stream the copy went to (the cache's device)
                 self._index_copied.record(torch.cuda.current_stream(self.device))
-            self._bad_seqs.zero_()
         else:
             plan = build_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots, self.device)
         self._plan, self._plan_hooked = plan, True
 
-    def end_step(self, meta: AttentionMetadata) -> None:
+    def step_flags(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """[B] bool device flags of a decode step prepared by begin_step(meta) (persistent: a view of the
+        buffer begin_step's copy clears), else None."""
+        plan = self._plan
+        if isinstance(plan, DecodePlan) and plan.meta is meta and self._plan_hooked:
+            return self._bad_seqs[:meta.num_seqs]
+        return None
+
+    def end_step(self, meta: AttentionMetadata, flags: list[bool] | None = None) -> None:
         """After a completed forward: raise KVCacheCorruptionError for non-finite sequences (uncommitted),
-        else commit (staging slots of pages that filled return). One host read: the step's sync. No-op when
-        no plan of `meta` is pending from begin_step."""
+        else commit (staging slots of pages that filled return). One host read, the step's sync, unless the
+        caller passes the flags of step_flags(meta) it read back itself. No-op when no plan of `meta` is
+        pending from begin_step."""
         plan = self._plan
         if plan is None or plan.meta is not meta or not self._plan_hooked:
             return
         if isinstance(plan, DecodePlan):
-            self._finish_decode(plan)
+            self._finish_decode(plan, flags)
         else:
             self._finish_step(plan)
 
@@ -196,6 +221,9 @@ class LowBitKVCache(KVCache):
             self._plan = build_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots, self.device)
             self._plan_hooked = False
         plan = self._plan
+        # Round to the staging dtype first: what is checked is what is stored (an fp32 value above 65504 is
+        # Inf in an fp16 cache and must be caught as non-finite). A no-op when the dtypes agree (the engine).
+        key, value = key.to(self.staging_keys.dtype), value.to(self.staging_values.dtype)
         if isinstance(plan, DecodePlan):
             return self._decode_attention(layer, query, key, value, meta, scale)
         finite = torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1)   # [T]
@@ -282,10 +310,13 @@ class LowBitKVCache(KVCache):
                 self._raise_corruption(plan.meta, seq_indices)
         self._release(plan.release)
 
-    def _finish_decode(self, plan: DecodePlan) -> None:
-        """end_step of a decode plan: one read of the per-sequence flags, then report or commit."""
+    def _finish_decode(self, plan: DecodePlan, flags: list[bool] | None = None) -> None:
+        """end_step of a decode plan: one read of the per-sequence flags (unless given), then report or commit."""
         self._plan, self._plan_hooked = None, False
-        flags = self._bad_seqs[:plan.meta.num_seqs].tolist()      # the one host sync of a step
+        if flags is None:
+            flags = self._bad_seqs[:plan.meta.num_seqs].tolist()      # the one host sync of a step
+        elif len(flags) != plan.meta.num_seqs:
+            raise ValueError(f"end_step got {len(flags)} flags for a step of {plan.meta.num_seqs} sequences")
         ids = plan.meta.request_ids
         # padding sequences (request id "") write only the runner's scratch page: never reported
         seq_indices = self._live(plan, [i for i, bad in enumerate(flags)

@@ -83,15 +83,17 @@ class StagingSlots:
         for page in returned:
             self.free.append(self.slot_of_page[page])
             self.slot_of_page[page] = -1
-        if returned:
-            self.device_map.index_fill_(0, torch.tensor(returned, dtype=torch.long, device=self.device_map.device), -1)
+        if returned:        # pageable -> device without a stream sync (the source is staged at once)
+            ids = torch.tensor(returned, dtype=torch.long).to(self.device_map.device, non_blocking=True)
+            self.device_map.index_fill_(0, ids, -1)
 
     def publish(self, pages: list[int]) -> None:
         """Copy the host map of these pages (newly given slots) to the device map."""
-        if pages:
-            ids = torch.tensor(pages, dtype=torch.long)
-            slots = torch.tensor([self.slot_of_page[p] for p in pages], dtype=torch.int32)
-            self.device_map.index_copy_(0, ids.to(self.device_map.device), slots.to(self.device_map.device))
+        if pages:           # pageable -> device copies without a stream sync (the source is staged at once)
+            device = self.device_map.device
+            ids = torch.tensor(pages, dtype=torch.long).to(device, non_blocking=True)
+            slots = torch.tensor([self.slot_of_page[p] for p in pages], dtype=torch.int32).to(device, non_blocking=True)
+            self.device_map.index_copy_(0, ids, slots)
 
 
 def build_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: int, slots: StagingSlots,
