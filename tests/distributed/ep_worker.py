@@ -9,6 +9,10 @@ SPEC = {"scenarios": [...]}; each scenario has a "name" and a "kind":
   "llm":    LLM(model, expert_parallel_size=N, **kwargs).generate(prompts) (the offline API path);
             with "rebalance", then LLM.rebalance() and generate again.
   "serve":  entrypoints.ep_serve without HTTP: rank 0 adds requests to a LeaderEngine and steps it.
+  "fail":   like "random" (or "serve" with "serve": true), but rank "fail_rank" raises inside its
+            experts' compute after "fail_after" calls (mid-step, between two collectives); with
+            "swallow", that rank catches the error and sleeps (a process that stays alive), else it
+            propagates. The other ranks must stop at once (distributed.failure); nothing is written.
 Every rank checks that its outputs equal rank 0's; rank 0 writes OUT_DIR/<name>.json.
 """
 
@@ -106,6 +110,63 @@ def run_serve(spec: dict, world: int) -> dict:
     return box[0]
 
 
+def inject_failure(runtime, rank: int, spec: dict) -> None:
+    """Make this rank's experts raise after spec["fail_after"] compute calls (between collectives)."""
+    calls = {"n": 0}
+    for layer in runtime.layers:
+        original = layer.compute
+
+        def failing(rows, local_ids, original=original):
+            calls["n"] += 1
+            if calls["n"] > spec.get("fail_after", 3):
+                raise RuntimeError(f"injected failure on rank {rank}")
+            return original(rows, local_ids)
+
+        layer.compute = failing
+
+
+def run_fail(spec: dict, world: int) -> dict:
+    import time
+
+    from moekv.distributed.lockstep import LockstepEngine
+    from moekv.distributed.sharding import shard_experts
+    from moekv.entrypoints.ep_runner import generate_lockstep, initial_placements, make_runtime
+    from moekv.models.loader import build_random_model
+
+    arch = tiny_arch(5)
+    config = engine_config(world, expert_dispatch=spec.get("dispatch", "all_to_all"))
+    group = init_expert_parallel(world, "cpu")
+    runtime = make_runtime(config.parallel, group)
+    model = build_random_model(arch, dtype=torch.float32, seed=1)
+    model = shard_experts(model, runtime, initial_placements(arch, world, 0), group.device)
+    engine = LockstepEngine(config, model, None, runtime)
+    if group.rank == spec["fail_rank"]:
+        inject_failure(runtime, group.rank, spec)
+    prompts, params = prompts_and_params()
+    print(f"rank {group.rank}: generating", flush=True)
+    try:
+        if spec.get("serve"):
+            from moekv.entrypoints.ep_serve import LeaderEngine, follower_loop
+
+            if group.rank == 0:
+                leader = LeaderEngine(engine)
+                for i, prompt in enumerate(prompts):
+                    leader.add_request(prompt, params[i], request_id=f"r{i}")
+                while leader.has_unfinished():
+                    leader.step()
+                leader.stop_followers()
+            else:
+                follower_loop(engine)
+        else:
+            generate_lockstep(engine, prompts, params)
+    except RuntimeError as exc:
+        if spec.get("swallow") and "injected failure" in str(exc):
+            print(f"rank {group.rank}: caught {exc!r}; staying alive", flush=True)
+            time.sleep(spec.get("sleep", 600))
+        raise
+    raise AssertionError(f"rank {group.rank}: the run finished although rank {spec['fail_rank']} should have failed")
+
+
 def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -115,7 +176,7 @@ def main() -> None:
     spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     world = int(__import__("os").environ["WORLD_SIZE"])
     for scenario in json.loads(spec_path.read_text())["scenarios"]:
-        runner = {"random": run_random, "llm": run_llm, "serve": run_serve}[scenario["kind"]]
+        runner = {"random": run_random, "llm": run_llm, "serve": run_serve, "fail": run_fail}[scenario["kind"]]
         result = runner(scenario, world)
         gathered = [None] * world
         dist.all_gather_object(gathered, result["tokens"])

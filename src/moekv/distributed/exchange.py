@@ -93,8 +93,8 @@ class AllToAllExchange(TokenExchange):
         with runtime.timer.time("all_to_all"):
             dist.all_to_all_single(recv_rows, send_rows, recv_sizes, send_sizes, group=group)
         local_ids = torch.arange(local_slots, device=hidden.device).repeat(world)          # [W * S_local]
-        local_ids = local_ids.repeat_interleave(recv_slot_counts)                          # [R]
-        out_rows = experts.compute(recv_rows, local_ids)                                   # [R, H]
+        local_ids = local_ids.repeat_interleave(recv_slot_counts, output_size=recv_rows.shape[0])   # [R] (no sync)
+        out_rows = experts.compute(recv_rows, local_ids).contiguous()     # [R, H] (NCCL takes contiguous tensors only)
         returned = hidden.new_empty(num_tokens * top_k, hidden_size)                       # [T*k, H] in `order`
         with runtime.timer.time("all_to_all"):
             dist.all_to_all_single(returned, out_rows, send_sizes, recv_sizes, group=group)

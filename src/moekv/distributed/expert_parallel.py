@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moekv.distributed.exchange import EXCHANGES, TokenExchange, all_gather
+from moekv.distributed.failure import check_healthy
 from moekv.distributed.groups import ExpertParallelGroup
 from moekv.distributed.placement import ExpertPlacement
 from moekv.layers.linear import empty_parameter
@@ -114,7 +115,8 @@ class ExpertParallelRuntime:
 
     # -- per-step control (cpu group) ------------------------------------------------------------
     def exchange_counts(self, num_tokens: int) -> list[int]:
-        """Every rank's token count (a gloo all-gather of one integer per rank)."""
+        """Every rank's token count (a gloo all-gather of one integer per rank, CPU tensors)."""
+        check_healthy()
         mine = torch.tensor([num_tokens], dtype=torch.int64)
         counts = torch.empty(self.world_size, dtype=torch.int64)
         all_gather(counts, mine, group=self.group.cpu_group)
@@ -132,7 +134,8 @@ class ExpertParallelRuntime:
         self.step_token_counts = None
 
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on any rank (a gloo all-reduce)."""
+        """True on every rank if `flag` is true on any rank (a gloo all-reduce, CPU tensors)."""
+        check_healthy()
         value = torch.tensor([1 if flag else 0], dtype=torch.int64)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group.cpu_group)
         return bool(value.item())

@@ -11,22 +11,55 @@ process group is initialised from them (NCCL on CUDA, gloo on the CPU). Two grou
   token counts, request lists), so agreeing on a step never waits on a GPU stream.
 
 Today the expert-parallel group is the whole world: expert_parallel_size must equal WORLD_SIZE.
+
+NCCL specifics: the rank's GPU (cuda:LOCAL_RANK) is made current before the group is initialised,
+so NCCL's communicators bind to it; collectives on `device_group` take tensors on that GPU (NCCL
+cannot take CPU tensors), control messages go over `cpu_group` on CPU tensors; no barrier or object
+collective is run on the NCCL group. The device group's timeout (`device_timeout`: the `timeout`
+argument, else MOEKV_EP_TIMEOUT_S, else 600 s) bounds a collective a peer never joins; the NCCL
+watchdog then ends the process. A rank that raises is reported to the others at once
+(distributed.failure), so they stop within a fraction of a second instead of waiting that long.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from moekv.distributed import failure
 from moekv.errors import ConfigError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 CONTROL_TIMEOUT = timedelta(days=7)   # an idle server's followers wait on the control group this long
+DEVICE_TIMEOUT = timedelta(minutes=10)   # torch's NCCL default, made explicit
+
+
+def device_timeout(timeout: timedelta | float | None = None) -> timedelta:
+    """The device group's timeout: `timeout` (seconds or timedelta), else MOEKV_EP_TIMEOUT_S, else 10 min."""
+    if timeout is None:
+        env = os.environ.get("MOEKV_EP_TIMEOUT_S")
+        if not env:
+            return DEVICE_TIMEOUT
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ConfigError(f"MOEKV_EP_TIMEOUT_S must be a number of seconds, got {env!r}") from None
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ConfigError(f"the expert-parallel timeout must be positive, got {timeout}")
+    return timeout
+
+
+def backend_for(device: torch.device) -> str:
+    """The device group's backend: NCCL for CUDA devices, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 @dataclass(frozen=True)
@@ -58,10 +91,13 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     return torch.device(device)
 
 
-def init_expert_parallel(size: int, device: str = "auto") -> ExpertParallelGroup:
+def init_expert_parallel(size: int, device: str = "auto", timeout: timedelta | float | None = None,
+                         control_timeout: timedelta | float | None = None) -> ExpertParallelGroup:
     """Join (or initialise) the default process group and return this rank's expert-parallel group.
 
     Every rank must call this at the same point (it creates the gloo control group collectively).
+    timeout: the device group's (see `device_timeout`; only when this call initialises it);
+    control_timeout: the gloo control group's (default 7 days: idle serving followers wait there).
     """
     if not dist.is_initialized():
         if not launched_by_torchrun():
@@ -75,9 +111,14 @@ def init_expert_parallel(size: int, device: str = "auto") -> ExpertParallelGroup
         local_rank = int(os.environ["LOCAL_RANK"])
         target = resolve_device(device, local_rank)
         if target.type == "cuda":
-            torch.cuda.set_device(target)
-        dist.init_process_group("nccl" if target.type == "cuda" else "gloo")
-        atexit.register(shutdown)      # a process group left open at exit can abort the interpreter
+            if local_rank >= torch.cuda.device_count():
+                raise ConfigError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
+                                  f"start at most that many processes per node (--nproc-per-node)")
+            torch.cuda.set_device(target)     # before init: NCCL binds its communicators to the current GPU
+        # no device_id: eager NCCL init would also bind the gloo control group to the GPU; nothing
+        # here needs it (no barrier or object collective runs on the NCCL group)
+        dist.init_process_group(backend_for(target), timeout=device_timeout(timeout))
+        atexit.register(_exit_shutdown)   # a process group left open at exit can abort the interpreter
     world_size = dist.get_world_size()
     if world_size != size:
         raise ConfigError(f"expert_parallel_size={size} but the process group has {world_size} ranks")
@@ -85,12 +126,43 @@ def init_expert_parallel(size: int, device: str = "auto") -> ExpertParallelGroup
     target = resolve_device(device, local_rank)
     if target.type == "cuda":
         torch.cuda.set_device(target)
-    cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)   # its own group even on the CPU
+    if control_timeout is None:
+        control_timeout = CONTROL_TIMEOUT
+    elif not isinstance(control_timeout, timedelta):
+        control_timeout = timedelta(seconds=float(control_timeout))
+    cpu_group = dist.new_group(backend="gloo", timeout=control_timeout)   # its own group even on the CPU
+    _start_failure_monitor(dist.get_rank())
     return ExpertParallelGroup(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
                                device=target, device_group=None, cpu_group=cpu_group)
 
 
+def _start_failure_monitor(rank: int) -> None:
+    """Watch the failure flag in the default group's store (distributed.failure); skipped, with the
+    process groups' timeouts as the only bound, if this torch does not expose the store."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API: degrade to timeouts only
+        return
+    failure.start_monitor(store, rank)
+
+
 def shutdown() -> None:
-    """Destroy the default process group (call once, at the end of a torchrun script)."""
-    if dist.is_initialized():
+    """Destroy the default process group (call once, at the end of a torchrun script).
+
+    After a failure (distributed.failure) the groups are left alone: destroying an NCCL group can
+    wait forever on work a failed peer never finishes; the process is about to end anyway.
+    """
+    monitor = failure.stop_monitor()
+    if dist.is_initialized() and not (monitor is not None and (monitor.failure or monitor.failed_here)):
         dist.destroy_process_group()
+
+
+def _exit_shutdown() -> None:
+    """At interpreter exit: shut down cleanly, or, after a failure, end the process without the
+    destructors of NCCL groups whose peers are gone (status 1: the run failed)."""
+    if failure.failed():
+        failure.stop_monitor()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    shutdown()

@@ -11,7 +11,10 @@ local), while every MoE layer is a collective over all ranks. So all ranks step 
    `while engine.has_unfinished(): engine.step()` stops at the same iteration.
 
 A forward that stops early on one rank (non-finite KV detected after the last attention layer)
-first catches up on the remaining MoE collectives, then recovers as the base engine does.
+first catches up on the remaining MoE collectives, then recovers as the base engine does. Any other
+exception inside a step cannot be caught up on (the others may be inside any collective of it): it
+is reported to every rank (distributed.failure), which stop at once, and this engine refuses
+further collective calls with ExpertParallelError.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import torch
 
 from moekv.config import EngineConfig
+from moekv.distributed.failure import collective_section
 from moekv.distributed.expert_parallel import ExpertParallelRuntime
 from moekv.distributed.placement import ExpertPlacement
 from moekv.distributed.sharding import LayerRebalance, rebalance
@@ -68,20 +72,22 @@ class LockstepEngine(Engine):
 
     def has_unfinished(self) -> bool:
         """Collective: True on every rank while any rank has a waiting or running request."""
-        return self.runtime.any_rank(self.scheduler.has_work())
+        with collective_section("has_unfinished"):
+            return self.runtime.any_rank(self.scheduler.has_work())
 
     def has_local_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self):
-        try:
-            outputs = super().step()
-            counts = self.scheduler.last_token_counts
-            if counts is not None and counts[self.rank] == 0 and any(counts):
-                self.runtime.join_remaining_layers()        # idle this step: 0 tokens to every MoE layer
-        finally:
-            self.runtime.end_step()
-            self.scheduler.last_token_counts = None
+        with collective_section(f"lockstep step {self.global_steps}"):
+            try:
+                outputs = super().step()
+                counts = self.scheduler.last_token_counts
+                if counts is not None and counts[self.rank] == 0 and any(counts):
+                    self.runtime.join_remaining_layers()        # idle this step: 0 tokens to every MoE layer
+            finally:
+                self.runtime.end_step()
+                self.scheduler.last_token_counts = None
         self.global_steps += 1
         if self.rebalance_interval and self.global_steps % self.rebalance_interval == 0:
             self.rebalance()
@@ -94,7 +100,8 @@ class LockstepEngine(Engine):
     # -- load balancing -----------------------------------------------------------------------
     def rebalance(self, min_gain: float = 0.0) -> list[LayerRebalance]:
         """Collective: re-place experts from the recorded load and move their weights (between steps)."""
-        self.last_rebalance = rebalance(self.model, self.runtime, min_gain=min_gain)
+        with collective_section("rebalance"):
+            self.last_rebalance = rebalance(self.model, self.runtime, min_gain=min_gain)
         moved = sum(r.experts_moved for r in self.last_rebalance)
         if self.rank == 0 and self.last_rebalance:
             worst_before = max(r.imbalance_before for r in self.last_rebalance)

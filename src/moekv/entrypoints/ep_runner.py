@@ -7,6 +7,9 @@ Every rank runs the same script with the same prompts. `generate_lockstep`: ever
 every prompt (a bad prompt raises on all ranks alike), rank r keeps prompts r, r + N, r + 2N, ...,
 the ranks step in lockstep until no rank has work (distributed.lockstep), and the outputs are
 all-gathered so every rank returns the full list in prompt order.
+
+A rank that fails while the others wait on it (loading, a step, the final gather) is reported to
+them (distributed.failure): they stop at once with its error instead of hanging in a collective.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.distributed as dist
 from moekv.config import ArchConfig, EngineConfig, ParallelConfig, torch_dtype
 from moekv.distributed.balancer import initial_placement
 from moekv.distributed.expert_parallel import ExpertParallelRuntime
+from moekv.distributed.failure import collective_section
 from moekv.distributed.groups import ExpertParallelGroup, init_expert_parallel
 from moekv.distributed.lockstep import LockstepEngine
 from moekv.distributed.placement import ExpertPlacement
@@ -52,11 +56,12 @@ def build_engine(config: EngineConfig, time_comm: bool = False) -> LockstepEngin
     group = init_expert_parallel(config.parallel.expert_parallel_size, config.device.device)
     model_dir = Path(config.model.model)
     dtype = None if config.model.dtype == "auto" else torch_dtype(config.model.dtype)
-    model = load_model(model_dir, dtype=dtype, device="cpu", progress=None if group.rank == 0 else False)
-    runtime = make_runtime(config.parallel, group, time_comm)
-    placements = initial_placements(model.arch, group.world_size, config.parallel.num_redundant_experts)
-    model = shard_experts(model, runtime, placements, group.device)
-    tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    with collective_section("building the engine", unreported=(ConfigError,)):
+        model = load_model(model_dir, dtype=dtype, device="cpu", progress=None if group.rank == 0 else False)
+        runtime = make_runtime(config.parallel, group, time_comm)
+        placements = initial_placements(model.arch, group.world_size, config.parallel.num_redundant_experts)
+        model = shard_experts(model, runtime, placements, group.device)
+        tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     config = replace(config, device=replace(config.device, device=str(group.device)))
     return LockstepEngine(config, model, tokenizer, runtime)
 
@@ -73,9 +78,10 @@ def generate_lockstep(engine: LockstepEngine, prompts: list, sampling_params: li
             engine.release(request_id)
     while engine.has_unfinished():                  # collective: all ranks leave the loop together
         engine.step()
-    local = collect_outputs(engine, [prompts[i] for i in mine], [request_ids[i] for i in mine])
     gathered: list = [None] * engine.world_size
-    dist.all_gather_object(gathered, list(zip(mine, local)), group=engine.runtime.group.cpu_group)
+    with collective_section("gathering the outputs"):
+        local = collect_outputs(engine, [prompts[i] for i in mine], [request_ids[i] for i in mine])
+        dist.all_gather_object(gathered, list(zip(mine, local)), group=engine.runtime.group.cpu_group)
     ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
     return [output for _, output in ordered]
 

@@ -20,6 +20,11 @@ are rank 0's own; token counters include the other ranks' requests. Wiring (in e
     if engine is None:
         return 0
     ... AsyncEngine(engine, ...) as for a plain Engine; on shutdown: engine.stop_followers()
+
+Failures: an exception on any rank inside the step protocol (the leader's step, a follower's loop)
+is reported to every rank (distributed.failure); the others end at once with its error (under
+torchrun the agent then stops the job), and the failed leader's engine refuses further steps with
+ExpertParallelError instead of waiting for followers that are gone.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from moekv.distributed.failure import collective_section, failed
 from moekv.distributed.lockstep import LockstepEngine
 from moekv.engine.request import Request, RequestOutput
 from moekv.sampling import SamplingParams
@@ -119,10 +125,11 @@ class LeaderEngine:
     def step(self) -> list[RequestOutput]:
         command, self._command = self._command, StepCommand()
         group = self.engine.runtime.group.cpu_group
-        dist.broadcast_object_list([command], src=0, group=group)
-        outputs = self.engine.step()
         gathered: list = [None] * self.engine.world_size
-        dist.gather_object([], gathered, dst=0, group=group)
+        with collective_section("the leader's step"):
+            dist.broadcast_object_list([command], src=0, group=group)
+            outputs = self.engine.step()
+            dist.gather_object([], gathered, dst=0, group=group)
         now = time.monotonic()
         for rank_outputs in gathered[1:]:
             for out in rank_outputs:
@@ -151,31 +158,36 @@ class LeaderEngine:
         return True
 
     def stop_followers(self) -> None:
-        """Tell ranks > 0 to leave follower_loop (call once, when the server shuts down)."""
-        dist.broadcast_object_list([StepCommand(stop=True)], src=0, group=self.engine.runtime.group.cpu_group)
+        """Tell ranks > 0 to leave follower_loop (call once, when the server shuts down; a no-op after
+        a failure: the followers have stopped already)."""
+        if failed():
+            return
+        with collective_section("stopping the followers"):
+            dist.broadcast_object_list([StepCommand(stop=True)], src=0, group=self.engine.runtime.group.cpu_group)
 
 
 def follower_loop(engine: LockstepEngine) -> None:
     """Ranks > 0: apply the leader's commands and step with it until it says stop."""
     group = engine.runtime.group.cpu_group
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        command: StepCommand = box[0]
-        if command.stop:
-            return
-        for request_id, token_ids, params, rank in command.adds:
-            if rank == engine.rank:
-                engine.add_request(token_ids, params, request_id)
-        for request_id, rank in command.aborts:
-            if rank == engine.rank:
-                engine.abort(request_id)
-                engine.release(request_id)
-        outputs = engine.step()
-        for out in outputs:
-            if out.finished:
-                engine.release(out.request_id)
-        dist.gather_object(outputs, None, dst=0, group=group)
+    with collective_section(f"the follower loop of rank {engine.rank}"):
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            command: StepCommand = box[0]
+            if command.stop:
+                return
+            for request_id, token_ids, params, rank in command.adds:
+                if rank == engine.rank:
+                    engine.add_request(token_ids, params, request_id)
+            for request_id, rank in command.aborts:
+                if rank == engine.rank:
+                    engine.abort(request_id)
+                    engine.release(request_id)
+            outputs = engine.step()
+            for out in outputs:
+                if out.finished:
+                    engine.release(out.request_id)
+            dist.gather_object(outputs, None, dst=0, group=group)
 
 
 def serve_rank(config) -> LeaderEngine | None:
