@@ -42,7 +42,7 @@ def test_unknown_choice_is_rejected():
         dispatch.set_lowbit_decode("fast")
 
 
-def test_fused_layer_ops_are_opt_in_under_auto(monkeypatch):
+def test_fused_layer_ops_switch_under_auto(monkeypatch):
     monkeypatch.setattr(dispatch, "_backend", "auto")
     monkeypatch.setattr(dispatch, "use_triton", lambda op, tensor, has_triton=True: True)   # as on a GPU
     x = torch.ones(2, 4)
