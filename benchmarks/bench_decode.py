@@ -89,9 +89,25 @@ def prompts(batch: int, context: int, vocab: int, seed: int = 0) -> list[list[in
     return torch.randint(3, vocab, (batch, context), generator=gen).tolist()
 
 
-def busy_fraction(step, num_steps: int, device: torch.device) -> float | None:
+KERNEL_GROUPS = (("attention (low-bit)", ("lowbit", "_decode_tc")), ("attention (bf16 paged)", ("_paged_decode", "attention")),
+                 ("experts (fused MoE)", ("moe", "expert")), ("GEMM (projections, logits)", ("gemm", "sm90", "cutlass", "nvjet")),
+                 ("norm / rotary / routing", ("norm", "rotary", "route", "topk", "softmax")),
+                 ("copies / fills", ("copy", "memcpy", "memset", "fill")))
+
+
+def kernel_group(name: str) -> str:
+    lowered = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(key in lowered for key in keys):
+            return group
+    return "other"
+
+
+def busy_fraction(step, num_steps: int, device: torch.device, breakdown: dict | None = None) -> float | None:
     """Union of GPU activity intervals (kernels, memcpy, memset) / wall time of `num_steps` calls of
-    step(), read from the profiler's exported Chrome trace (a documented, stable format)."""
+    step(), read from the profiler's exported Chrome trace (a documented, stable format). With
+    `breakdown` (a dict), fill it with per-step GPU ms and launch counts per kernel name and per group
+    (exact for eager steps; a replayed graph's kernels are undercounted by the trace)."""
     if num_steps <= 0:
         return None
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -119,6 +135,21 @@ def busy_fraction(step, num_steps: int, device: torch.device) -> float | None:
     wall = sum(end - start for start, end in windows)
     if device.type != "cuda" or wall <= 0:
         return None
+    if breakdown is not None:
+        kernels, groups = {}, {}
+        for e in events:
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+                ms, count = kernels.get(e["name"], (0.0, 0))
+                kernels[e["name"]] = (ms + e["dur"] / 1e3 / num_steps, count + 1)
+        for name, (ms, count) in kernels.items():
+            g_ms, g_count = groups.get(kernel_group(name), (0.0, 0))
+            groups[kernel_group(name)] = (g_ms + ms, g_count + count)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+        breakdown["kernels"] = [{"name": n[:90], "ms_per_step": ms, "launches_per_step": c / num_steps}
+                                for n, (ms, c) in top]
+        breakdown["groups"] = {g: {"ms_per_step": ms, "launches_per_step": c / num_steps}
+                               for g, (ms, c) in sorted(groups.items(), key=lambda kv: -kv[1][0])}
+        breakdown["wall_ms_per_step"] = wall / 1e3 / num_steps
     return busy / wall
 
 
@@ -202,7 +233,8 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
         engine.step()
     sync(device)
     step_ms = (time.perf_counter() - start) * 1e3 / args.steps
-    busy = busy_fraction(engine.step, args.profile_steps, device)
+    breakdown = {} if not graphs else None
+    busy = busy_fraction(engine.step, args.profile_steps, device, breakdown)
     replay_ms, replay_busy = graph_busy(engine, args.profile_steps, device)
     assert all(len(r.output_token_ids) < new_tokens for r in engine.scheduler.running), "a sequence finished early"
     runner = engine.runner
@@ -212,7 +244,7 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
            "synthetic_kv": synthetic, "kv_bits_per_value": engine.kv_bits_per_value(),
            "cuda_graphs": runner.graph_mode == "cuda", "graph_steps": runner.graph_steps,
            "graph_replay_ms": replay_ms, "gpu_busy_replay": replay_busy,
-           "graph_fallback": runner.graph_fallback_reason}
+           "graph_fallback": runner.graph_fallback_reason, "kernel_breakdown": breakdown}
     for request_id in list(engine.requests):
         engine.abort(request_id)
     del engine
@@ -354,6 +386,16 @@ def markdown(result: dict) -> list[str]:
     for r in result["errors"]:
         lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r['kv']} | failed: {r['error'][:80]} "
                      "| | | | | |")
+    for row in result["decode"]:
+        bd = row.get("kernel_breakdown")
+        if not bd:
+            continue
+        lines += ["", f"## Where an eager step's GPU time goes: B={row['batch']}, {row['context']}, {row['kv']} "
+                  f"(torch.profiler over the profiled steps; step wall {bd['wall_ms_per_step']:.3f} ms)", "",
+                  "| group | GPU ms / step | launches / step |", "|---|---|---|"]
+        lines += [f"| {g} | {v['ms_per_step']:.3f} | {v['launches_per_step']:.0f} |" for g, v in bd["groups"].items()]
+        lines += ["", "| kernel | GPU ms / step | launches / step |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:.0f} |" for k in bd["kernels"]]
     lines += ["", "## MoE layer alone (layer 0's weights)", ""] + bench_moe.layer_table(result["moe_layer"])
     if result.get("parity"):
         p = result["parity"]
