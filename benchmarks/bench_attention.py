@@ -3,6 +3,8 @@
 
     PYTHONPATH=src:. python benchmarks/bench_attention.py --out benchmarks/results          # timings
     PYTHONPATH=src:. python benchmarks/bench_attention.py --check --out benchmarks/results  # correctness
+    PYTHONPATH=src:. python benchmarks/bench_attention.py --lowbit-only --shapes 32x16384 --bits 3 --impls tc \
+        --lowbit-configs '{"tc": [{}, {"outlier_pre": 3}]}' --out /tmp/sweep   # low-bit launch configs only
 
 Timings: median of CUDA-graph replays; "cold" (the default) zeroes a 512 MiB buffer before every
 call inside the graph so nothing is served from L2, and the flush alone is timed and subtracted.
@@ -55,9 +57,13 @@ DIAGNOSTICS = {"no outliers": dict(outliers=False), "no key codes": dict(skip="k
 # decode-only kernels take their launch overrides as keyword arguments.
 LOWBIT_IMPLS = {
     "v4": ("moekv.ops.triton.lowbit_attention", "paged_attention_lowbit", [dict(num_warps=4)]),
+    # tc: the default first; then preloaded outlier chunks, L2 prefetch of the next block, subnormal codes,
+    # three programs per SM, and the v5 layout (spread / perm off) -- docs/attention-kernels.md, "v5 launch variants"
     "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc",
-           [{}, dict(codes="subnormal"), dict(codes="subnormal", num_warps=8), dict(codes="subnormal", maxnreg=168),
-            dict(codes="subnormal", prefetch=True), dict(codes="subnormal", BLOCK_C=32)]),
+           [{}, dict(outlier_pre=3), dict(outlier_pre=3, l2_prefetch=True),
+            dict(outlier_pre=3, l2_prefetch=True, codes="subnormal"),
+            dict(outlier_pre=3, l2_prefetch=True, maxnreg=168, waves=4),
+            dict(spread=False, perm=False)]),
 }
 TUNING = ((32, 16384), (1, 16384))           # the first one's winners serve every other shape
 SWEPT_BITS = (3,)                          # other widths take int3's winner
@@ -242,6 +248,53 @@ def time_lowbit(timer: Timer, impls: dict, lb_args, chosen: dict, sweep: bool, r
         for name, (_, cfg) in per_impl.items():
             chosen.setdefault(name, json.loads(cfg))
     return ms, best_key
+
+def run_lowbit_sweep(args, log=print) -> dict:
+    """--lowbit-only: every launch config of every selected low-bit implementation at each shape and width,
+    nothing else (no SDPA, paged bf16, quantizer or diagnostics). Per config: first-call seconds (compile),
+    max error / max |reference| at that shape, median ms, TB/s over the bytes read. The fastest config of
+    each implementation whose error is within the bf16 tolerance goes to <out>/lowbit-best.json, ready for
+    --lowbit-configs of a later --no-sweep run."""
+    timer = Timer(cold=not args.hot)
+    gen = torch.Generator().manual_seed(0)
+    impls = lowbit_impls(args.impls)
+    shapes = DRY_SHAPES[:1] if args.dry else SHAPES
+    rows, best_of = [], {}
+    for batch, length in shapes:
+        for bits in BITS:
+            lb_args, nbytes = build_lowbit(batch, length, bits, gen)
+            want = lowbit_reference.paged_attention_lowbit(*lb_args, SCALE).float()
+            log(f"[{time.perf_counter() - T0:.0f}s] B={batch} L={length} int{bits}: {nbytes / 1e6:.1f} MB read, "
+                f"{float(lb_args[3].outlier_count.float().mean()):.1f} key outliers per page-head")
+            for name, (fn, configs) in impls.items():
+                for cfg in configs:
+                    key = f"{name} {json.dumps(cfg)}"
+                    try:
+                        start = time.perf_counter()
+                        got = fn(*lb_args, SCALE, **cfg).float()
+                        synchronize()
+                        first_s = time.perf_counter() - start
+                        err = float((got - want).abs().max() / want.abs().max())
+                        ms = timer(lambda fn=fn, cfg=cfg: fn(*lb_args, SCALE, **cfg))
+                    except Exception as exc:  # noqa: BLE001 - a config that fails is reported, the sweep goes on
+                        log(f"    {key}: failed ({type(exc).__name__}: {str(exc)[:160]})")
+                        continue
+                    ok = err <= 2e-2 and math.isfinite(err)
+                    rows.append({"batch": batch, "context": length, "bits": bits, "impl": name, "config": cfg,
+                                 "ms": ms, "tbps": nbytes / ms / 1e9, "max_rel_err": err, "first_call_s": first_s})
+                    log(f"    [{time.perf_counter() - T0:.0f}s] {key}: {ms:.4f} ms, {nbytes / ms / 1e9:.2f} TB/s, "
+                        f"max err/max {err:.2e}{'' if ok else ' (OVER 2e-2)'}, first call {first_s:.1f} s")
+                    if ok and ms < best_of.get(name, (float("inf"), None))[0]:
+                        best_of[name] = (ms, cfg)
+            del lb_args
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    best = {name: [cfg] for name, (_, cfg) in best_of.items()}
+    with open(os.path.join(args.out, "lowbit-best.json"), "w") as f:
+        json.dump(best, f)
+    log(f"best (within tolerance): {json.dumps(best)}")
+    return {"rows": rows, "best": best}
+
 
 def sdpa_fns(batch: int, length: int):
     """Two spellings of GQA decode in torch SDPA over a contiguous bf16 cache; the faster is the baseline."""
@@ -583,6 +636,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-diag", action="store_true", help="skip the int3 diagnostics")
     parser.add_argument("--check-configs", action="store_true", help="--check also runs every sweep config")
     parser.add_argument("--render", help="re-write the markdown and plot of a saved attention-bench.json")
+    parser.add_argument("--lowbit-only", action="store_true",
+                        help="time only the low-bit configs (--lowbit-configs) at --shapes / --bits; writes "
+                             "lowbit-sweep.json and lowbit-best.json (the fastest config per implementation)")
     args = parser.parse_args(argv)
     global SHAPES, CURVE, FP_CONFIGS, DIAGNOSTICS, BITS
     if args.shapes:
@@ -624,6 +680,12 @@ def main(argv=None) -> int:
             log("ALL PASS" if ok else "SOME CHECKS FAILED")
             dump_kernels(args.out, log)
         return 0 if ok else 1
+    if args.lowbit_only:
+        result = run_lowbit_sweep(args)
+        result["environment"] = env
+        with open(os.path.join(args.out, "lowbit-sweep.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return 0
     result = run_benchmark(args)
     result["environment"] = env
     with open(os.path.join(args.out, "attention-bench.json"), "w") as f:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,6 +63,41 @@ def test_page_size_32_elementwise_outliers(device):
     check(case, torch.float32, BLOCK_C=32)
 
 
+# the layout / latency switches of the main loop: the old paths (spread, perm off), preloaded outlier chunks
+# (outlier_pre: fewer, as many as and more than the capacity; the remainder loop after them), L2 prefetch
+# (a no-op in the interpreter: the plumbing only)
+LOOP_VARIANTS = [{"spread": False, "perm": False}, {"outlier_pre": 1}, {"outlier_pre": 3, "l2_prefetch": True},
+                 {"outlier_pre": 2, "spread": False, "codes": "subnormal"}]
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "outlier_channels"), (torch.bfloat16, "outlier_channels"),
+                                        (torch.float16, "normal"), (torch.float16, "large")])
+def test_loop_variants(device, bits, dtype, kind):
+    # empty, length 1, ragged and several-page contexts, a sink page; planted 50x channels / 1e4 values
+    case = build_case([0, 1, 40, 100], [1, 1, 1, 1], 2, 4, 64, bits, 16, dtype=dtype, kind=kind, sink_pages=1,
+                      seed=11, device=device)
+    want = reference(*case.args(), SCALE)
+    for overrides in LOOP_VARIANTS:
+        assert_close(kernel(*case.args(), SCALE, **overrides), want, dtype)
+
+
+@pytest.mark.parametrize("key_bits,value_bits", [(3, 4), (4, 2), (2, 3)])
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "outlier_channels"), (torch.float16, "normal")])
+def test_mixed_widths(device, key_bits, value_bits, dtype, kind):
+    # keys and values of different widths: the permuted channel orders of q / keys and of values / acc differ
+    # (16-bit with 50x key channels is ill-conditioned at int2: softmax ~ argmax; see test_launch_variants)
+    keys = build_case([70, 33], [1, 1], 2, 4, 64, key_bits, 32, dtype=dtype, kind=kind, sink_pages=1, seed=12,
+                      device=device)
+    values = build_case([70, 33], [1, 1], 2, 4, 64, value_bits, 32, dtype=dtype, kind=kind, sink_pages=1, seed=12,
+                        device=device)
+    assert torch.equal(keys.staging_values, values.staging_values)              # same data, other width
+    case = dataclasses.replace(keys, value_pages=values.value_pages, value_spec=values.value_spec)
+    want = reference(*case.args(), SCALE)
+    for overrides in ({}, {"outlier_pre": 1}, {"perm": False}):
+        assert_close(kernel(*case.args(), SCALE, **overrides), want, dtype)
+
+
 @pytest.mark.parametrize("bits", [4, 3, 2])
 def test_launch_variants(device, bits):
     # the GPU-sweep switches: subnormal codes, prefetch, sub-page blocks, elementwise outliers, gathers, BLOCK_C
@@ -70,7 +107,9 @@ def test_launch_variants(device, bits):
     want = reference(*case.args(), SCALE)
     for overrides in ({"codes": "subnormal"}, {"prefetch": True, "BLOCK_N": 16}, {"outliers": "elementwise"},
                       {"codes": "subnormal", "BLOCK_N": 16, "BLOCK_C": 32, "STAGE_N": 16, "num_splits": 2},
-                      {"gather_p": True, "bias_dot": False, "num_warps": 8}):
+                      {"gather_p": True, "bias_dot": False, "num_warps": 8},
+                      {"outlier_pre": 2, "outliers": "elementwise", "BLOCK_N": 16, "prefetch": True},
+                      {"outlier_pre": 4, "gather_p": True, "l2_prefetch": True, "maxnreg": 168}):
         assert_close(kernel(*case.args(), SCALE, **overrides), want, torch.float16)
 
 
@@ -100,3 +139,4 @@ def test_real_page_shape(device):
     check(case, torch.bfloat16, num_splits=2)
     case.meta.fixed_num_splits = 3
     check(case, torch.bfloat16, codes="subnormal")
+    check(case, torch.bfloat16, outlier_pre=3, l2_prefetch=True)

@@ -39,6 +39,21 @@ reshape: interleave(even fields, odd fields) puts field f of word w at column w*
 channel order); every join's new axis lands in registers, so the [N, D] tile is built without moving
 data between lanes. Its only trip through shared memory is the MMA operand load itself (local_alloc
 + ldmatrix, as for any register-produced tl.dot operand on sm_80/90).
+Two layout switches (both on by default; tools/sass_stats.py measures them): `perm` puts the operand's
+columns in pair order -- column w*F + 2g + h holds channel w*F + g + h*F/2 (parts.channels) -- so
+each 32-bit pair is already two adjacent fp16 operand values (no byte permutes before the stores);
+q, the key scales / zero points and staged keys are read in the key order, staged values, the new
+token's value and the output in the value order (the two differ when the widths differ), and value
+outliers map their channel to its column. `spread` loads int3's planes in a layout with two lanes per
+row: Triton orders a register tile's shared copy by lanes, so with one thread per row (the plain
+layout at 4 warps) each value went to shared memory as its own 16-bit store.
+
+Per block, every load is issued at the top of the iteration, before any math: code words, scales,
+zero points, outlier counts and (`outlier_pre` chunks of BLOCK_C) the first outlier slots, with page
+ids read one block ahead -- one memory latency per block instead of one per dependent step (the
+value scales used to wait for the key outlier loop, each outlier pass for the previous one). Slots
+past the preloaded ones are read BLOCK_C at a time in a loop, as before. `l2_prefetch` asks L2 for
+the next block's bytes (prefetch.global.L2; CUDA only) so that those loads hit L2.
 
 Staging pages (staging_slot_of_page[page] >= 0: a sequence's partial last page and its sink pages)
 are not branched on in the main loop: it treats every page of the split as low-bit (a staged page's
@@ -62,6 +77,9 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, online_softmax_step, pow2
+from moekv.ops.triton.lowbit_decode_tc_parts import (channels, key_chunk, key_outliers, load_words, outlier_slots,
+                                                     prefetch_block, token_scale_zero, unpack, value_chunk,
+                                                     value_outliers)
 from moekv.ops.triton.split_k import combine_splits, plan_splits
 
 CODES_FP32 = 0          # fp32 queries: fp32 operands, exact fp32 dots
@@ -69,90 +87,6 @@ CODES_MAGIC = 1         # fp16 (code | 0x6400) - 1024
 CODES_SUBNORMAL = 2     # fp16 subnormal code * 2^-24 (bit pattern = the code); 2^24 applied after the dot
 OUTLIERS_DOT = 1        # outlier corrections by exact 0/1-matrix tensor-core dots (fp16, or fp32 "ieee")
 OUTLIERS_ELEMENTWISE = 2
-
-
-@triton.jit
-def _leaf(lo, hi, F: tl.constexpr, K: tl.constexpr, THREE: tl.constexpr, CODES: tl.constexpr):
-    """Field F of every word of `lo` [N, W] (k = K bits, 32 / K fields per word) as a dot operand tile.
-
-    Fields f and f + 16 / K (bits K*f and K*f + 16) are cut out of a word as one packed pair by a
-    shift and a mask (shared by the two leaves after CSE); 16-bit modes then read each 16-bit half as
-    fp16: CODES_MAGIC ORs 0x6400 into both halves (fp16 1024 + code) and subtracts 1024, CODES_SUBNORMAL
-    reads the code itself as an fp16 subnormal (code * 2^-24, exact, no instruction: the 2^24 comes
-    back on the fp32 dot result). THREE (int3): `hi` holds the high bits pre-spread (bit g + 2 for
-    field g < 8, bit g + 18 for field g + 8)."""
-    HALF_F: tl.constexpr = 16 // K
-    G: tl.constexpr = F % HALF_F
-    MASK: tl.constexpr = (1 << K) - 1
-    pair = (lo >> (K * G)) & (MASK | (MASK << 16))
-    if THREE:
-        pair = pair | ((hi >> G) & 0x00040004)
-    if CODES == 1:
-        pair = pair | 0x64006400
-    if F >= HALF_F:
-        pair = pair >> 16
-    if CODES == 0:
-        return pair & 0xFFFF
-    elif CODES == 1:
-        return pair.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    else:
-        return pair.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _fields(lo, hi, SHIFT: tl.constexpr, STEP: tl.constexpr, COUNT: tl.constexpr, K: tl.constexpr,
-            THREE: tl.constexpr, CODES: tl.constexpr):
-    """Fields SHIFT, SHIFT+STEP, ... (COUNT of them) of the words `lo` [N, W] as one tile [N, W*COUNT],
-    field i of word w at column w*COUNT + i: interleave(even fields, odd fields), recursively (each
-    join adds an axis held in registers; the reshape only renames registers)."""
-    if COUNT == 1:
-        return _leaf(lo, hi, SHIFT, K, THREE, CODES)
-    else:
-        even = _fields(lo, hi, SHIFT, STEP * 2, COUNT // 2, K, THREE, CODES)
-        odd = _fields(lo, hi, SHIFT + STEP, STEP * 2, COUNT // 2, K, THREE, CODES)
-        return tl.interleave(even, odd)
-
-
-@triton.jit
-def _load_words(codes_ptr, page_head, offs_n, BITS: tl.constexpr, WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                HEAD_DIM: tl.constexpr):
-    """Packed rows offs_n [N] of one page: int3 -> (2-bit plane [N, D/16], 1-bit plane [N, D/32]),
-    else (words [N, D*BITS/32], the same tile again)."""
-    rows = codes_ptr + page_head * (PAGE_SIZE * WORDS) + offs_n * WORDS             # [N] pointers
-    if BITS == 3:
-        LO: tl.constexpr = HEAD_DIM // 16
-        # the 2-bit plane as even / odd words interleaved: lands in the layout the unpack tree wants
-        # (a plain [N, LO] load gets a coalesced layout that costs a shared-memory round trip)
-        even = tl.arange(0, LO // 2) * 2
-        lo = tl.interleave(tl.load(rows[:, None] + even[None, :]), tl.load(rows[:, None] + 1 + even[None, :]))
-        hi = tl.load(rows[:, None] + LO + tl.arange(0, HEAD_DIM // 32)[None, :])
-        return lo, hi
-    else:
-        words = tl.load(rows[:, None] + tl.arange(0, HEAD_DIM * BITS // 32)[None, :])
-        return words, words
-
-
-@triton.jit
-def _unpack(lo, hi, BITS: tl.constexpr, CODES: tl.constexpr):
-    """Word tiles from _load_words -> [N, HEAD_DIM] dot operand holding the codes (fp32 for CODES_FP32,
-    else fp16: exact codes (magic) or codes * 2^-24 (subnormal))."""
-    if BITS == 3:
-        hi = tl.interleave(hi, hi >> 16)                                             # bit f: high bit of lo's field f
-        hi = ((hi & 0xFF) | ((hi & 0xFF00) << 8)) << 2                               # fields g, g+8 -> bits g+2, g+18
-        codes = _fields(lo, hi, 0, 1, 16, 2, True, CODES)
-    else:
-        codes = _fields(lo, lo, 0, 1, 32 // BITS, BITS, False, CODES)
-    if CODES == 0:
-        codes = codes.to(tl.float32)
-    return codes
-
-
-@triton.jit
-def _token_scale_zero(scale_ptr, zero_ptr, base, rows, BITS: tl.constexpr):
-    """Per-token (one group) S / scale_base and Z of the rows `rows` [N] (uint8 codes)."""
-    relative = tl.exp2(-tl.load(scale_ptr + rows).to(tl.float32) * (1.0 / 16.0))
-    zero = -((base * relative) * tl.load(zero_ptr + rows).to(tl.float32)) * (1.0 / (1 << (8 - BITS)))
-    return relative, zero
 
 
 @triton.jit
@@ -172,7 +106,7 @@ def _decode_tc_kernel(
     CODES: tl.constexpr, CODE_SCALE: tl.constexpr, FP_HALF: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_C: tl.constexpr, OUTLIERS: tl.constexpr, PREFETCH: tl.constexpr, GATHER_P: tl.constexpr,
     BIAS_DOT: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr,
-    SCAN: tl.constexpr,
+    SCAN: tl.constexpr, SPREAD: tl.constexpr, PERM: tl.constexpr, PRE: tl.constexpr, L2_PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -187,13 +121,15 @@ def _decode_tc_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    chan_k = channels(offs_d, K_BITS, PERM)      # the channel of each column of q and the key tiles
+    chan_v = channels(offs_d, V_BITS, PERM)      # ... of the value tiles, acc and the output
     offs_b = tl.arange(0, BLOCK_N)
     SUBS: tl.constexpr = PAGE_SIZE // BLOCK_N                                     # steps per page
     head = kv_head * GROUP + offs_m
     row_mask = offs_m < GROUP
     q_rows = q_ptr + q_row * stride_qt + head * stride_qh                          # [M] pointers
     q_sel_rows = q_ptr + q_row * stride_qt + (kv_head * GROUP + tl.minimum(offs_m, GROUP - 1)) * stride_qh
-    q32 = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32) * qk_scale
+    q32 = tl.load(q_rows[:, None] + chan_k[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32) * qk_scale
     q_max = tl.max(tl.abs(q32), axis=1)
     q_max = tl.where(q_max > 0, q_max, 1.0)                                        # [M]
     q_p2 = tl.exp2(tl.ceil(tl.log2(q_max / qk_scale)))                             # power of two >= |raw q|
@@ -216,42 +152,69 @@ def _decode_tc_kernel(
     table = block_tables + seq.to(tl.int64) * stride_bt
 
     # ---- low-bit pages (staged pages computed too, then masked out) ----
-    # software prefetch (PREFETCH): the next block's page id and code words are loaded one iteration
-    # ahead (the last block reloads itself), so their DRAM latency overlaps this block's math
+    # every load of a block is issued at its top, before any math (page ids one block ahead; with
+    # PREFETCH the code words too, a register double buffer): per block one memory latency, not one per
+    # dependent step (scales after the key outliers, each outlier pass after the previous one)
     end = last * SUBS
     next_page = tl.load(table + tl.minimum(first, tl.maximum(last - 1, 0))).to(tl.int64)
-    next_rows = tl.minimum(first * SUBS, tl.maximum(end - 1, 0)) % SUBS * BLOCK_N + offs_b
-    k_lo, k_hi = _load_words(k_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, K_BITS, K_WORDS, PAGE_SIZE,
-                             HEAD_DIM)
-    v_lo, v_hi = _load_words(v_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, V_BITS, V_WORDS, PAGE_SIZE,
-                             HEAD_DIM)
+    if PREFETCH:
+        next_rows = tl.minimum(first * SUBS, tl.maximum(end - 1, 0)) % SUBS * BLOCK_N + offs_b
+        k_lo, k_hi = load_words(k_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, K_BITS, K_WORDS, PAGE_SIZE,
+                                HEAD_DIM, SPREAD)
+        v_lo, v_hi = load_words(v_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, V_BITS, V_WORDS, PAGE_SIZE,
+                                HEAD_DIM, SPREAD)
     for block in range(first * SUBS, end):
         page_index = block // SUBS
-        offs_n = (block % SUBS) * BLOCK_N + offs_b                                 # [N] rows in the page
-        if PREFETCH:
-            page = next_page
-            k_lo_cur, k_hi_cur, v_lo_cur, v_hi_cur = k_lo, k_hi, v_lo, v_hi
-            following = tl.minimum(block + 1, end - 1)
-            next_page = tl.load(table + following // SUBS).to(tl.int64)
-            next_rows = following % SUBS * BLOCK_N + offs_b
-            k_lo, k_hi = _load_words(k_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, K_BITS, K_WORDS,
-                                     PAGE_SIZE, HEAD_DIM)
-            v_lo, v_hi = _load_words(v_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, V_BITS, V_WORDS,
-                                     PAGE_SIZE, HEAD_DIM)
-        else:
-            page = tl.load(table + page_index).to(tl.int64)
-            k_lo_cur, k_hi_cur = _load_words(k_codes, page * NUM_KV_HEADS + kv_head, offs_n, K_BITS, K_WORDS,
-                                             PAGE_SIZE, HEAD_DIM)
-            v_lo_cur, v_hi_cur = _load_words(v_codes, page * NUM_KV_HEADS + kv_head, offs_n, V_BITS, V_WORDS,
-                                             PAGE_SIZE, HEAD_DIM)
-        lowbit = tl.load(slot_of_page + page) < 0
+        row0 = (block % SUBS) * BLOCK_N
+        offs_n = row0 + offs_b                                                     # [N] rows in the page
+        page = next_page
+        following = tl.minimum(block + 1, end - 1)
+        next_page = tl.load(table + following // SUBS).to(tl.int64)
         page_head = page * NUM_KV_HEADS + kv_head
+        if PREFETCH:
+            k_lo_cur, k_hi_cur, v_lo_cur, v_hi_cur = k_lo, k_hi, v_lo, v_hi
+            next_rows = following % SUBS * BLOCK_N + offs_b
+            k_lo, k_hi = load_words(k_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, K_BITS, K_WORDS,
+                                    PAGE_SIZE, HEAD_DIM, SPREAD)
+            v_lo, v_hi = load_words(v_codes, next_page * NUM_KV_HEADS + kv_head, next_rows, V_BITS, V_WORDS,
+                                    PAGE_SIZE, HEAD_DIM, SPREAD)
+        else:
+            k_lo_cur, k_hi_cur = load_words(k_codes, page_head, offs_n, K_BITS, K_WORDS, PAGE_SIZE, HEAD_DIM, SPREAD)
+            v_lo_cur, v_hi_cur = load_words(v_codes, page_head, offs_n, V_BITS, V_WORDS, PAGE_SIZE, HEAD_DIM, SPREAD)
+        lowbit = tl.load(slot_of_page + page) < 0
+        if K_CHANNEL:
+            k_s = tl.load(k_scale + page_head * HEAD_DIM + chan_k).to(tl.float32)
+            k_z = tl.load(k_zero + page_head * HEAD_DIM + chan_k)                 # fp16
+        else:
+            k_b = tl.load(k_base + page_head).to(tl.float32)
+            k_rel, k_zt = token_scale_zero(k_scale, k_zero, k_b, page_head * PAGE_SIZE + offs_n, K_BITS)
+        v_b = tl.load(v_base + page_head).to(tl.float32)
+        v_rel, v_zt = token_scale_zero(v_scale, v_zero, v_b, page_head * PAGE_SIZE + offs_n, V_BITS)
+        # the first PRE * BLOCK_C outlier slots of each side, loaded now (used only up to the count)
+        if K_CAP > 0:
+            k_count = tl.where(lowbit, tl.minimum(tl.load(k_ocount + page_head).to(tl.int32), K_CAP), 0)
+            if PRE >= 1:
+                k_i0, k_r0, k_l0 = outlier_slots(k_oidx, k_ovals, page_head, 0, k_count, K_CAP, BLOCK_C)
+            if PRE >= 2:
+                k_i1, k_r1, k_l1 = outlier_slots(k_oidx, k_ovals, page_head, BLOCK_C, k_count, K_CAP, BLOCK_C)
+            if PRE >= 3:
+                k_i2, k_r2, k_l2 = outlier_slots(k_oidx, k_ovals, page_head, 2 * BLOCK_C, k_count, K_CAP, BLOCK_C)
+            if PRE >= 4:
+                k_i3, k_r3, k_l3 = outlier_slots(k_oidx, k_ovals, page_head, 3 * BLOCK_C, k_count, K_CAP, BLOCK_C)
+        if V_CAP > 0:
+            v_count = tl.where(lowbit, tl.minimum(tl.load(v_ocount + page_head).to(tl.int32), V_CAP), 0)
+            if PRE >= 1:
+                v_i0, v_r0, v_l0 = outlier_slots(v_oidx, v_ovals, page_head, 0, v_count, V_CAP, BLOCK_C)
+            if PRE >= 2:
+                v_i1, v_r1, v_l1 = outlier_slots(v_oidx, v_ovals, page_head, BLOCK_C, v_count, V_CAP, BLOCK_C)
+            if PRE >= 3:
+                v_i2, v_r2, v_l2 = outlier_slots(v_oidx, v_ovals, page_head, 2 * BLOCK_C, v_count, V_CAP, BLOCK_C)
+            if PRE >= 4:
+                v_i3, v_r3, v_l3 = outlier_slots(v_oidx, v_ovals, page_head, 3 * BLOCK_C, v_count, V_CAP, BLOCK_C)
         valid = lowbit & (page_index * PAGE_SIZE + offs_n < context_len)           # [N]
         # keys -> scores [M, N]
-        k_op = _unpack(k_lo_cur, k_hi_cur, K_BITS, CODES)
+        k_op = unpack(k_lo_cur, k_hi_cur, K_BITS, CODES, PERM, SPREAD)
         if K_CHANNEL:
-            k_s = tl.load(k_scale + page_head * HEAD_DIM + offs_d).to(tl.float32)
-            k_z = tl.load(k_zero + page_head * HEAD_DIM + offs_d)                 # fp16
             s_max = tl.max(k_s, axis=0)
             s_max = tl.where(s_max > 0, s_max, 1.0)
             qs_op = (qn * (k_s / s_max)[None, :]).to(low_dtype)
@@ -265,44 +228,38 @@ def _decode_tc_kernel(
             s = (tl.dot(qs_op, tl.trans(k_op), input_precision="ieee") * (s_max * CODE_SCALE)
                  + bias[:, None]) * q_max[:, None]
         else:
-            k_b = tl.load(k_base + page_head).to(tl.float32)
-            k_rel, k_zt = _token_scale_zero(k_scale, k_zero, k_b, page_head * PAGE_SIZE + offs_n, K_BITS)
             s = (tl.dot(qn_op, tl.trans(k_op), input_precision="ieee") * ((k_b * CODE_SCALE) * k_rel)[None, :]
                  + q_sum[:, None] * k_zt[None, :]) * q_max[:, None]
+        if L2_PREFETCH:                      # the next block's bytes into L2 (its page id has arrived by now)
+            prefetch_block(next_page * NUM_KV_HEADS + kv_head, following % SUBS * BLOCK_N + offs_b, k_codes, k_scale,
+                           k_zero, k_base, k_oidx, k_ovals, k_ocount, v_codes, v_scale, v_zero, v_base, v_oidx,
+                           v_ovals, v_ocount, PAGE_SIZE, HEAD_DIM, K_CHANNEL, K_WORDS, K_CAP, V_WORDS, V_CAP,
+                           PRE * BLOCK_C)
         if K_CAP > 0:
-            count = tl.minimum(tl.load(k_ocount + page_head).to(tl.int32), K_CAP)
-            count = tl.where(lowbit, count, 0)
-            s_out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)       # 16-bit: corrections / 2^e, MMA-accumulated
-            for c0 in range(0, count, BLOCK_C):
-                # slot vectors loaded as [1, C] rows: they broadcast into the [N, C] / [M, C] tiles without
-                # layout conversions. Slots >= count hold residual 0 at index 0 (docs/kv-format.md §4):
-                # only the capacity is masked
-                offs_c = c0 + tl.arange(0, BLOCK_C)[None, :]                         # [1, C]
-                c_mask = offs_c < K_CAP
-                idx = tl.load(k_oidx + page_head * K_CAP + offs_c, mask=c_mask, other=0).to(tl.int32) & 0xFFFF
-                resid = tl.load(k_ovals + page_head * K_CAP + offs_c, mask=c_mask, other=0.0)   # fp16 [1, C]
-                q_sel = tl.load(q_sel_rows[:, None] + idx % HEAD_DIM).to(tl.float32)   # [M, C] raw q (L1)
-                token = tl.where(c_mask, idx // HEAD_DIM, -1)
-                # built as [N, C] (few slots per thread) and fed transposed
-                hit = offs_n[:, None] == token                                       # [N, C]
-                if OUTLIERS == 2:
-                    w = q_sel * (resid.to(tl.float32) * qk_scale)
-                    s += tl.sum(tl.where(tl.trans(hit)[None, :, :], w[:, :, None], 0.0), axis=1)
-                elif HALF:
-                    # q_sel / 2^e and the fp16 residual are exact fp16: one exact MMA
-                    a_op = (q_sel * q_inv_p2[:, None]).to(tl.float16)
-                    s_out = tl.dot(a_op, tl.trans(tl.where(hit, resid, 0.0).to(tl.float16)), s_out)
-                else:
-                    s += tl.dot(q_sel, tl.trans(tl.where(hit, resid.to(tl.float32), 0.0)),
-                                input_precision="ieee") * qk_scale
+            s_out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            if PRE >= 1:
+                s_out = key_chunk(s_out, k_count > 0, k_i0, k_r0, k_l0, offs_n, q_sel_rows, q_inv_p2, HEAD_DIM,
+                                  OUTLIERS, HALF)
+            if PRE >= 2:
+                s_out = key_chunk(s_out, k_count > BLOCK_C, k_i1, k_r1, k_l1, offs_n, q_sel_rows, q_inv_p2, HEAD_DIM,
+                                  OUTLIERS, HALF)
+            if PRE >= 3:
+                s_out = key_chunk(s_out, k_count > 2 * BLOCK_C, k_i2, k_r2, k_l2, offs_n, q_sel_rows, q_inv_p2,
+                                  HEAD_DIM, OUTLIERS, HALF)
+            if PRE >= 4:
+                s_out = key_chunk(s_out, k_count > 3 * BLOCK_C, k_i3, k_r3, k_l3, offs_n, q_sel_rows, q_inv_p2,
+                                  HEAD_DIM, OUTLIERS, HALF)
+            for c0 in range(PRE * BLOCK_C, k_count, BLOCK_C):                      # the rest, BLOCK_C at a time
+                idx, resid, live = outlier_slots(k_oidx, k_ovals, page_head, c0, k_count, K_CAP, BLOCK_C)
+                s_out = key_outliers(s_out, idx, resid, live, offs_n, q_sel_rows, q_inv_p2, HEAD_DIM, OUTLIERS, HALF)
             if HALF and OUTLIERS == 1:
                 s += s_out * q_p2_scale[:, None]
+            else:
+                s += s_out * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)                            # p [M, N] in [0, 1]
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)                      # p [M, N] in [0, 1]
         # values (token axis, one group) -> [M, D]
-        v_op = _unpack(v_lo_cur, v_hi_cur, V_BITS, CODES)
-        v_b = tl.load(v_base + page_head).to(tl.float32)
-        v_rel, v_zt = _token_scale_zero(v_scale, v_zero, v_b, page_head * PAGE_SIZE + offs_n, V_BITS)
+        v_op = unpack(v_lo_cur, v_hi_cur, V_BITS, CODES, PERM, SPREAD)
         ps_op = (p * v_rel[None, :]).to(low_dtype)
         # computed transposed, V^T [D, N] @ (p S / base)^T [N, M]: the code tile is then the A operand,
         # which Triton loads with plain ldmatrix (as [M, N] @ [N, D] the probabilities come from the
@@ -310,45 +267,26 @@ def _decode_tc_kernel(
         pv = tl.trans(tl.dot(tl.trans(v_op), tl.trans(ps_op), input_precision="ieee")) * (v_b * CODE_SCALE) \
             + tl.sum(p * v_zt[None, :], axis=1)[:, None]
         if V_CAP > 0:
-            count = tl.minimum(tl.load(v_ocount + page_head).to(tl.int32), V_CAP)
-            count = tl.where(lowbit, count, 0)
             if HALF:
                 p_op = p.to(tl.float16)                     # what the outlier corrections see of p
             else:
                 p_op = p
-            for c0 in range(0, count, BLOCK_C):
-                offs_c = c0 + tl.arange(0, BLOCK_C)[None, :]                         # [1, C], as for keys
-                c_mask = offs_c < V_CAP
-                idx = tl.load(v_oidx + page_head * V_CAP + offs_c, mask=c_mask, other=0).to(tl.int32) & 0xFFFF
-                resid = tl.load(v_ovals + page_head * V_CAP + offs_c, mask=c_mask, other=0.0)   # fp16 [1, C]
-                column = idx // HEAD_DIM - (block % SUBS) * BLOCK_N                  # token in this block
-                in_block = c_mask & (column >= 0) & (column < BLOCK_N)
-                channel = tl.where(in_block, idx % HEAD_DIM, -1)
-                if GATHER_P:                                                       # warp shuffles
-                    column = tl.minimum(tl.maximum(column, 0), BLOCK_N - 1)
-                    p_sel = tl.gather(p, tl.broadcast_to(column, (BLOCK_M, BLOCK_C)), axis=1)   # [M, C]
-                else:                                                              # an exact 0/1 dot
-                    pick = offs_b[:, None] == column                               # [N, C]
-                    if HALF:
-                        p_sel = tl.dot(p_op, pick.to(tl.float16))                  # = fp16(p) at the slots
-                    else:
-                        p_sel = tl.dot(p_op, pick.to(tl.float32), input_precision="ieee")
-                hit = offs_d[:, None] == channel                                     # [D, C]
-                if OUTLIERS == 2:
-                    w = p_sel * resid.to(tl.float32)
-                    pv += tl.sum(tl.where(tl.trans(hit)[None, :, :], w[:, :, None], 0.0), axis=1)
-                elif HALF:
-                    b_op = tl.trans(tl.where(hit, resid, 0.0).to(tl.float16))       # fp16 residual: exact
-                    if GATHER_P:
-                        # p <= 1 as fp16 hi + lo (22 bits): two MMAs sharing b
-                        p_hi = p_sel.to(tl.float16)
-                        p_lo = (p_sel - p_hi.to(tl.float32)).to(tl.float16)
-                        pv = tl.dot(p_lo, b_op, tl.dot(p_hi, b_op, pv))
-                    else:
-                        # fp16(p) as in the main value dot (which rounds p * S_t / base to fp16): exact MMA
-                        pv = tl.dot(p_sel.to(tl.float16), b_op, pv)
-                else:
-                    pv += tl.dot(p_sel, tl.trans(tl.where(hit, resid.to(tl.float32), 0.0)), input_precision="ieee")
+            if PRE >= 1:
+                pv = value_chunk(pv, v_count > 0, p, p_op, v_i0, v_r0, v_l0, row0, offs_b, offs_d, HEAD_DIM, BLOCK_M,
+                                 BLOCK_N, V_BITS, PERM, OUTLIERS, HALF, GATHER_P)
+            if PRE >= 2:
+                pv = value_chunk(pv, v_count > BLOCK_C, p, p_op, v_i1, v_r1, v_l1, row0, offs_b, offs_d, HEAD_DIM,
+                                 BLOCK_M, BLOCK_N, V_BITS, PERM, OUTLIERS, HALF, GATHER_P)
+            if PRE >= 3:
+                pv = value_chunk(pv, v_count > 2 * BLOCK_C, p, p_op, v_i2, v_r2, v_l2, row0, offs_b, offs_d, HEAD_DIM,
+                                 BLOCK_M, BLOCK_N, V_BITS, PERM, OUTLIERS, HALF, GATHER_P)
+            if PRE >= 4:
+                pv = value_chunk(pv, v_count > 3 * BLOCK_C, p, p_op, v_i3, v_r3, v_l3, row0, offs_b, offs_d, HEAD_DIM,
+                                 BLOCK_M, BLOCK_N, V_BITS, PERM, OUTLIERS, HALF, GATHER_P)
+            for c0 in range(PRE * BLOCK_C, v_count, BLOCK_C):
+                idx, resid, live = outlier_slots(v_oidx, v_ovals, page_head, c0, v_count, V_CAP, BLOCK_C)
+                pv = value_outliers(pv, p, p_op, idx, resid, live, row0, offs_b, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    V_BITS, PERM, OUTLIERS, HALF, GATHER_P)
         pv = tl.where(lowbit, pv, 0.0)                                              # staged: stale storage
         acc = acc * alpha[:, None] + pv
 
@@ -372,14 +310,14 @@ def _decode_tc_kernel(
                 offs_t = t0 + tl.arange(0, STAGE_N)
                 rows = (slot * PAGE_SIZE + offs_t) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
                 n_valid = page_index * PAGE_SIZE + offs_t < context_len
-                k = tl.load(staging_k + rows[:, None] + offs_d[None, :])
+                k = tl.load(staging_k + rows[:, None] + chan_k[None, :])
                 if UPCAST:
                     s = tl.dot(q_op.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
                 else:
                     s = tl.dot(q_op, tl.trans(k.to(q_op.dtype)))
                 s = tl.where(n_valid[None, :], s, float("-inf"))
                 p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
-                v = tl.load(staging_v + rows[:, None] + offs_d[None, :])
+                v = tl.load(staging_v + rows[:, None] + chan_v[None, :])
                 if UPCAST:
                     pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
                 else:
@@ -388,8 +326,8 @@ def _decode_tc_kernel(
 
     # ---- the step's new token, full precision (split 0) ----
     if split == 0:
-        k_new = tl.load(new_k_ptr + q_row * stride_kt + kv_head * stride_kh + offs_d).to(tl.float32)
-        v_new = tl.load(new_v_ptr + q_row * stride_vt + kv_head * stride_vh + offs_d).to(tl.float32)
+        k_new = tl.load(new_k_ptr + q_row * stride_kt + kv_head * stride_kh + chan_k).to(tl.float32)
+        v_new = tl.load(new_v_ptr + q_row * stride_vt + kv_head * stride_vh + chan_v).to(tl.float32)
         s_new = tl.sum(q32 * k_new[None, :], axis=1)
         m_new = tl.maximum(m_i, s_new)
         alpha = tl.exp2(m_i - m_new)
@@ -402,11 +340,11 @@ def _decode_tc_kernel(
     out = acc / l_safe[:, None]
     if SPLIT:
         tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + split * stride_os
-                 + offs_d[None, :], out, mask=row_mask[:, None])
+                 + chan_v[None, :], out, mask=row_mask[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + q_row * stride_lt + head * stride_lh + split, lse, mask=row_mask)
     else:
-        tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + chan_v[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
@@ -445,6 +383,10 @@ def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, val
           fp16 subnormal (code * 2^-24; ~1 instruction per value less; needs tensor cores that keep
           fp16 subnormal inputs -- the tests check it),
       prefetch [False]: load the next block's code words one iteration ahead (register double buffer),
+      spread [True], perm [True]: operand layouts (module docstring), off = the v5 layout,
+      outlier_pre [0]: outlier slot chunks (BLOCK_C each, up to 4) loaded with the block's code words
+          and corrected by preloaded passes (each run only if the count reaches it),
+      l2_prefetch [False]: prefetch the next block's bytes into L2 (CUDA only; no-op in the interpreter),
       outliers ["dot"] | "elementwise", gather_p [False]: value outliers pick p by tl.gather (warp
           shuffles, p kept to 22 bits) instead of an exact 0/1 dot on fp16(p),
       bias_dot [True]: channel-axis keys' q . Z by two small MMAs instead of a cross-lane row sum,
@@ -452,7 +394,8 @@ def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, val
     """
     cfg = {"num_warps": 4, "num_stages": 1, "maxnreg": None, "BLOCK_N": 128, "STAGE_N": 32, "SCAN": 32,
            "BLOCK_C": 16, "codes": "magic", "prefetch": False, "outliers": "dot", "gather_p": False,
-           "bias_dot": True, "num_splits": None, "waves": 2}
+           "bias_dot": True, "num_splits": None, "waves": 2, "spread": True, "perm": True, "outlier_pre": 0,
+           "l2_prefetch": False}
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     page_size = key_spec.page_size
@@ -462,6 +405,8 @@ def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, val
     if unknown:
         raise TypeError(f"unknown launch overrides {sorted(unknown)}")
     cfg.update(launch_overrides)
+    if cfg["outlier_pre"] not in (0, 1, 2, 3, 4):
+        raise ValueError(f"outlier_pre must be 0..4 (chunks of BLOCK_C slots), not {cfg['outlier_pre']}")
     batch = meta.context_lens.shape[0]
     fixed = getattr(meta, "fixed_num_splits", None)
     if fixed is not None:
@@ -515,7 +460,9 @@ def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, val
         CODES=codes, CODE_SCALE=2.0 ** 24 if codes == CODES_SUBNORMAL else 1.0, FP_HALF=half, UPCAST=upcast,
         BLOCK_C=cfg["BLOCK_C"], OUTLIERS={"dot": OUTLIERS_DOT, "elementwise": OUTLIERS_ELEMENTWISE}[cfg["outliers"]],
         PREFETCH=bool(cfg["prefetch"]), GATHER_P=bool(cfg["gather_p"]), BIAS_DOT=bool(cfg["bias_dot"]),
-        FIXED=fixed is not None, SPLIT=num_splits > 1, SCAN=cfg["SCAN"],
+        FIXED=fixed is not None, SPLIT=num_splits > 1, SCAN=cfg["SCAN"], SPREAD=bool(cfg["spread"]),
+        PERM=bool(cfg["perm"]), PRE=cfg["outlier_pre"],
+        L2_PREFETCH=bool(cfg["l2_prefetch"]) and type(_decode_tc_kernel).__name__ != "InterpretedFunction",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
     if num_splits > 1:
