@@ -15,10 +15,11 @@ fit in its free device memory and stops with the numbers if not. Phases, on rank
 
 1. decode with `--seqs` sequences at `--context` tokens: time per output token (median step time
    over `--steps` steps after `--warmup`), tokens/s, and the share of the step inside the
-   dispatch/combine collectives (CUDA events around each collective); with `--dispatch` and, unless
-   --no-compare, all_to_all and allgather forced;
+   dispatch/combine collectives (CUDA events around each collective; eager steps only); with
+   `--dispatch` and, unless --no-compare, all_to_all and allgather forced;
 2. batch 1 (one sequence on rank 0; the other ranks join each step with 0 tokens), same modes;
-3. batch 1 on one device with the whole model (rank 0, after the expert-parallel model is freed);
+3. batch 1 on one device with the whole model (rank 0, after the expert-parallel model is freed),
+   always with CUDA graphs (as bench_decode);
 4. a dispatch sweep: one MoE layer (dispatch + experts + combine) per tokens-per-rank count, for
    all_to_all and allgather, to place `allgather_max_tokens`.
 
@@ -26,6 +27,13 @@ Rank 0 rewrites expert-parallel-<tag>.json and .md after every measurement ("com
 the end), so a run cut by a time limit keeps what it measured; progress lines are flushed as they
 happen. A rank that fails makes every rank stop at once (distributed.failure). Asserts nothing about
 speed.
+
+Decode steps replay CUDA graphs by default (the collectives captured inside each bucket's graph, see
+docs/expert-parallel.md); `--enforce-eager` runs every expert-parallel step eagerly (the one-device
+baseline keeps its graphs). Every run reports how its timed steps ran: graph steps (and how many of
+those replayed a captured graph on every rank) and eager steps, e.g. "graphs 64/64 replayed on all
+ranks" or "eager 64/64" (all_to_all steps are always eager: their split sizes are read on the host).
+With --tiny on the CPU the graph path runs eagerly on its static buffers (no capture).
 """
 
 from __future__ import annotations
@@ -144,11 +152,16 @@ def memory_plan(what: str, weights: int, kv: int, kv_pages: int, device, rank: i
 
 # ---------------------------------------------------------------- measurements
 def time_decode(engine, steps: int, warmup: int, device) -> dict:
-    """Median step time over `steps` decode steps (every running sequence gains one token per step)."""
+    """Median step time over `steps` decode steps (every running sequence gains one token per step), and
+    how the timed steps ran: through the graph buckets (replayed or, without capture, eagerly) or eagerly."""
     runtime = getattr(engine, "runtime", None)
+    runner = engine.runner
     times, comm = [], []
+    kinds = {"graph": 0, "replayed": 0, "eager": 0}
+    captures_before = runner.captures
     first_step_s = None
     for index in range(warmup + steps):
+        graph_steps, replays = runner.graph_steps, runner.graph_replays
         synchronize(device)
         began = time.perf_counter()
         engine.step()
@@ -156,16 +169,48 @@ def time_decode(engine, steps: int, warmup: int, device) -> dict:
         elapsed = time.perf_counter() - began
         spent = sum(runtime.timer.read().values()) if runtime is not None else 0.0
         if index == 0:
-            first_step_s = elapsed                  # includes any kernel compilation
+            first_step_s = elapsed                  # includes any kernel compilation and graph capture
         if index >= warmup:
             times.append(elapsed)
             comm.append(spent)
+            graph = runner.graph_steps > graph_steps
+            kinds["graph" if graph else "eager"] += 1
+            kinds["replayed"] += runner.graph_replays > replays
     median = statistics.median(times)
     ordered = sorted(times)
     return {"steps": steps, "warmup": warmup, "step_ms_median": 1e3 * median,
             "step_ms_p10": 1e3 * ordered[len(ordered) // 10], "step_ms_p90": 1e3 * ordered[(9 * len(ordered)) // 10],
             "comm_ms_median": 1e3 * statistics.median(comm), "comm_share": statistics.median(comm) / median,
-            "first_step_s": first_step_s}
+            "first_step_s": first_step_s, "graph_steps": kinds["graph"], "replayed_steps": kinds["replayed"],
+            "eager_steps": kinds["eager"], "captures": runner.captures - captures_before,
+            "graph_mode": runner.graph_mode, "graph_fallback_reason": runner.graph_fallback_reason}
+
+
+def step_kinds(run: dict) -> str:
+    """How a run's timed steps ran, in words: "graphs 64/64 replayed on all ranks", "eager 64/64", ..."""
+    total = run["steps"]
+    replayed = run.get("replayed_all_ranks", [run.get("replayed_steps", 0)])
+    parts = []
+    if run.get("graph_steps"):
+        graphs = run["graph_steps"]
+        if max(replayed) == 0:
+            how = "on static buffers, not captured"
+        elif min(replayed) == graphs:
+            how = "replayed on all ranks" if len(replayed) > 1 else "replayed"
+        else:
+            how = f"replayed {'/'.join(map(str, replayed))} per rank"
+        parts.append(f"graphs {graphs}/{total} {how}")
+    if run.get("eager_steps"):
+        parts.append(f"eager {run['eager_steps']}/{total}")
+    return ", ".join(parts) or "?"
+
+
+def graph_path_words(mode: str | None, reason: str | None) -> str:
+    if mode == "cuda":
+        return "CUDA graphs"
+    if mode == "static":
+        return "the graph path on static buffers (no capture off CUDA)"
+    return f"eager ({reason})" if reason else "eager"
 
 
 def abort_all(engine) -> None:
@@ -228,7 +273,8 @@ def dispatch_sweep(runtime, arch, tokens_list: list[int], reps: int, dtype, devi
 
 
 # ---------------------------------------------------------------- engines
-def engine_config(args, arch, kv_dtype: str, seqs_per_rank: int, ep_size: int, device) -> EngineConfig:
+def engine_config(args, arch, kv_dtype: str, seqs_per_rank: int, ep_size: int, device,
+                  cuda_graphs: bool = True) -> EngineConfig:
     page = args.page_size
     pages_per_seq = -(-(args.context + args.steps + args.warmup + 2) // page)
     return EngineConfig(
@@ -238,7 +284,7 @@ def engine_config(args, arch, kv_dtype: str, seqs_per_rank: int, ep_size: int, d
         scheduler=SchedulerConfig(max_num_seqs=max(1, seqs_per_rank), max_num_batched_tokens=max(256, seqs_per_rank)),
         parallel=ParallelConfig(expert_parallel_size=ep_size, expert_dispatch=args.dispatch,
                                 allgather_max_tokens=args.allgather_max_tokens),
-        device=DeviceConfig(str(device)))
+        device=DeviceConfig(str(device), cuda_graphs=cuda_graphs))
 
 
 def run_decode(engine, args, arch, num_seqs: int, device) -> dict:
@@ -255,7 +301,7 @@ def single_device_batch1(args, arch, kv_dtype: str, device) -> dict:
     from moekv.engine.engine import Engine
     from moekv.models.loader import build_random_model as build_full_model
 
-    config = engine_config(args, arch, kv_dtype, 1, 1, device)
+    config = engine_config(args, arch, kv_dtype, 1, 1, device, cuda_graphs=True)      # graphs, as bench_decode
     experts, other = weight_bytes(arch)
     pages, kv = kv_pool_bytes(config, arch)
     plan = memory_plan("one device, batch 1", experts + other, kv, pages, device, 0)
@@ -264,9 +310,10 @@ def single_device_batch1(args, arch, kv_dtype: str, device) -> dict:
     engine = Engine(config, model=model)
     synchronize(device)
     log(f"one device: whole model built in {time.perf_counter() - began:.1f} s")
+    if device.type != "cuda" and not args.enforce_eager:
+        engine.runner.enable_graphs(capture=False)          # the CPU check: the same static-buffer path
     result = run_decode(engine, args, arch, 1, device)
-    result["cuda_graphs"] = getattr(engine.runner, "graph_fallback_reason", None) is None
-    result["graph_fallback_reason"] = getattr(engine.runner, "graph_fallback_reason", None)
+    result["cuda_graphs"] = engine.runner.graph_mode == "cuda"
     result["memory_plan"] = plan
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -331,22 +378,25 @@ def write_results(out_dir: Path, stem: str, result: dict) -> Path:
              + f"; context {cfg['context']} tokens; dispatch {cfg['dispatch']} (allgather up to "
              f"{cfg['allgather_max_tokens']} tokens per rank); {cfg['steps']} timed steps after {cfg['warmup']}; "
              f"sequences per rank {cfg['seqs_per_rank']}.",
-             "", "| run | sequences | time per output token (ms, median) | p90 | tokens/s | dispatch+combine share "
-             "| first step (s) |", "|---|---|---|---|---|---|---|"]
+             "Expert-parallel decode steps: "
+             + graph_path_words(cfg.get("graph_path"), cfg.get("graph_fallback_reason"))
+             + ". Dispatch+combine share: CUDA events around each collective, eager steps only (a replayed "
+             "graph cannot be timed inside).",
+             "", "| run | sequences | time per output token (ms, median) | p90 | tokens/s | timed steps ran as "
+             "| dispatch+combine share | first step (s) |", "|---|---|---|---|---|---|---|---|"]
     for name, run in result["decode"].items():
         tps = run["sequences"] / (run["step_ms_median"] / 1e3)
         first = run.get("first_step_s")
+        share = f"{100 * run['comm_share']:.0f}%" if run.get("eager_steps", 1) else "n/a"
         lines.append(f"| {name} | {run['sequences']} | {run['step_ms_median']:.2f} | {run['step_ms_p90']:.2f} "
-                     f"| {tps:.0f} | {100 * run['comm_share']:.0f}% | {first:.2f} |" if first is not None else
-                     f"| {name} | {run['sequences']} | {run['step_ms_median']:.2f} | {run['step_ms_p90']:.2f} "
-                     f"| {tps:.0f} | {100 * run['comm_share']:.0f}% | |")
+                     f"| {tps:.0f} | {step_kinds(run)} | {share} | " + (f"{first:.2f} |" if first is not None else "|"))
     if "batch1_vs_single" in result:
         single = result["decode"].get("one device, batch 1", {})
-        graphs = "with CUDA graphs" if single.get("cuda_graphs") else \
-            f"eager ({single.get('graph_fallback_reason')})"
-        lines += ["", f"Batch 1, expert parallel ({cfg['dispatch']}, eager) vs one device ({graphs}): "
-                  f"{result['batch1_vs_single']:.3f}x; best dispatch: {result['batch1_best_vs_single']:.3f}x "
-                  f"(target <= 1.15 on GPUs)."]
+        graphs = graph_path_words(single.get("graph_mode"), single.get("graph_fallback_reason"))
+        ep_run = result["decode"].get(f"expert parallel x{cfg.get('world_size', 2)}, batch 1, {cfg['dispatch']}", {})
+        lines += ["", f"Batch 1, expert parallel ({cfg['dispatch']}, {step_kinds(ep_run) if ep_run else '?'}) vs one "
+                  f"device ({graphs}): {result['batch1_vs_single']:.3f}x; best dispatch: "
+                  f"{result['batch1_best_vs_single']:.3f}x (target <= 1.15 on GPUs)."]
     if result.get("single_error"):
         lines += ["", f"One-device baseline failed: {result['single_error']}"]
     memory = result.get("memory")
@@ -417,6 +467,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-single", action="store_true", help="skip the one-device batch-1 baseline")
     parser.add_argument("--no-compare", action="store_true", help="decode with --dispatch only (default: also "
                         "with all_to_all and allgather forced)")
+    parser.add_argument("--enforce-eager", action="store_true", help="expert-parallel decode steps run eagerly "
+                        "(default: CUDA graphs, the collectives captured; the one-device baseline keeps its graphs)")
     parser.add_argument("--pg-timeout", type=float, default=600.0, help="seconds a collective may wait for a "
                         "peer (process groups' timeout; a rank that raises stops the others at once anyway)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (gloo): checks the code paths")
@@ -493,7 +545,7 @@ def run(args, argv: list[str], group) -> None:
     seqs_per_rank = [len(range(r, args.seqs, world_size)) for r in range(world_size)]
     batch1_steps = args.batch1_steps or args.steps
     config = engine_config(replace_steps(args, max(args.steps, batch1_steps)), arch, kv_dtype, seqs_per_rank[0],
-                           world_size, device)         # pages and max_model_len for the longest run
+                           world_size, device, cuda_graphs=not args.enforce_eager)   # the longest run's pages
     placements = initial_placements(arch, world_size, 0)
     expert_bytes, other_bytes = weight_bytes(arch)
     local_slots = placements[min(placements)].slots_per_rank[rank]
@@ -507,7 +559,13 @@ def run(args, argv: list[str], group) -> None:
     began = time.perf_counter()
     model = build_random_model(arch, runtime, placements, torch.bfloat16, device, seed=1)   # on device, local experts
     engine = LockstepEngine(config, model, None, runtime)
+    if device.type != "cuda" and not args.enforce_eager:
+        engine.runner.enable_graphs(capture=False)          # the CPU check: the graph path on its static buffers
     synchronize(device)
+    log(f"expert-parallel decode steps: graph path {engine.runner.graph_mode or 'off'}"
+        + (f" ({engine.runner.graph_fallback_reason})" if engine.runner.graph_fallback_reason else "")
+        + f"; buckets {engine.runner.buckets}; auto dispatch uses allgather up to {runtime.allgather_max_tokens} "
+        f"tokens per rank")
     log(f"built {args.shape} ({kv_dtype} KV) in {time.perf_counter() - began:.1f} s: {args.seqs} x {args.context} "
         f"tokens over {world_size} ranks {seqs_per_rank}")
 
@@ -516,7 +574,10 @@ def run(args, argv: list[str], group) -> None:
                          "context": args.context, "steps": args.steps, "warmup": args.warmup,
                          "batch1_steps": batch1_steps, "page_size": args.page_size,
                          "dispatch": args.dispatch, "allgather_max_tokens": runtime.allgather_max_tokens,
-                         "seqs_per_rank": seqs_per_rank, "pg_timeout_s": args.pg_timeout},
+                         "seqs_per_rank": seqs_per_rank, "pg_timeout_s": args.pg_timeout,
+                         "world_size": world_size, "cuda_graphs": engine.runner.graph_mode == "cuda",
+                         "graph_path": engine.runner.graph_mode, "graph_buckets": engine.runner.buckets,
+                         "graph_fallback_reason": engine.runner.graph_fallback_reason},
               "memory_plan_rank0": plan if rank == 0 else None,
               "decode": {}, "dispatch_sweep": [], "phases_done": [], "complete": False}
     tag = args.tag or ("cpu-tiny" if args.tiny else "gpu")
@@ -539,6 +600,9 @@ def run(args, argv: list[str], group) -> None:
             num_seqs = seqs_per_rank[rank] if batch is None else (1 if rank == 0 else 0)
             began = time.perf_counter()
             run = run_decode(engine, replace_steps(args, steps), arch, num_seqs, device)
+            replayed: list = [None] * world_size               # every rank's replays (an idle rank's too)
+            dist.all_gather_object(replayed, run["replayed_steps"], group=group.cpu_group)
+            run["replayed_all_ranks"] = replayed
             label = ", batch 1" if batch == 1 else ""
             name = f"expert parallel x{world_size}{label}, {mode}"
             result["decode"][name] = {**run, "sequences": batch or args.seqs, "dispatch": mode,
@@ -546,8 +610,10 @@ def run(args, argv: list[str], group) -> None:
             if batch == 1:
                 batch1[mode] = run
             log(f"{name}: {run['step_ms_median']:.2f} ms per step (p90 {run['step_ms_p90']:.2f}), "
-                f"{(batch or args.seqs) / (run['step_ms_median'] / 1e3):.0f} tokens/s, dispatch+combine "
-                f"{100 * run['comm_share']:.0f}%, first step {run['first_step_s']:.2f} s "
+                f"{(batch or args.seqs) / (run['step_ms_median'] / 1e3):.0f} tokens/s, timed steps: "
+                f"{step_kinds(run)} ({run['captures']} captures), dispatch+combine "
+                + (f"{100 * run['comm_share']:.0f}% of the step" if run["eager_steps"] else "n/a (graphs)")
+                + f", first step {run['first_step_s']:.2f} s "
                 f"[{time.perf_counter() - began:.1f} s]")
             save()
         if phase == "decode":
@@ -590,7 +656,7 @@ def run(args, argv: list[str], group) -> None:
                 result["batch1_best_vs_single"] = min(r["step_ms_median"] for r in batch1.values()) / single_ms
                 result.setdefault("batch1_vs_single", result["batch1_best_vs_single"])
             log(f"one device, batch 1: {single['step_ms_median']:.2f} ms per step (CUDA graphs: "
-                f"{single['cuda_graphs']}) [{time.perf_counter() - began:.1f} s]")
+                f"{single['cuda_graphs']}; timed steps: {step_kinds(single)}) [{time.perf_counter() - began:.1f} s]")
             result["phases_done"].append("single")
         save()
         dist.barrier(group=group.cpu_group)

@@ -5,7 +5,13 @@
 SPEC = {"scenarios": [...]}; each scenario has a "name" and a "kind":
   "random": a tiny random Mixtral (helpers.tiny_arch(num_experts, top_k)), sharded after it is built;
             greedy generation of helpers.prompts_and_params(); with "rebalance", then rebalance() and
-            generate again.
+            generate again. "scheduler": SchedulerConfig keywords. "static": decode steps through the
+            runner's graph buckets, run eagerly (enable_graphs(capture=False)); "no_host_reads": their
+            forward must not read a tensor back; "fake_capture": the CUDA capture path with a stand-in
+            for the capture itself (replay = the static forward), {"fail_rank": r} makes r's capture raise.
+            Each rank's graph counters come back in "per_rank". "device": "cuda" (one GPU per rank, NCCL;
+            a launch's scenarios must all use the same device), "cuda_graphs": False for eager steps,
+            "arch": ArchConfig overrides (the GPU kernels want head_dim >= 16).
   "llm":    LLM(model, expert_parallel_size=N, **kwargs).generate(prompts) (the offline API path);
             with "rebalance", then LLM.rebalance() and generate again.
   "serve":  entrypoints.ep_serve without HTTP: rank 0 adds requests to a LeaderEngine and steps it.
@@ -39,17 +45,26 @@ def run_random(spec: dict, world: int) -> dict:
     from moekv.entrypoints.ep_runner import generate_lockstep, initial_placements, make_runtime
     from moekv.models.loader import build_random_model
 
-    arch = tiny_arch(spec["num_experts"], spec.get("top_k", 2))
-    config = engine_config(world, num_redundant_experts=spec.get("redundant", 0),
+    from dataclasses import replace
+
+    arch = replace(tiny_arch(spec["num_experts"], spec.get("top_k", 2)), **spec.get("arch", {}))
+    group = init_expert_parallel(world, spec.get("device", "cpu"))
+    config = engine_config(world, scheduler=spec.get("scheduler"), num_redundant_experts=spec.get("redundant", 0),
                            expert_dispatch=spec.get("dispatch", "auto"),
                            allgather_max_tokens=spec.get("allgather_max_tokens"),
-                           rebalance_interval=spec.get("rebalance_interval", 0))
-    group = init_expert_parallel(world, "cpu")
+                           rebalance_interval=spec.get("rebalance_interval", 0), device=str(group.device),
+                           cuda_graphs=spec.get("cuda_graphs", True))
     runtime = make_runtime(config.parallel, group)
     model = build_random_model(arch, dtype=torch.float32, seed=spec["seed"])
     model = shard_experts(model, runtime, initial_placements(arch, world, config.parallel.num_redundant_experts),
                           group.device)
     engine = LockstepEngine(config, model, None, runtime)
+    if spec.get("static") or "fake_capture" in spec:
+        assert engine.runner.enable_graphs(capture=False), engine.runner.graph_fallback_reason
+    if spec.get("no_host_reads"):
+        forbid_host_reads(runtime)
+    if "fake_capture" in spec:
+        fake_capture(engine.runner, group.rank, spec["fake_capture"].get("fail_rank"))
     prompts, params = prompts_and_params()
     result = {"tokens": _tokens(generate_lockstep(engine, prompts, params)),
               "placement": {str(k): v.to_dict() for k, v in engine.placements().items()},
@@ -64,7 +79,82 @@ def run_random(spec: dict, world: int) -> dict:
                                 "moved": r.experts_moved} for r in reports]
         result["placement_after"] = {str(k): v.to_dict() for k, v in engine.placements().items()}
         result["tokens_after"] = _tokens(generate_lockstep(engine, prompts, params))
+    runner = engine.runner
+    result["rank_stats"] = {"graph_steps": runner.graph_steps, "idle_steps": runner.idle_steps,
+                            "replays": runner.graph_replays, "captures": runner.captures,
+                            "buckets": sorted(runner._buckets), "graph_mode": runner.graph_mode,
+                            "fallback": runner.graph_fallback_reason, "step_kinds": dict(runtime.step_kinds),
+                            "allgather_max_tokens": runtime.allgather_max_tokens,
+                            "guarded_calls": getattr(runtime, "guarded_calls", 0)}
     return result
+
+
+def forbid_host_reads(runtime) -> None:
+    """Every host read of a tensor raises inside the experts' dispatch and combine of a graph step: what a
+    capture would refuse. Not inside the expert compute (on the CPU the reference kernel reads its counts;
+    the GPU kernels are the single-device graph path's) nor the rest of the forward (checked with the Triton
+    kernels in tests/engine/test_graph_decode.py; on the CPU the reference attention reads host lists)."""
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+    original_tensor = torch.tensor
+    active = [False]
+
+    def guard(name, original):
+        def method(*args, **kwargs):
+            if active[0]:
+                raise AssertionError(f"a graph step's expert exchange called {name}")
+            return original(*args, **kwargs)
+        return method
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, guard(name, original))
+    torch.tensor = guard("torch.tensor", original_tensor)
+    runtime.guarded_calls = 0
+
+    for layer in runtime.layers:
+        forward, compute = layer.forward, layer.compute
+
+        def guarded(hidden, topk_ids, topk_weights, forward=forward):
+            active[0] = runtime.static_valid is not None
+            runtime.guarded_calls += active[0]
+            try:
+                return forward(hidden, topk_ids, topk_weights)
+            finally:
+                active[0] = False
+
+        def unguarded(rows, local_ids, compute=compute):
+            saved, active[0] = active[0], False
+            try:
+                return compute(rows, local_ids)
+            finally:
+                active[0] = saved
+
+        layer.forward, layer.compute = guarded, unguarded
+
+
+class _FakeGraph:
+    """Stands in for a captured CUDA graph on the CPU: replay runs the static forward into fixed logits."""
+
+    def __init__(self, runner, bucket, logits):
+        self.runner, self.bucket, self.logits = runner, bucket, logits
+
+    def replay(self):
+        self.logits.copy_(self.runner._static_forward(self.bucket))
+
+
+def fake_capture(runner, rank: int, fail_rank: int | None) -> None:
+    """Run the CUDA capture path on the CPU: warm-up (real, with its collectives), then a stand-in capture
+    that raises on `fail_rank`; the ranks must agree to fall back together."""
+    runner.graph_mode = "cuda"
+
+    def record(bucket):
+        if rank == fail_rank:
+            raise RuntimeError("operation not permitted when stream is capturing (injected)")
+        # a real capture launches nothing (no collective runs): neither does this stand-in
+        logits = torch.zeros(bucket.size, runner.model.arch.vocab_size, dtype=torch.float32)
+        return _FakeGraph(runner, bucket, logits), logits
+
+    runner._record = record
 
 
 def run_llm(spec: dict, world: int) -> dict:
@@ -181,6 +271,10 @@ def main() -> None:
         gathered = [None] * world
         dist.all_gather_object(gathered, result["tokens"])
         result["ranks_agree"] = all(tokens == gathered[0] for tokens in gathered)
+        if "rank_stats" in result:
+            stats = [None] * world
+            dist.all_gather_object(stats, result.pop("rank_stats"))
+            result["per_rank"] = stats
         if dist.get_rank() == 0:
             (out_dir / f"{scenario['name']}.json").write_text(json.dumps(result))
     shutdown()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from moekv.config import ArchConfig, CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig
+from moekv.config import (ArchConfig, CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig,
+                          SchedulerConfig)
 from moekv.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,10 +25,13 @@ def tiny_arch(num_experts: int = 5, top_k: int = 2, num_layers: int = 2) -> Arch
                       norm_topk_prob=True, max_position_embeddings=256)
 
 
-def engine_config(ep_size: int = 1, **parallel) -> EngineConfig:
+def engine_config(ep_size: int = 1, scheduler: dict | None = None, device: str = "cpu", cuda_graphs: bool = True,
+                  **parallel) -> EngineConfig:
     return EngineConfig(model=ModelConfig(model="random", max_model_len=128),
                         cache=CacheConfig(kv_cache_dtype="fp32", page_size=4, num_pages=256),
-                        parallel=ParallelConfig(expert_parallel_size=ep_size, **parallel), device=DeviceConfig("cpu"))
+                        scheduler=SchedulerConfig(**(scheduler or {})),
+                        parallel=ParallelConfig(expert_parallel_size=ep_size, **parallel),
+                        device=DeviceConfig(device, cuda_graphs=cuda_graphs))
 
 
 def prompts_and_params(lengths=(5, 9, 3, 7, 2), max_tokens=(6, 3, 8, 2, 5), seed: int = 0):
@@ -60,9 +64,11 @@ def run_torchrun(nproc: int, args: list[str], timeout: float = 240.0, module: bo
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone` (it picks a free port) with `nproc` CPU processes; raises with the output on failure."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", f"--nproc-per-node={nproc}"]
+    launcher = [str(torchrun)] if torchrun.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    command = [*launcher, "--standalone", f"--nproc-per-node={nproc}"]
     command += ["-m", *args] if module else [str(WORKER), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "",
+    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "",
                 "PYTHONWARNINGS": "ignore", **(env or {})}
     result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
@@ -71,11 +77,12 @@ def run_torchrun(nproc: int, args: list[str], timeout: float = 240.0, module: bo
     return result
 
 
-def run_worker(nproc: int, scenarios: list[dict], tmp_path: Path, timeout: float = 240.0) -> dict[str, dict]:
+def run_worker(nproc: int, scenarios: list[dict], tmp_path: Path, timeout: float = 240.0,
+               env: dict | None = None) -> dict[str, dict]:
     """Run ep_worker.py's scenarios on `nproc` ranks; returns {name: rank 0's result}."""
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"scenarios": scenarios}))
     out_dir = tmp_path / "out"
     out_dir.mkdir(exist_ok=True)
-    run_torchrun(nproc, [str(spec), str(out_dir)], timeout=timeout)
+    run_torchrun(nproc, [str(spec), str(out_dir)], timeout=timeout, env=env)
     return {s["name"]: json.loads((out_dir / f"{s['name']}.json").read_text()) for s in scenarios}

@@ -113,3 +113,23 @@ def test_control_collectives_use_cpu_tensors_on_the_gloo_group_under_nccl(monkey
     assert runtime.exchange_counts(3) == [3, 5]
     assert runtime.any_rank(True) is True
     assert seen == [("all_gather", "cpu", "cpu", CPU_GROUP), ("all_reduce", "cpu", CPU_GROUP)]
+
+
+def test_shutdown_releases_captured_graphs_before_destroying_the_group(monkeypatch):
+    """NCCL's communicator destruction waits for every CUDA graph that captured one of its collectives:
+    the lockstep engine's graphs (registered with before_shutdown) must go first; dead owners are skipped."""
+    calls = []
+
+    class Runner:
+        def reset_graphs(self):
+            calls.append("reset_graphs")
+
+    live, dead = Runner(), Runner()
+    groups.before_shutdown(live.reset_graphs)
+    groups.before_shutdown(dead.reset_graphs)
+    del dead
+    monkeypatch.setattr(groups.failure, "stop_monitor", lambda: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy_process_group"))
+    groups.shutdown()
+    assert calls == ["reset_graphs", "destroy_process_group"]

@@ -10,6 +10,8 @@ replay must match eager execution token for token.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from moekv.engine.model_runner import graph_buckets
 from moekv.kvcache.formats.lowbit import LowBitKVCache
 from moekv.ops import dispatch
 from moekv.paths import default_model_dir
+from moekv.scheduler.output import SchedulerOutput
 
 # ragged prompts (1 to 14 tokens) and ragged lengths: sequences finish at different steps, so the decode
 # batch shrinks 6 -> 1 across the buckets 8, 4, 2, 1
@@ -182,8 +185,6 @@ def test_padding_only_step_then_chunked_prefill_with_one_seq():
     scratch page keeps the staging slot its padding rows took. With max_num_seqs=1 a prefill chunk from a partial
     page into the next partial page needs two more: the default staging pool (2 per sequence) ran out
     (OutOfKVCacheError) unless it counts the scratch page's slot too."""
-    from moekv.scheduler.output import SchedulerOutput
-
     llm = _int3_llm(max_num_seqs=1, max_num_batched_tokens=20)
     runner = llm.engine.runner
     with torch.inference_mode():
@@ -220,9 +221,71 @@ def test_failed_capture_falls_back_to_eager_once(monkeypatch):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(runner, "_capture", failing_capture)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert got == expected
     assert attempts == [8]                                      # tried once, then eager for good
     assert runner.graph_mode is None and "capture failed" in runner.graph_fallback_reason
+
+
+# -- collective steps (expert parallelism) through a step coordinator -----------------------------------------
+class _Coordinator:
+    """Stands in for distributed.expert_parallel.ExpertParallelRuntime: forces every decode step into the
+    largest bucket, as when another rank has more sequences, and records what the runner asks of it."""
+
+    def __init__(self):
+        self.graph_bucket = None
+        self.configured = []
+        self.static_forwards = 0
+
+    def graph_ineligibility(self):
+        return None
+
+    def configure_graphs(self, buckets, capture):
+        self.configured.append((list(buckets), capture))
+
+    def static_forward(self, meta):
+        self.static_forwards += 1
+        return contextlib.nullcontext()
+
+    def any_rank(self, flag):
+        return flag
+
+
+def test_agreed_bucket_and_idle_steps_keep_tokens():
+    """The bucket a step runs in is the coordinator's (here always 8, larger than the local batch), and a
+    padding-only step between steps (a rank without sequences replaying the agreed bucket) changes nothing."""
+    expected, _ = _generate(False, "fp32", "fp32", page_size=4)
+    llm = LLM(model=default_model_dir(), dtype="fp32", kv_cache_dtype="fp32", device="cpu", page_size=4,
+              max_model_len=128, max_num_seqs=8, cuda_graphs=False)
+    engine, runner = llm.engine, llm.engine.runner
+    coordinator = _Coordinator()
+    runner.coordinator = coordinator
+    assert runner.enable_graphs(capture=False)
+    assert coordinator.configured == [([1, 2, 4, 8], False)]
+    schedule = engine.scheduler.schedule
+
+    def agreed_schedule():
+        out = schedule()
+        batch = runner.graph_batch(out)
+        coordinator.graph_bucket = 8 if batch else None       # decode-only steps: every rank's bucket is 8
+        return out
+
+    engine.scheduler.schedule = agreed_schedule
+    step = engine.step
+
+    def step_then_idle():
+        outputs = step()
+        coordinator.graph_bucket = 8
+        runner.execute_idle()
+        coordinator.graph_bucket = None
+        return outputs
+
+    engine.step = step_then_idle
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == expected
+    assert sorted(runner._buckets) == [8] and runner.idle_steps > 0
+    assert coordinator.static_forwards == runner.graph_steps
+    assert runner.graph_batch(SchedulerOutput()) == 0

@@ -11,7 +11,9 @@ the weighted sum back to the token's own rank:
   gather, padded to the step's largest per-rank count), runs every gathered token-slot through its
   local experts (slots owned elsewhere contribute an exact 0), and a reduce-scatter (fp32 sum)
   hands each rank its tokens' results. Static shapes, two collectives, no count exchange and no
-  host sync: meant for small decode batches (the extra compute grows with the world size).
+  host sync: meant for small decode batches (the extra compute grows with the world size). Each row
+  carries a valid flag, so padding rows (past a rank's count, or a CUDA-graph bucket's padding rows
+  given by `row_valid`) route nowhere; in a graph step every rank gathers the bucket's rows.
 
 Numerics match the single-device reference bit for bit for top-2 routing: expert outputs are
 rounded to the model dtype exactly as there, and each token's weighted sum is accumulated in
@@ -56,17 +58,21 @@ class TokenExchange(ABC):
 
     @abstractmethod
     def __call__(self, experts: "ExpertParallelExperts", hidden: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor, token_counts: list[int]) -> torch.Tensor:
+                 topk_weights: torch.Tensor, token_counts: list[int] | None,
+                 row_valid: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.
 
-        token_counts[r] = T of rank r this step (the same list on every rank).
+        token_counts[r] = T of rank r this step (the same list on every rank). row_valid [T] (a graph
+        step, allgather only): every rank has T rows, those with row_valid 0 are padding; token_counts None.
         """
 
 
 class AllToAllExchange(TokenExchange):
     name = "all_to_all"
 
-    def __call__(self, experts, hidden, topk_ids, topk_weights, token_counts):
+    def __call__(self, experts, hidden, topk_ids, topk_weights, token_counts, row_valid=None):
+        if row_valid is not None:
+            raise ValueError("all_to_all has no static (graph) form: its split sizes are read on the host")
         runtime = experts.runtime
         group, rank, world = runtime.group.device_group, runtime.rank, runtime.world_size
         placement = experts.placement
@@ -105,33 +111,36 @@ class AllToAllExchange(TokenExchange):
 class AllGatherExchange(TokenExchange):
     name = "allgather"
 
-    def __call__(self, experts, hidden, topk_ids, topk_weights, token_counts):
+    def __call__(self, experts, hidden, topk_ids, topk_weights, token_counts, row_valid=None):
         runtime = experts.runtime
         group, rank, world = runtime.group.device_group, runtime.rank, runtime.world_size
         num_tokens, top_k = topk_ids.shape
         hidden_size = hidden.shape[1]
-        padded_tokens = max(token_counts)
+        # eager: padded to the step's largest count (known on every rank); graph step: the bucket's rows
+        padded_tokens = num_tokens if row_valid is not None else max(token_counts)
         if padded_tokens == 0:                       # no rank has a token: every rank skips alike
             return hidden.new_empty(0, hidden_size)
         device = hidden.device
         row_bytes = hidden_size * hidden.element_size()
-        # one gather moves both: each row is the token's hidden bytes, then its routing as fp32 bytes
-        # (k expert ids, exact in fp32, and k weights)
-        packed = torch.zeros(padded_tokens, row_bytes + 8 * top_k, dtype=torch.uint8, device=device)   # [P, B]
+        # one gather moves everything: each row is the token's hidden bytes, then as fp32 bytes its routing
+        # (k expert ids, exact in fp32, and k weights) and a valid flag (1: a real token; rows past a rank's
+        # count stay zero, so invalid)
+        packed = torch.zeros(padded_tokens, row_bytes + 4 * (2 * top_k + 1), dtype=torch.uint8, device=device)
         packed[:num_tokens, :row_bytes] = hidden.contiguous().view(torch.uint8).view(num_tokens, row_bytes)
-        routing = torch.cat([topk_ids.float(), topk_weights.float()], dim=1)                # [T, 2k] fp32
-        packed[:num_tokens, row_bytes:] = routing.view(torch.uint8).view(num_tokens, 8 * top_k)
+        flag = row_valid.float().unsqueeze(1) if row_valid is not None else \
+            torch.ones(num_tokens, 1, dtype=torch.float32, device=device)
+        routing = torch.cat([topk_ids.float(), topk_weights.float(), flag], dim=1)         # [T, 2k+1] fp32
+        packed[:num_tokens, row_bytes:] = routing.view(torch.uint8).view(num_tokens, 4 * (2 * top_k + 1))
         gathered = packed.new_empty(world * padded_tokens, packed.shape[1])                 # [W*P, B]
         with runtime.timer.time("allgather"):
             all_gather(gathered, packed, group=group)
         all_hidden = gathered[:, :row_bytes].contiguous().view(hidden.dtype)                # [W*P, H]
-        all_routing = gathered[:, row_bytes:].contiguous().view(torch.float32)              # [W*P, 2k]
+        all_routing = gathered[:, row_bytes:].contiguous().view(torch.float32)              # [W*P, 2k+1]
         all_ids = all_routing[:, :top_k].long()                                             # [W*P, k]
-        all_weights = all_routing[:, top_k:]                                                # [W*P, k]
+        all_weights = all_routing[:, top_k:2 * top_k]                                       # [W*P, k]
+        valid = all_routing[:, 2 * top_k:] > 0                                              # [W*P, 1]
         source = torch.arange(world, device=device).repeat_interleave(padded_tokens).unsqueeze(1)   # [W*P, 1]
         token_index = torch.arange(padded_tokens, device=device).repeat(world).unsqueeze(1)         # [W*P, 1]
-        counts = runtime.device_token_counts(token_counts)                                  # [W]
-        valid = token_index < counts[source]                                                # [W*P, 1]
         physical = experts.physical_ids(all_ids, token_index, source).reshape(-1)           # [W*P*k]
         mine = (experts.slot_rank[physical] == rank) & valid.expand(-1, top_k).reshape(-1)  # [W*P*k]
         # Every gathered token-slot runs through a local slot, contributing an exact 0 where the slot

@@ -10,6 +10,15 @@ so the model code stays single-device. Per layer:
 groups, the dispatch choice, this step's per-rank token counts (one control collective per step,
 see distributed.lockstep) and the communication timer. Every MoE layer is a collective call:
 all ranks run the same layers in the same order each step, a rank without tokens with 0 rows.
+
+CUDA-graph decode steps: the runtime is the model runner's `step_coordinator`
+(engine.model_runner.StepCoordinator). With each step's token counts every rank also sends the
+batch its runner could replay (`graph_batch`); when every rank's step is decode-only (or empty) and
+the largest batch is within the all-gather range, all ranks run the same bucket (`graph_bucket`,
+`agree_graph_bucket`), a rank without sequences with padding rows only. Inside such a step's
+forward (`static_forward`) the experts always use the all-gather exchange with the bucket size as
+every rank's static row count and the bucket's token-valid mask to drop padding rows: no host read,
+so the collectives are captured in each bucket's graph. Other steps stay eager as before.
 """
 
 from __future__ import annotations
@@ -36,6 +45,27 @@ DISPATCH_MODES = ("auto", "all_to_all", "allgather")
 # the 2-GPU sweep (benchmarks/bench_expert_parallel.py) places it; allgather has static shapes and
 # no host sync, which is what small decode batches on GPUs need.
 AUTO_ALLGATHER_MAX_TOKENS = {"gloo": 0, "nccl": 16}
+# ... when decode steps replay CUDA graphs: a graph step needs the all-gather exchange (static shapes),
+# and an eager step pays ~1 ms of launch overhead per MoE layer (Mixtral, H200) against ~0.3 ms in the
+# collectives, so graph steps win long before all_to_all's smaller transfers do. 64 covers the
+# 128 x 16k run on 2 GPUs (64 sequences per rank); provisional until a GPU run measures larger buckets.
+AUTO_ALLGATHER_MAX_TOKENS_GRAPHS = {"gloo": 0, "nccl": 64}
+
+
+def agree_graph_bucket(counts: list[int], batches: list[int], buckets: list[int], limits: list[int]) -> int | None:
+    """The bucket every rank replays this step, or None (an eager step), from the values all ranks share.
+
+    counts[r]: rank r's tokens; batches[r]: the rows its runner could replay (ModelRunner.graph_batch: the
+    decode batch, 0 for no sequences, -1 when its step must be eager); buckets: the runners' buckets;
+    limits[r]: the largest per-rank batch rank r lets a graph step have (ExpertParallelRuntime.graph_limit,
+    0: none), which differs between ranks only if their configs do: then no step is a graph step.
+    """
+    if not buckets or min(limits) <= 0 or len(set(limits)) > 1 or max(counts, default=0) == 0 or min(batches) < 0:
+        return None
+    top = max(batches)
+    if top > min(limits[0], buckets[-1]):
+        return None
+    return next(b for b in buckets if b >= top)
 
 
 class CommTimer:
@@ -44,11 +74,12 @@ class CommTimer:
     def __init__(self, device: torch.device, enabled: bool = False):
         self.device = device
         self.enabled = enabled
+        self.paused = False              # inside a graph step's forward: events cannot be captured
         self._cpu: Counter = Counter()
         self._events: list[tuple[str, object, object]] = []
 
     def time(self, name: str):
-        return self._timed(name) if self.enabled else nullcontext()
+        return self._timed(name) if self.enabled and not self.paused else nullcontext()
 
     @contextmanager
     def _timed(self, name: str):
@@ -89,8 +120,10 @@ class ExpertParallelRuntime:
             raise ValueError(f"expert dispatch must be one of {DISPATCH_MODES}, got {dispatch_mode!r}")
         self.group = group
         self.dispatch_mode = dispatch_mode
+        self.backend = dist.get_backend(group.device_group)
+        self.allgather_max_tokens_config = allgather_max_tokens        # None: the backend's default
         if allgather_max_tokens is None:
-            allgather_max_tokens = AUTO_ALLGATHER_MAX_TOKENS.get(dist.get_backend(group.device_group), 0)
+            allgather_max_tokens = AUTO_ALLGATHER_MAX_TOKENS.get(self.backend, 0)
         self.allgather_max_tokens = allgather_max_tokens
         self.num_redundant = num_redundant
         self.exchanges: dict[str, TokenExchange] = {name: cls() for name, cls in EXCHANGES.items()}
@@ -98,8 +131,12 @@ class ExpertParallelRuntime:
         self.timer = CommTimer(group.device, time_comm)
         self.exchange_calls: Counter = Counter()           # layer calls per exchange kind
         self.step_token_counts: list[int] | None = None
-        self._device_counts: tuple[list[int], torch.Tensor] | None = None
         self.layers_done = 0
+        # CUDA-graph steps (see the module docstring)
+        self.graph_buckets: list[int] = []     # the runner's buckets while its graph path is on
+        self.graph_bucket: int | None = None    # this step's agreed bucket (None: an eager step)
+        self.static_valid: torch.Tensor | None = None   # inside a graph step's forward: token_valid [Bb] int64
+        self.step_kinds: Counter = Counter()    # steps with tokens on some rank: "graph" / "eager"
 
     @property
     def rank(self) -> int:
@@ -122,16 +159,64 @@ class ExpertParallelRuntime:
         all_gather(counts, mine, group=self.group.cpu_group)
         return counts.tolist()
 
-    def begin_step(self, num_tokens: int) -> list[int]:
-        """Agree on this step's per-rank token counts before the forward (one control collective)."""
-        self.step_token_counts = self.exchange_counts(num_tokens)
+    def begin_step(self, num_tokens: int, graph_batch: int | None = None) -> list[int]:
+        """Agree on this step's per-rank token counts before the forward (one control collective), and on
+        whether it is a graph step: graph_batch is ModelRunner.graph_batch of this rank's step (None: eager)."""
+        check_healthy()
+        mine = torch.tensor([num_tokens, -1 if graph_batch is None else graph_batch, self.graph_limit()],
+                            dtype=torch.int64)
+        rows = torch.empty(3 * self.world_size, dtype=torch.int64)
+        all_gather(rows, mine, group=self.group.cpu_group)
+        values = rows.tolist()
+        self.step_token_counts = values[0::3]
+        self.graph_bucket = agree_graph_bucket(self.step_token_counts, values[1::3], self.graph_buckets,
+                                               values[2::3])
         self.layers_done = 0
-        if self.group.device.type == "cuda":         # copy now, while the stream is idle between steps
-            self.device_token_counts(self.step_token_counts)
+        if any(self.step_token_counts):
+            self.step_kinds["graph" if self.graph_bucket is not None else "eager"] += 1
         return self.step_token_counts
 
     def end_step(self) -> None:
         self.step_token_counts = None
+        self.graph_bucket = None
+
+    # -- CUDA-graph steps (engine.model_runner.StepCoordinator) ------------------------------------
+    def graph_limit(self) -> int:
+        """The largest per-rank batch a graph step may have (0: none): its exchange must be the all-gather,
+        and its bucket one of the runner's (the last bucket is max_num_seqs, which every rank must share)."""
+        if not self.graph_buckets or self.dispatch_mode == "all_to_all":
+            return 0
+        if self.dispatch_mode == "allgather":
+            return self.graph_buckets[-1]
+        return max(0, min(self.graph_buckets[-1], self.allgather_max_tokens))
+
+    def graph_ineligibility(self) -> str | None:
+        if self.dispatch_mode == "all_to_all":
+            return "expert dispatch all_to_all waits on the host for its split sizes"
+        if self.dispatch_mode == "auto" and self.allgather_max_tokens_config is not None \
+                and self.allgather_max_tokens_config < 1:
+            return "allgather_max_tokens < 1: auto dispatch never uses the all-gather exchange graphs need"
+        return None
+
+    def configure_graphs(self, buckets: list[int], capture: bool) -> None:
+        """The runner's graph path is on with these buckets ([]: off). Captured graphs raise auto's default
+        switch point (AUTO_ALLGATHER_MAX_TOKENS_GRAPHS) unless the config set one."""
+        self.graph_buckets = list(buckets)
+        if self.allgather_max_tokens_config is None:
+            table = AUTO_ALLGATHER_MAX_TOKENS_GRAPHS if buckets and capture else AUTO_ALLGATHER_MAX_TOKENS
+            self.allgather_max_tokens = table.get(self.backend, 0)
+
+    @contextmanager
+    def static_forward(self, meta):
+        """Around a graph step's forward (replayed or run eagerly on the bucket's buffers): the experts take
+        the static all-gather path with meta.token_valid as the row mask; no timing events."""
+        self.static_valid = meta.token_valid
+        self.timer.paused = True
+        try:
+            yield
+        finally:
+            self.static_valid = None
+            self.timer.paused = False
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any rank (a gloo all-reduce, CPU tensors)."""
@@ -146,14 +231,6 @@ class ExpertParallelRuntime:
             return self.step_token_counts
         return self.exchange_counts(num_tokens)
 
-    def device_token_counts(self, token_counts: list[int]) -> torch.Tensor:
-        """token_counts as an int64 tensor on the device, copied once per step (a host-to-device copy
-        waits for the stream, so not once per layer)."""
-        if self._device_counts is None or self._device_counts[0] is not token_counts:
-            tensor = torch.tensor(token_counts, dtype=torch.int64).to(self.group.device, non_blocking=True)
-            self._device_counts = (token_counts, tensor)
-        return self._device_counts[1]
-
     def choose(self, token_counts: list[int]) -> TokenExchange:
         mode = self.dispatch_mode
         if mode == "auto":
@@ -162,7 +239,10 @@ class ExpertParallelRuntime:
 
     def join_remaining_layers(self) -> None:
         """Run the MoE collectives of this step's layers not yet run, with 0 tokens (an idle rank
-        joins a step; a rank whose forward stopped early catches up so no other rank waits forever)."""
+        joins a step; a rank whose forward stopped early catches up so no other rank waits forever).
+        Not in a graph step: its forward is one unit (an idle rank replays the bucket instead)."""
+        if self.graph_bucket is not None:
+            return
         for layer in self.layers[self.layers_done:]:
             layer.join_empty()
 
@@ -188,6 +268,11 @@ class ExpertParallelExperts(Experts):
         self.w_gate_up = empty_parameter(num_local, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
         self.w_down = empty_parameter(num_local, hidden_size, intermediate_size, dtype=dtype, device=device)
         self.set_placement(placement)
+
+    @property
+    def step_coordinator(self) -> ExpertParallelRuntime:
+        """The model runner agrees each step's graph bucket with the other ranks through the runtime."""
+        return self.runtime
 
     @property
     def local_experts(self) -> tuple[int, ...]:
@@ -235,10 +320,14 @@ class ExpertParallelExperts(Experts):
 
     def forward(self, hidden, topk_ids, topk_weights):
         runtime = self.runtime
+        runtime.layers_done = runtime.layers.index(self) + 1
+        if runtime.static_valid is not None:        # a graph step: every rank has the bucket's rows
+            exchange = runtime.exchanges["allgather"]
+            runtime.exchange_calls[exchange.name] += 1
+            return exchange(self, hidden, topk_ids, topk_weights, None, row_valid=runtime.static_valid)
         counts = runtime.token_counts(hidden.shape[0])
         exchange = runtime.choose(counts)
         runtime.exchange_calls[exchange.name] += 1
-        runtime.layers_done = runtime.layers.index(self) + 1
         return exchange(self, hidden, topk_ids, topk_weights, counts)               # [T, H]
 
     def join_empty(self) -> None:

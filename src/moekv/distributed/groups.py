@@ -24,8 +24,10 @@ watchdog then ends the process. A rank that raises is reported to the others at 
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -146,14 +148,41 @@ def _start_failure_monitor(rank: int) -> None:
     failure.start_monitor(store, rank)
 
 
+_BEFORE_SHUTDOWN: list[weakref.WeakMethod] = []
+
+
+def before_shutdown(method) -> None:
+    """Call the bound `method` (if its object is still alive) before the process group is destroyed.
+
+    Lockstep engines register their runner's `reset_graphs`: NCCL's communicator destruction waits until
+    every CUDA graph that captured one of its collectives is destroyed, so a captured decode graph still
+    alive at `destroy_process_group()` would hang the exit."""
+    _BEFORE_SHUTDOWN.append(weakref.WeakMethod(method))
+
+
+def release_graphs() -> None:
+    """Run the `before_shutdown` callbacks and free what they dropped (captured graphs), then wait for the
+    device, so that destroying the NCCL communicator finds no graph holding it."""
+    for ref in list(_BEFORE_SHUTDOWN):
+        method = ref()
+        if method is not None:
+            method()
+    _BEFORE_SHUTDOWN.clear()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def shutdown() -> None:
-    """Destroy the default process group (call once, at the end of a torchrun script).
+    """Destroy the default process group (call once, at the end of a torchrun script), after releasing the
+    captured decode graphs (`before_shutdown`).
 
     After a failure (distributed.failure) the groups are left alone: destroying an NCCL group can
     wait forever on work a failed peer never finishes; the process is about to end anyway.
     """
     monitor = failure.stop_monitor()
     if dist.is_initialized() and not (monitor is not None and (monitor.failure or monitor.failed_here)):
+        release_graphs()
         dist.destroy_process_group()
 
 

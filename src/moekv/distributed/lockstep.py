@@ -10,6 +10,13 @@ local), while every MoE layer is a collective over all ranks. So all ranks step 
 3. `has_unfinished()` is itself collective (any rank with work), so every rank's loop
    `while engine.has_unfinished(): engine.step()` stops at the same iteration.
 
+Decode steps run through the model runner's CUDA-graph buckets when every rank agrees (the same
+control collective carries each rank's `ModelRunner.graph_batch`; see
+distributed.expert_parallel.agree_graph_bucket): every rank runs the agreed bucket, a rank without
+sequences with padding rows only (`ModelRunner.execute_idle`), so the collectives captured in the
+graphs match. A rebalance rewrites the placement tables the graphs read, so it drops them on every
+rank at the same point (recaptured on next use).
+
 A forward that stops early on one rank (non-finite KV detected after the last attention layer)
 first catches up on the remaining MoE collectives, then recovers as the base engine does. Any other
 exception inside a step cannot be caught up on (the others may be inside any collective of it): it
@@ -24,6 +31,7 @@ import logging
 import torch
 
 from moekv.config import EngineConfig
+from moekv.distributed import groups
 from moekv.distributed.failure import collective_section
 from moekv.distributed.expert_parallel import ExpertParallelRuntime
 from moekv.distributed.placement import ExpertPlacement
@@ -38,14 +46,16 @@ logger = logging.getLogger("moekv.distributed")
 class LockstepScheduler(Scheduler):
     """The local scheduler; after each decision, every rank learns every rank's token count."""
 
-    def __init__(self, config, kv_manager, runtime: ExpertParallelRuntime):
+    def __init__(self, config, kv_manager, runtime: ExpertParallelRuntime, runner=None):
         super().__init__(config, kv_manager)
         self.runtime = runtime
+        self.runner = runner                  # its graph_batch goes with the count (graph steps agreed)
         self.last_token_counts: list[int] | None = None
 
     def schedule(self) -> SchedulerOutput:
         out = super().schedule()
-        self.last_token_counts = self.runtime.begin_step(out.num_tokens)
+        graph_batch = self.runner.graph_batch(out) if self.runner is not None else None
+        self.last_token_counts = self.runtime.begin_step(out.num_tokens, graph_batch)
         return out
 
 
@@ -57,7 +67,10 @@ class LockstepEngine(Engine):
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer, runtime: ExpertParallelRuntime):
         super().__init__(config, model=model, tokenizer=tokenizer)
         self.runtime = runtime
-        self.scheduler = LockstepScheduler(config.scheduler, self.kv_manager, runtime)
+        if self.runner.coordinator not in (None, runtime):
+            raise ValueError("the model's experts do not belong to this expert-parallel runtime")
+        self.scheduler = LockstepScheduler(config.scheduler, self.kv_manager, runtime, self.runner)
+        groups.before_shutdown(self.runner.reset_graphs)    # captured NCCL work must go before its communicator
         self.rebalance_interval = config.parallel.rebalance_interval
         self.global_steps = 0
         self.last_rebalance: list[LayerRebalance] = []
@@ -84,7 +97,10 @@ class LockstepEngine(Engine):
                 outputs = super().step()
                 counts = self.scheduler.last_token_counts
                 if counts is not None and counts[self.rank] == 0 and any(counts):
-                    self.runtime.join_remaining_layers()        # idle this step: 0 tokens to every MoE layer
+                    if self.runtime.graph_bucket is not None:
+                        self.runner.execute_idle()              # idle in a graph step: the bucket, padding only
+                    else:
+                        self.runtime.join_remaining_layers()    # idle this step: 0 tokens to every MoE layer
             finally:
                 self.runtime.end_step()
                 self.scheduler.last_token_counts = None
@@ -100,9 +116,12 @@ class LockstepEngine(Engine):
     # -- load balancing -----------------------------------------------------------------------
     def rebalance(self, min_gain: float = 0.0) -> list[LayerRebalance]:
         """Collective: re-place experts from the recorded load and move their weights (between steps)."""
+        before = self.placements()
         with collective_section("rebalance"):
             self.last_rebalance = rebalance(self.model, self.runtime, min_gain=min_gain)
         moved = sum(r.experts_moved for r in self.last_rebalance)
+        if self.placements() != before:       # the same on every rank (the placements are)
+            self.runner.reset_graphs()        # captured graphs read the old placement tables by address
         if self.rank == 0 and self.last_rebalance:
             worst_before = max(r.imbalance_before for r in self.last_rebalance)
             worst_after = max(r.imbalance_after for r in self.last_rebalance)

@@ -17,12 +17,21 @@ status buffer [3, Bb] (each row's logits usable, its argmax, the cache's non-fin
 `KVCache.step_flags`), which the step reads back in its one host read: the engine then needs no check of
 its own and, for greedy requests without logprobs, no sampling op. Sampling otherwise stays eager on the
 real rows. See docs/architecture.md, "CUDA-graph decode step".
+
+Collective steps (expert parallelism): when the model's experts name a `step_coordinator`
+(distributed.expert_parallel.ExpertParallelRuntime), every rank must run the same bucket in the same
+step, because every MoE layer is a collective. The ranks agree before the forward (the coordinator's
+`graph_bucket`, from each rank's `graph_batch`); a rank without sequences replays the agreed bucket
+with padding rows only (`execute_idle`), and a capture that fails on any rank makes every rank fall
+back to eager at the same step (`coordinator.any_rank`, outside any graph). See docs/expert-parallel.md.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -34,6 +43,32 @@ logger = logging.getLogger("moekv.engine")
 
 # Packed int32 fields of a bucket's input buffer, in order; each is [Bb], then block tables [Bb * W].
 _FIELDS = ("input_ids", "positions", "context_lens", "seq_lens", "slot_mapping", "token_valid")
+
+
+class StepCoordinator(Protocol):
+    """What a runner needs when its decode steps are collectives across ranks (expert parallelism).
+
+    The experts expose it as `step_coordinator`; the runner finds it in the model. Every rank's runner must
+    have the same buckets (same max_num_seqs)."""
+
+    graph_bucket: int | None        # this step's bucket, agreed by all ranks before the forward (None: eager)
+
+    def graph_ineligibility(self) -> str | None: ...                       # why no step can be a graph step
+    def configure_graphs(self, buckets: list[int], capture: bool) -> None: ...   # [] when graphs are off
+    def static_forward(self, meta: AttentionMetadata) -> ContextManager: ...     # around every static forward
+    def any_rank(self, flag: bool) -> bool: ...                            # collective, on the host
+
+
+def step_coordinator(model: torch.nn.Module) -> StepCoordinator | None:
+    """The coordinator the model's experts name (None: the steps are this process's alone)."""
+    found = None
+    for module in model.modules():
+        coordinator = getattr(module, "step_coordinator", None)
+        if coordinator is not None:
+            if found is not None and coordinator is not found:
+                raise ValueError("the model's experts name more than one step coordinator")
+            found = coordinator
+    return found
 
 
 @dataclass
@@ -122,7 +157,10 @@ class ModelRunner:
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None
         self.graph_steps = 0                   # decode steps that ran through the graph path
+        self.graph_replays = 0                 # ... of which replayed a captured graph
+        self.idle_steps = 0                    # ... of which had padding rows only (collective steps)
         self.captures = 0
+        self.coordinator = step_coordinator(model)
 
     # -- CUDA-graph set-up --------------------------------------------------------------------
     def graph_ineligibility(self, hooks_safe: bool = True) -> str | None:
@@ -135,7 +173,13 @@ class ModelRunner:
             return "the model is not a moekv decoder"
         for module in self.model.modules():
             if isinstance(module, Experts) and type(module) is not LocalExperts:
-                return f"experts are {type(module).__name__} (offloaded or expert-parallel), not LocalExperts"
+                if self.coordinator is not None and getattr(module, "step_coordinator", None) is self.coordinator:
+                    continue            # expert parallelism: collectives inside the graph, steps agreed
+                return f"experts are {type(module).__name__} (offloaded), not LocalExperts"
+        if self.coordinator is not None:
+            reason = self.coordinator.graph_ineligibility()
+            if reason is not None:
+                return reason
         if not hooks_safe:
             return "routing hooks (expert prefetch) synchronise or use side streams"
         if self.model._forward_hooks or self.model._forward_pre_hooks_with_kwargs or \
@@ -172,7 +216,15 @@ class ModelRunner:
         self.kv_cache.reserve_graph_decode(self.buckets[-1])
         if capture and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self.coordinator is not None:
+            self.coordinator.configure_graphs(self.buckets, capture)
         return True
+
+    def reset_graphs(self) -> None:
+        """Forget every bucket (static buffers and captured graphs): rebuilt, and captured again, on first
+        use. After something a graph captured by address was replaced (an expert rebalance rewrites the
+        placement tables). With a coordinator, every rank must call it at the same point."""
+        self._buckets = {}
 
     @property
     def reserved_pages(self) -> int:
@@ -192,40 +244,86 @@ class ModelRunner:
                              self._num_splits(size), self.device)
             self._fill(bucket, [])
             if self.graph_mode == "cuda":
-                try:
-                    with torch.cuda.device(self.device):
-                        self._capture(bucket)
-                except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail every later step
-                    bucket.graph = None
-                    self.graph_mode = None
-                    self.graph_fallback_reason = f"CUDA graph capture failed ({type(exc).__name__}: {exc}); eager from now on"
-                    logger.warning("moekv: %s", self.graph_fallback_reason)
+                if self.coordinator is not None:
+                    self._capture_collectively(bucket)
+                else:
+                    try:
+                        with self._on_device():
+                            self._capture(bucket)
+                    except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail every later step
+                        self._give_up_graphs(bucket, f"CUDA graph capture failed ({type(exc).__name__}: {exc})")
             self._buckets[size] = bucket
         return bucket
 
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+
+    def _give_up_graphs(self, bucket: _Bucket, why: str) -> None:
+        """Eager from now on (this bucket's step runs its static forward eagerly)."""
+        bucket.graph, bucket.logits = None, None
+        self.graph_mode = None
+        self.graph_fallback_reason = f"{why}; eager from now on"
+        logger.warning("moekv: %s", self.graph_fallback_reason)
+        if self.coordinator is not None:
+            self.coordinator.configure_graphs([], False)
+
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up eagerly on a side stream (Triton compiles, cuBLAS picks its kernels), then capture."""
+        self._warm_up(bucket)
+        bucket.graph, bucket.logits = self._record(bucket)
+        self.captures += 1
+
+    def _capture_collectively(self, bucket: _Bucket) -> None:
+        """A collective step's capture: every rank is here in the same step (the bucket was agreed). The
+        warm-up runs the step's collectives eagerly, which also initialises the communicator before the
+        capture; an error there is a failed step like any eager one (distributed.failure stops every rank).
+        The capture itself launches nothing, so a rank whose capture fails cannot leave the others inside a
+        collective: afterwards all ranks agree (on the host, outside any graph) and, if any failed, all fall
+        back to eager together, this step included."""
+        with self._on_device():
+            self._warm_up(bucket)
+        error = None
+        try:
+            with self._on_device():
+                graph, logits = self._record(bucket)
+        except Exception as exc:  # noqa: BLE001 - agreed below
+            error = f"CUDA graph capture failed ({type(exc).__name__}: {exc})"
+        if self.coordinator.any_rank(error is not None):
+            self._give_up_graphs(bucket, error or "CUDA graph capture failed on another rank")
+            return
+        bucket.graph, bucket.logits = graph, logits
+        self.captures += 1
+
+    def _warm_up(self, bucket: _Bucket) -> None:
+        """Two eager padding-only forwards over the bucket's buffers (on a side stream on CUDA)."""
         meta = bucket.meta
         self._upload(bucket)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), torch.inference_mode():
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with (torch.cuda.stream(stream) if cuda else nullcontext()), torch.inference_mode():
             for _ in range(2):
                 self.kv_cache.begin_step(meta)
                 self._static_forward(bucket)
                 self.kv_cache.end_step(meta)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if cuda:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _record(self, bucket: _Bucket):
+        """Capture the bucket's static forward -> (graph, its logits tensor)."""
+        meta = bucket.meta
         graph = torch.cuda.CUDAGraph()
         self.kv_cache.begin_step(meta)
-        # thread_local: the server's /metrics thread may read device tensors while a bucket is captured
+        # thread_local: the server's /metrics thread may read device tensors while a bucket is captured (and
+        # NCCL's watchdog thread queries its events)
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._static_forward(bucket)
         self.kv_cache.end_step(meta)
         torch.cuda.synchronize(self.device)
-        bucket.graph, bucket.logits = graph, logits
-        self.captures += 1
         logger.info("captured the decode CUDA graph for batch bucket %d (%d split-K splits)", bucket.size,
                     meta.fixed_num_splits)
+        return graph, logits
 
     def _static_forward(self, bucket: _Bucket) -> torch.Tensor:
         """The decode forward over a bucket's static buffers -> logits [Bb, V] float32. Device work
@@ -235,7 +333,9 @@ class ModelRunner:
         bucket.positions.copy_(views["positions"])
         meta.slot_mapping.copy_(views["slot_mapping"])
         meta.token_valid.copy_(views["token_valid"])
-        hidden = self.model.forward(bucket.input_ids, bucket.positions, self.kv_cache, meta)   # [Bb, H]
+        # collective steps: the experts exchange all Bb rows, padding rows masked by token_valid
+        with self.coordinator.static_forward(meta) if self.coordinator is not None else nullcontext():
+            hidden = self.model.forward(bucket.input_ids, bucket.positions, self.kv_cache, meta)   # [Bb, H]
         logits = self.model.compute_logits(hidden)                                   # [Bb, V]
         bucket.status[0].copy_(usable_rows(logits))
         bucket.status[1].copy_(logits.argmax(dim=-1))
@@ -284,10 +384,28 @@ class ModelRunner:
             bucket.copied = torch.cuda.Event()
             bucket.copied.record(torch.cuda.current_stream(self.device))
 
+    def graph_batch(self, sched: SchedulerOutput) -> int | None:
+        """The rows this step would run through a bucket: its batch for a decode-only step, 0 for an empty
+        one; None when it must run eagerly (graphs off, a prefill chunk, more sequences than the last bucket).
+        A collective step's ranks exchange this to agree on `coordinator.graph_bucket`."""
+        if self.graph_mode is None:
+            return None
+        if not sched.chunks:
+            return 0
+        if len(sched.chunks) > self.buckets[-1] or not all(c.num_new_tokens == 1 and c.sample for c in sched.chunks):
+            return None
+        return len(sched.chunks)
+
     def _graphable(self, sched: SchedulerOutput) -> bool:
-        if self.graph_mode is None or not sched.chunks or len(sched.chunks) > self.buckets[-1]:
-            return False
-        return all(c.num_new_tokens == 1 and c.sample for c in sched.chunks)
+        if self.coordinator is not None:                 # collective steps: only the agreed decision counts
+            return self.graph_mode is not None and bool(sched.chunks) and self.coordinator.graph_bucket is not None
+        return bool(self.graph_batch(sched))
+
+    @torch.inference_mode()
+    def execute_idle(self) -> None:
+        """A collective graph step on a rank without sequences: the agreed bucket with padding rows only,
+        so this rank's collectives (inside the replayed graph) match the other ranks'."""
+        self._execute_graph(SchedulerOutput())
 
     def _run_pre_hooks(self, bucket: _Bucket) -> None:
         """The model's own forward pre-hooks (the expert-load window) run eagerly, outside the graph."""
@@ -302,14 +420,19 @@ class ModelRunner:
             request, position = chunk.request, chunk.start
             rows.append((request.token_ids(position, position + 1)[0], position,
                          self.kv_manager.block_table(request.request_id), request.request_id))
-        bucket = self._bucket(len(rows))
+        agreed = self.coordinator.graph_bucket if self.coordinator is not None else None
+        bucket = self._bucket(max(len(rows), agreed or 0))
         self._fill(bucket, rows)
         self._upload(bucket)
         self.kv_cache.begin_step(bucket.meta)
-        self._run_pre_hooks(bucket)
+        if rows:
+            self._run_pre_hooks(bucket)
+        else:
+            self.idle_steps += 1
         if bucket.graph is not None:
             bucket.graph.replay()
             logits = bucket.logits
+            self.graph_replays += 1
         else:
             logits = self._static_forward(bucket)
         finite, greedy, kv_flags = bucket.status.tolist()      # the step's one host read (waits for the forward)

@@ -10,6 +10,10 @@ all-gathered so every rank returns the full list in prompt order.
 
 A rank that fails while the others wait on it (loading, a step, the final gather) is reported to
 them (distributed.failure): they stop at once with its error instead of hanging in a collective.
+
+On GPUs decode steps replay CUDA graphs with the MoE collectives captured, when all ranks agree on a
+bucket (docs/expert-parallel.md, "CUDA-graph decode steps"); `cuda_graphs=False` / `--enforce-eager`
+runs every step eagerly.
 """
 
 from __future__ import annotations
