@@ -64,6 +64,10 @@ LOWBIT_IMPLS = {
             dict(outlier_pre=3, l2_prefetch=True, codes="subnormal"),
             dict(outlier_pre=3, l2_prefetch=True, maxnreg=168, waves=4),
             dict(spread=False, perm=False)]),
+    # tm (v6): tokens as the MMA M dimension, the code tile fed to wgmma from registers
+    "tm": ("moekv.ops.triton.lowbit_decode_tm", "paged_attention_lowbit_decode_tm",
+           [{}, dict(codes="subnormal"), dict(codes="subnormal", BLOCK_N=64), dict(codes="subnormal", maxnreg=168),
+            dict(gather_p=False)]),
 }
 TUNING = ((32, 16384), (1, 16384))           # the first one's winners serve every other shape
 SWEPT_BITS = (3,)                          # other widths take int3's winner

@@ -26,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention as ba  # noqa: E402
 
 from moekv.kvcache.formats.lowbit_layout import QuantSpec  # noqa: E402
-from moekv.ops.triton.lowbit_decode_tc import paged_attention_lowbit_decode_tc  # noqa: E402
+from moekv.ops.triton import lowbit_decode_tc, lowbit_decode_tm  # noqa: E402
+
+KERNELS = {"tc": lowbit_decode_tc.paged_attention_lowbit_decode_tc, "tm": lowbit_decode_tm.paged_attention_lowbit_decode_tm}
 
 
 def build(batch: int, length: int, bits: int, outliers: bool):
@@ -45,12 +47,14 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--bits", type=int, default=3)
     parser.add_argument("--config", default="{}", help="JSON launch overrides of the kernel")
+    parser.add_argument("--impl", default="tc", choices=sorted(KERNELS), help="tc (v5) or tm (v6, token-major)")
     parser.add_argument("--no-outliers", action="store_true")
     parser.add_argument("--launches", type=int, default=0, help="launch this many times and stop (for ncu)")
     parser.add_argument("--time", action="store_true", help="time with and without outliers")
     parser.add_argument("--dry", action="store_true", help="plumbing check on a CPU (interpreter, tiny shape)")
     args = parser.parse_args(argv)
     cfg = json.loads(args.config)
+    paged_attention_lowbit_decode_tc = KERNELS[args.impl]    # the kernel under study (name kept from v5)
     if args.dry:
         ba.DEVICE, args.batch, args.length = "cpu", 2, 300
         for outliers in (True, False):
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
         ms = triton.testing.do_bench(lambda: paged_attention_lowbit_decode_tc(*lb_args, ba.SCALE, **cfg),
                                      warmup=50, rep=300, return_mode="median")
         print(json.dumps({"batch": args.batch, "length": args.length, "bits": args.bits, "config": cfg,
-                          "outliers": outliers, "ms": ms, "bytes": nbytes, "tbps": nbytes / ms / 1e9}), flush=True)
+                          "impl": args.impl, "outliers": outliers, "ms": ms, "bytes": nbytes, "tbps": nbytes / ms / 1e9}), flush=True)
         del lb_args
         torch.cuda.empty_cache()
     return 0

@@ -148,7 +148,9 @@ class AllGatherExchange(TokenExchange):
         # a slot this rank computes anyway (the first of its own), so the kernels, which read each
         # expert's weights once per call, read no extra expert.
         local = experts.slot_local[physical]                                                # [W*P*k]
-        reused = torch.where(mine.any(), local[torch.argmax(mine.to(torch.int8))], torch.zeros_like(local[0]))
+        # (index_select with a [1] index: indexing by a 0-dim CUDA tensor would read it back to the host)
+        first_mine = torch.argmax(mine.to(torch.int8)).reshape(1)                           # [1]
+        reused = torch.where(mine.any(), local.index_select(0, first_mine)[0], torch.zeros_like(local[0]))
         local_ids = torch.where(mine, local, reused)                                        # [W*P*k]
         order = torch.argsort(all_ids.reshape(-1), stable=True)                             # by expert
         tokens = order // top_k                                                             # [W*P*k]

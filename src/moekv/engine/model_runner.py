@@ -29,6 +29,8 @@ back to eager at the same step (`coordinator.any_rank`, outside any graph). See 
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ContextManager, Protocol
@@ -84,6 +86,19 @@ def usable_rows(logits: torch.Tensor) -> torch.Tensor:
     """[S, V] -> [S] bool: the row holds no NaN and no +inf and something finite (-inf alone is a legal
     mask). Its max says it all: NaN propagates, +inf wins, and it is -inf only when nothing is finite."""
     return torch.isfinite(logits.amax(dim=-1))
+
+
+def _first_cause(exc: BaseException) -> str:
+    """The innermost exception a capture error chains to (torch's capture_end error hides the first one)."""
+    seen, cause = set(), exc
+    while (cause.__cause__ or cause.__context__) is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if cause is exc:
+        return ""
+    frames = traceback.extract_tb(cause.__traceback__)[-6:]
+    where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.line}" for f in reversed(frames))
+    return f"; first error: {type(cause).__name__}: {str(cause)[:300]} at {where}"
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -251,7 +266,8 @@ class ModelRunner:
                         with self._on_device():
                             self._capture(bucket)
                     except Exception as exc:  # noqa: BLE001 - a capture that fails must not fail every later step
-                        self._give_up_graphs(bucket, f"CUDA graph capture failed ({type(exc).__name__}: {exc})")
+                        self._give_up_graphs(bucket, f"CUDA graph capture failed ({type(exc).__name__}: {exc})"
+                                                     f"{_first_cause(exc)}")
             self._buckets[size] = bucket
         return bucket
 
@@ -287,7 +303,8 @@ class ModelRunner:
             with self._on_device():
                 graph, logits = self._record(bucket)
         except Exception as exc:  # noqa: BLE001 - agreed below
-            error = f"CUDA graph capture failed ({type(exc).__name__}: {exc})"
+            error = f"CUDA graph capture failed ({type(exc).__name__}: {exc}){_first_cause(exc)}"
+            logger.warning("moekv: rank capture failure:\n%s", "".join(traceback.format_exception(exc)))
         if self.coordinator.any_rank(error is not None):
             self._give_up_graphs(bucket, error or "CUDA graph capture failed on another rank")
             return
@@ -317,7 +334,8 @@ class ModelRunner:
         self.kv_cache.begin_step(meta)
         # thread_local: the server's /metrics thread may read device tensors while a bucket is captured (and
         # NCCL's watchdog thread queries its events)
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        mode = os.environ.get("MOEKV_CAPTURE_ERROR_MODE", "thread_local")
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode=mode):
             logits = self._static_forward(bucket)
         self.kv_cache.end_step(meta)
         torch.cuda.synchronize(self.device)

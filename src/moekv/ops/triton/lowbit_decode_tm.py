@@ -1,0 +1,359 @@
+"""Token-major decode attention over the low-bit paged KV cache (v6; one new token per sequence): the
+same contract as lowbit_decode_tc.py (v5) and ops.reference.lowbit.paged_attention_lowbit
+(docs/kv-format.md is the byte format), with the MMA roles turned around.
+
+v5 put the GQA group's query heads (padded to 16) in the MMA M dimension, so its big unpacked code
+tile was the B operand and went registers -> shared memory -> ldmatrix, and the score tile wasted
+3/4 of its rows. Here the tokens are M and the (padded) heads are N:
+
+  scores^T [BLOCK_N, H] = codes_K [BLOCK_N, D] @ qfold^T [D, H]     A: the code tile, from registers
+  out^T    [D, H]      += codes_V^T [D, BLOCK_N] @ (p * S_t)^T [BLOCK_N, H]
+
+On Hopper the key tile is a wgmma A operand read straight from registers (the "RS" form): the unpack
+(lowbit_decode_tm_parts.py) produces it in exactly the register layout of that operand, from
+coalesced word loads, by views only -- rows and columns permuted (token order and channel order are
+free; the query rows are loaded in the permuted channel order, the output stored through it). The
+small B operands (the folded query [D, H], the probabilities [BLOCK_N, H]) go to shared memory. The
+value tile needs its K dimension (tokens) packed in pairs, which the format does not give, so it
+takes Triton's shared-memory path (stmatrix + ldmatrix.trans) into the same kind of wgmma.
+
+Math (q holds scale * log2(e); base-2 online softmax; qn = q / |q_h|max, |qn| <= 1; H = BLOCK_H heads):
+  keys, channel axis: s[t, h] = ((codes[t] . (qn[h] * S)) * CODE_SCALE + qn[h] . Z) * |q_h|max -- the
+      per-channel scale folds into the B operand once per page (fp16: |qn * S| <= 65504), qn . Z is a
+      per-page row sum in fp32.
+  keys, token axis (one group): s[t, h] = ((codes[t] . qn[h]) * S_t * CODE_SCALE + Z_t * sum(qn[h])) * |q_h|max
+  values, token axis (one group): out[h] += ((p[t, h] * S_t / base) . codes[t]) * base * CODE_SCALE
+      + sum_t p[t, h] Z_t; the second term and the softmax denominator are accumulated per element
+      ([BLOCK_N, H], rescaled by alpha like the output) and summed over tokens once, after the loop:
+      no cross-warp reduction per block for them (only the running max needs one).
+  16-bit queries: fp16 dots on normalised operands (3 more mantissa bits than bf16); fp32 queries:
+  fp32 operands and exact ("ieee") dots.
+  Outliers (fp16 residual r at token t, channel d; up to the page-head's count, BLOCK_C slots at a
+  time), exact 0/1 dots as in v5, token-major:
+    keys: s[:, h] += R [N, C] @ (q[h, d_c] / 2^e_h) [C, H] * 2^e_h, R = r at (its token's row, slot);
+    values: p_sel [C, H] = pick [C, N] @ fp16(p) (an exact pick), then out^T += R [D, C] @ p_sel,
+      R = r at (its channel's row, slot).
+  Codes become fp16 as (code | 0x6400) - 1024 ("magic") or as the raw subnormal code * 2^-24
+  ("subnormal", CODE_SCALE = 2^24 applied to the fp32 dot result).
+
+Staging pages, the step's new token, splits (host-planned or `meta.fixed_num_splits` on the device),
+and the combine are as in v5: the main loop treats every page as low-bit and masks staged pages; a
+second loop attends the staged pages from their fp rows; split 0 adds the new token in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, pow2
+from moekv.ops.triton.lowbit_decode_tm_parts import (channels, key_outliers, load_words, narrow, outlier_slots,
+                                                     row_tokens, token_scale_zero, unpack, value_outliers, widen)
+from moekv.ops.triton.split_k import combine_splits, plan_splits
+
+CODES_FP32 = 0          # fp32 queries: fp32 operands, exact fp32 dots
+CODES_MAGIC = 1         # fp16 (code | 0x6400) - 1024
+CODES_SUBNORMAL = 2     # fp16 subnormal code * 2^-24 (bit pattern = the code); 2^24 applied after the dot
+
+
+@triton.jit
+def _decode_tm_kernel(
+    q_ptr, new_k_ptr, new_v_ptr, out_ptr, lse_ptr,
+    k_codes, k_scale, k_zero, k_base, k_ovals, k_oidx, k_ocount,
+    v_codes, v_scale, v_zero, v_base, v_ovals, v_oidx, v_ocount,
+    staging_k, staging_v, slot_of_page,
+    block_tables, query_start_loc, context_lens,
+    qk_scale, pages_per_split, num_splits,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_bt,
+    NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HS: tl.constexpr, BLOCK_N: tl.constexpr, STAGE_N: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_BITS: tl.constexpr, K_WORDS: tl.constexpr, K_CAP: tl.constexpr,
+    V_BITS: tl.constexpr, V_WORDS: tl.constexpr, V_CAP: tl.constexpr,
+    CODES: tl.constexpr, CODE_SCALE: tl.constexpr, FP_HALF: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_C: tl.constexpr, GATHER: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr, WARPS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc + seq).to(tl.int64)
+    context_len = tl.load(context_lens + seq)
+    num_pages = tl.cdiv(context_len, PAGE_SIZE)
+    if FIXED:
+        pages_per_split = tl.cdiv(num_pages, num_splits)
+    first = split * pages_per_split
+    last = tl.minimum(first + pages_per_split, num_pages)
+
+    offs_h = tl.arange(0, HS)                         # heads (softmax width; the MMAs pad to BLOCK_H)
+    offs_c = tl.arange(0, HEAD_DIM)                   # operand column (keys) / output row (values)
+    chan_k = channels(offs_c, K_BITS, HEAD_DIM)       # the channel of each key operand column
+    chan_v = channels(offs_c, V_BITS, HEAD_DIM)       # the channel of each row of out^T
+    head = kv_head * GROUP + offs_h
+    head_mask = offs_h < GROUP
+    q_heads = q_ptr + q_row * stride_qt + head * stride_qh                            # [HS] pointers
+    q_sel_cols = (q_ptr + q_row * stride_qt + (kv_head * GROUP + tl.minimum(offs_h, GROUP - 1)) * stride_qh)[None, :]
+    q32 = tl.load(q_heads[None, :] + chan_k[:, None], mask=head_mask[None, :], other=0.0).to(tl.float32) * qk_scale
+    q_max = tl.max(tl.abs(q32), axis=0)
+    q_max = tl.where(q_max > 0, q_max, 1.0)                                           # [HS]
+    q_p2 = tl.exp2(tl.ceil(tl.log2(q_max / qk_scale)))                                # power of two >= |raw q|
+    q_inv_p2 = (1.0 / q_p2)[None, :]
+    q_p2_scale = q_p2 * qk_scale
+    HALF: tl.constexpr = CODES != 0
+    if HALF:
+        low_dtype = tl.float16
+    else:
+        low_dtype = tl.float32
+    qn = q32 / q_max[None, :]                                                         # [D, HS], |qn| <= 1
+    q_sum = tl.sum(qn, axis=0)
+    qn_op = widen(qn, HEAD_DIM, HS, BLOCK_H).to(low_dtype)
+    dot_scale = CODE_SCALE * q_max                                                    # [HS]
+
+    m_i = tl.full([HS], float("-inf"), tl.float32)
+    acc = tl.zeros([HEAD_DIM, HS], tl.float32)                                        # out^T, rows chan_v
+    l_acc = tl.zeros([BLOCK_N, HS], tl.float32)                                       # sum_t p, per row
+    z_acc = tl.zeros([BLOCK_N, HS], tl.float32)                                       # sum_t p Z_t, per row
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    tok_r = row_tokens(tl.arange(0, BLOCK_N), BLOCK_N, WARPS)                         # token of each tile row
+
+    # ---- low-bit pages (staged pages computed too, then masked out) ----
+    SUBS: tl.constexpr = PAGE_SIZE // BLOCK_N
+    for block in range(first * SUBS, last * SUBS):
+        page_index = block // SUBS
+        row0 = (block % SUBS) * BLOCK_N
+        page = tl.load(table + page_index).to(tl.int64)
+        page_head = page * NUM_KV_HEADS + kv_head
+        k_lo, k_hi = load_words(k_codes, page_head, row0, K_BITS, K_WORDS, PAGE_SIZE, HEAD_DIM, BLOCK_N)
+        v_lo, v_hi = load_words(v_codes, page_head, row0, V_BITS, V_WORDS, PAGE_SIZE, HEAD_DIM, BLOCK_N)
+        lowbit = tl.load(slot_of_page + page) < 0
+        tok = row0 + tok_r                                                            # [N] token in the page
+        valid = lowbit & (page_index * PAGE_SIZE + tok < context_len)
+        v_b = tl.load(v_base + page_head).to(tl.float32)
+        v_rel, v_zt = token_scale_zero(v_scale, v_zero, v_b, page_head * PAGE_SIZE + tok, V_BITS)
+        # keys -> scores^T [N, HS]
+        k_op = unpack(k_lo, k_hi, K_BITS, CODES, HEAD_DIM, BLOCK_N, WARPS)
+        if K_CHANNEL:
+            k_s = tl.load(k_scale + page_head * HEAD_DIM + chan_k).to(tl.float32)
+            k_z = tl.load(k_zero + page_head * HEAD_DIM + chan_k).to(tl.float32)
+            bias = tl.sum(qn * k_z[:, None], axis=0) * q_max                          # [HS] q . Z
+            qs_op = widen(qn * k_s[:, None], HEAD_DIM, HS, BLOCK_H).to(low_dtype)
+            s = narrow(tl.dot(k_op, qs_op, input_precision="ieee"), BLOCK_N, HS, BLOCK_H) * dot_scale[None, :] \
+                + bias[None, :]
+        else:
+            k_b = tl.load(k_base + page_head).to(tl.float32)
+            k_rel, k_zt = token_scale_zero(k_scale, k_zero, k_b, page_head * PAGE_SIZE + tok, K_BITS)
+            s = (narrow(tl.dot(k_op, qn_op, input_precision="ieee"), BLOCK_N, HS, BLOCK_H) * (k_b * k_rel)[:, None]
+                 * dot_scale[None, :] + k_zt[:, None] * (q_sum * q_max)[None, :])
+        if K_CAP > 0:
+            k_count = tl.where(lowbit, tl.minimum(tl.load(k_ocount + page_head).to(tl.int32), K_CAP), 0)
+            s_out = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+            for c0 in range(0, k_count, BLOCK_C):
+                idx, resid, live = outlier_slots(k_oidx, k_ovals, page_head, c0, k_count, K_CAP, BLOCK_C)
+                s_out = key_outliers(s_out, idx, resid, live, tok, q_sel_cols, q_inv_p2, HEAD_DIM, HALF, HS, BLOCK_H)
+            if HALF:
+                s += narrow(s_out, BLOCK_N, HS, BLOCK_H) * q_p2_scale[None, :]
+            else:
+                s += narrow(s_out, BLOCK_N, HS, BLOCK_H) * qk_scale
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[None, :])                                               # [N, HS] in [0, 1]
+        m_i = m_new
+        l_acc = l_acc * alpha[None, :] + p
+        z_acc = z_acc * alpha[None, :] + p * tl.where(lowbit, v_zt, 0.0)[:, None]
+        # values -> out^T [D, HS]
+        v_op = unpack(v_lo, v_hi, V_BITS, CODES, HEAD_DIM, BLOCK_N, WARPS)
+        ps_op = widen(p * v_rel[:, None], BLOCK_N, HS, BLOCK_H).to(low_dtype)
+        pv = tl.dot(tl.trans(v_op), ps_op, input_precision="ieee")                    # [D, BLOCK_H]
+        if V_CAP > 0:
+            v_count = tl.where(lowbit, tl.minimum(tl.load(v_ocount + page_head).to(tl.int32), V_CAP), 0)
+            p_op = widen(p, BLOCK_N, HS, BLOCK_H).to(low_dtype)
+            pv_out = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
+            for c0 in range(0, v_count, BLOCK_C):
+                idx, resid, live = outlier_slots(v_oidx, v_ovals, page_head, c0, v_count, V_CAP, BLOCK_C)
+                pv_out = value_outliers(pv_out, p, p_op, idx, resid, live, tok, row0, chan_v, HEAD_DIM, HALF, GATHER,
+                                        BLOCK_N, WARPS, HS, BLOCK_H)
+            pv = narrow(pv, HEAD_DIM, HS, BLOCK_H) * (v_b * CODE_SCALE) + narrow(pv_out, HEAD_DIM, HS, BLOCK_H)
+        else:
+            pv = narrow(pv, HEAD_DIM, HS, BLOCK_H) * (v_b * CODE_SCALE)
+        pv = tl.where(lowbit, pv, 0.0)                                                # staged: stale storage
+        acc = acc * alpha[None, :] + pv
+    l_i = tl.sum(l_acc, axis=0)
+    acc += tl.sum(z_acc, axis=0)[None, :]
+
+    # ---- staged pages of the split (fp rows), found a vector of table entries at a time ----
+    if FP_HALF:
+        q_op = widen(q32, HEAD_DIM, HS, BLOCK_H).to(q_ptr.dtype.element_ty)
+    else:
+        q_op = widen(q32, HEAD_DIM, HS, BLOCK_H)
+    offs_scan = tl.arange(0, SCAN)
+    for s0 in range(first, last, SCAN):
+        index = s0 + offs_scan
+        in_range = index < last
+        pages = tl.load(table + index, mask=in_range, other=0)
+        slots = tl.load(slot_of_page + pages, mask=in_range, other=-1)
+        staged = in_range & (slots >= 0)
+        for _ in range(tl.sum(staged.to(tl.int32), axis=0)):
+            page_index = tl.min(tl.where(staged, index, last), axis=0)
+            slot = tl.max(tl.where(index == page_index, slots, -1), axis=0).to(tl.int64)
+            staged = staged & (index != page_index)
+            for t0 in range(0, tl.minimum(context_len - page_index * PAGE_SIZE, PAGE_SIZE), STAGE_N):
+                offs_t = t0 + tl.arange(0, STAGE_N)
+                rows = (slot * PAGE_SIZE + offs_t) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+                n_valid = page_index * PAGE_SIZE + offs_t < context_len
+                k = tl.load(staging_k + rows[:, None] + chan_k[None, :])
+                if UPCAST:
+                    s = tl.dot(k.to(tl.float32), q_op.to(tl.float32), input_precision="ieee")
+                else:
+                    s = tl.dot(k.to(q_op.dtype), q_op)
+                s = tl.where(n_valid[:, None], narrow(s, STAGE_N, HS, BLOCK_H), float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=0))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(s - m_use[None, :])
+                m_i = m_new
+                l_i = l_i * alpha + tl.sum(p, axis=0)
+                v = tl.load(staging_v + rows[:, None] + chan_v[None, :])
+                if UPCAST:
+                    pv = tl.dot(tl.trans(v.to(tl.float32)), widen(p, STAGE_N, HS, BLOCK_H), input_precision="ieee")
+                else:
+                    pv = tl.dot(tl.trans(v.to(q_op.dtype)), widen(p, STAGE_N, HS, BLOCK_H).to(q_op.dtype))
+                acc = acc * alpha[None, :] + narrow(pv, HEAD_DIM, HS, BLOCK_H)
+
+    # ---- the step's new token, full precision (split 0) ----
+    if split == 0:
+        k_new = tl.load(new_k_ptr + q_row * stride_kt + kv_head * stride_kh + chan_k).to(tl.float32)
+        v_new = tl.load(new_v_ptr + q_row * stride_vt + kv_head * stride_vh + chan_v).to(tl.float32)
+        s_new = tl.sum(q32 * k_new[:, None], axis=0)                                  # [HS]
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[None, :] + v_new[:, None] * p_new[None, :]
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[None, :]                                                       # [D, H]
+    if SPLIT:
+        tl.store(out_ptr + q_row * stride_ot + head[None, :] * stride_oh + split * stride_os + chan_v[:, None], out,
+                 mask=head_mask[None, :])
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + q_row * stride_lt + head * stride_lh + split, lse, mask=head_mask)
+    else:
+        tl.store(out_ptr + q_row * stride_ot + head[None, :] * stride_oh + chan_v[:, None],
+                 out.to(out_ptr.dtype.element_ty), mask=head_mask[None, :])
+
+
+def supports(key_spec, value_spec, head_dim: int) -> bool:
+    """Whether this kernel handles the format (the same formats as v5): keys channel axis or token axis
+    with one group, values token axis with one group, bits 4/3/2, head_dim 64 or 128, equal
+    power-of-two pages >= 16."""
+    page_size = key_spec.page_size
+    return (page_size == value_spec.page_size and page_size >= 16 and page_size & (page_size - 1) == 0
+            and head_dim in (64, 128) and key_spec.head_dim == value_spec.head_dim == head_dim
+            and key_spec.bits in (2, 3, 4) and value_spec.bits in (2, 3, 4)
+            and (key_spec.axis == "channel" or key_spec.num_groups == 1)
+            and value_spec.axis == "token" and value_spec.num_groups == 1)
+
+
+def _tensors(pages, prefix: str) -> list[torch.Tensor]:
+    for name, tensor in pages.tensors().items():
+        assert tensor.is_contiguous(), f"{prefix} {name} must be contiguous"
+    base = pages.scale_base if pages.scale_base is not None else pages.scale
+    return [pages.codes, pages.scale, pages.zero, base, pages.outlier_vals, pages.outlier_idx, pages.outlier_count]
+
+
+def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,
+                                     value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
+                                     staging_values: torch.Tensor, staging_slot_of_page: torch.Tensor, meta,
+                                     scale: float, **launch_overrides) -> torch.Tensor:
+    """Decode (one new token per sequence) attention over low-bit pages; query [B, Hq, D] -> [B, Hq, D].
+
+    `meta.fixed_num_splits` (an int) switches to device-side split ranges: no host list is read and
+    nothing syncs (CUDA-graph safe); otherwise the split count is planned on the host.
+    launch_overrides (defaults in brackets; all give the same results within rounding):
+      num_warps [4], num_stages [1], maxnreg [None],
+      BLOCK_N [128, capped to the page]: low-bit tokens per step (a divisor of the page size, >= 16); the
+          register A-operand layout is matched for BLOCK_N >= 16 * num_warps (4 warps: 64 or 128,
+          8 warps: 128),
+      BLOCK_H [max(16, GQA group)]: heads per tile, the MMA N (Triton 3.6 takes wgmma from 16 on; 8
+          works on later versions),
+      STAGE_N [32]: staged fp tokens per step, SCAN [32]: block-table entries scanned per step,
+      BLOCK_C [16]: outlier slots per step (>= 16),
+      codes ["magic"] | "subnormal": fp16 codes as (code | 0x6400) - 1024, or the code's bits read as an
+          fp16 subnormal (code * 2^-24; one instruction per two values less),
+      num_splits [None: planned] (host mode only), waves [2] (host planning).
+    """
+    cfg = {"num_warps": 4, "num_stages": 1, "maxnreg": None, "BLOCK_N": 128, "BLOCK_H": None, "STAGE_N": 32,
+           "SCAN": 32, "BLOCK_C": 16, "gather_p": True, "codes": "magic", "num_splits": None, "waves": 2}
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    page_size = key_spec.page_size
+    if not supports(key_spec, value_spec, head_dim):
+        raise NotImplementedError(f"lowbit decode_tm: unsupported format {key_spec} / {value_spec} at D={head_dim}")
+    unknown = set(launch_overrides) - set(cfg)
+    if unknown:
+        raise TypeError(f"unknown launch overrides {sorted(unknown)}")
+    cfg.update(launch_overrides)
+    batch = meta.context_lens.shape[0]
+    fixed = getattr(meta, "fixed_num_splits", None)
+    if fixed is not None:
+        if num_tokens != batch:
+            raise ValueError("paged_attention_lowbit_decode_tm: decode only (one new token per sequence)")
+    elif not meta.is_decode:
+        raise ValueError("paged_attention_lowbit_decode_tm: decode only (one new token per sequence)")
+    out = torch.empty_like(query)
+    if num_tokens == 0 or batch == 0:
+        return out
+    check_launchable(_decode_tm_kernel, query)
+    assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+    assert staging_keys.is_contiguous() and staging_values.is_contiguous()
+    half, upcast = dot_modes(query, staging_keys.dtype)
+    if query.dtype in (torch.float16, torch.bfloat16):
+        codes = {"magic": CODES_MAGIC, "subnormal": CODES_SUBNORMAL}[cfg["codes"]]
+    else:
+        codes = CODES_FP32
+    if fixed is not None:
+        num_splits, pages_per_split = int(fixed), 0
+    else:
+        max_context = max(meta.context_lens_host, default=0)
+        if cfg["num_splits"] is None:
+            num_splits, tokens_per_split = plan_splits(batch, num_kv_heads, max_context, page_size, query.device,
+                                                       waves=cfg["waves"])
+        else:
+            num_splits = cfg["num_splits"]
+            tokens_per_split = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), page_size) * page_size
+        pages_per_split = tokens_per_split // page_size
+    num_splits = max(int(num_splits), 1)
+    if num_splits > 1:
+        partial = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        target, strides = partial, (partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+                                    lse.stride(1))
+    else:
+        lse, target, strides = out, out, (out.stride(0), out.stride(1), 0, 0, 0)
+    group = num_heads // num_kv_heads
+    block_h = max(cfg["BLOCK_H"] or 16, pow2(group, floor=1))
+    soft_h = block_h if block_h <= 8 or group > block_h // 2 else block_h // 2      # heads the softmax carries
+    _decode_tm_kernel[(batch, num_kv_heads, num_splits)](
+        query, key, value, target, lse, *_tensors(key_pages, "K"), *_tensors(value_pages, "V"),
+        staging_keys, staging_values, staging_slot_of_page,
+        meta.block_tables, meta.query_start_loc, meta.context_lens,
+        scale * LOG2E, pages_per_split, num_splits,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *strides, meta.block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_H=block_h, HS=soft_h,
+        BLOCK_N=min(cfg["BLOCK_N"], page_size), STAGE_N=min(cfg["STAGE_N"], page_size),
+        K_CHANNEL=key_spec.axis == "channel", K_BITS=key_spec.bits, K_WORDS=key_spec.words_per_row,
+        K_CAP=key_spec.outlier_capacity,
+        V_BITS=value_spec.bits, V_WORDS=value_spec.words_per_row, V_CAP=value_spec.outlier_capacity,
+        CODES=codes, CODE_SCALE=2.0 ** 24 if codes == CODES_SUBNORMAL else 1.0, FP_HALF=half, UPCAST=upcast,
+        BLOCK_C=cfg["BLOCK_C"], GATHER=bool(cfg["gather_p"]), FIXED=fixed is not None, SPLIT=num_splits > 1, SCAN=cfg["SCAN"],
+        WARPS=cfg["num_warps"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
+    if num_splits > 1:
+        combine_splits(partial, lse, out)
+    return out

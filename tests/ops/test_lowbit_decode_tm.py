@@ -1,0 +1,144 @@
+"""Token-major low-bit decode kernel (ops.triton.lowbit_decode_tm, v6) vs the PyTorch reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from moekv.kvcache.formats.lowbit_pack import pack_codes, words_per_row
+from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
+from moekv.ops.triton.lowbit_decode_tm import paged_attention_lowbit_decode_tm as kernel
+from moekv.ops.triton.lowbit_decode_tm import supports
+from moekv.ops.triton.lowbit_decode_tm_parts import channels, columns, load_words, row_tokens, unpack
+from tests.ops.helpers import assert_close
+from tests.ops.lowbit_cases import build_case
+
+SCALE = 0.125
+DECODE = dict(context_lens=[0, 1, 40, 100], query_lens=[1, 1, 1, 1])   # empty, tiny, ragged, several pages
+
+
+def check(case, dtype, **overrides):
+    assert_close(kernel(*case.args(), SCALE, **overrides), reference(*case.args(), SCALE), dtype)
+
+
+@triton.jit
+def _unpack_kernel(codes, out, BITS: tl.constexpr, WORDS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, WARPS: tl.constexpr, CODES: tl.constexpr):
+    lo, hi = load_words(codes, 0, 0, BITS, WORDS, BLOCK_N, HEAD_DIM, BLOCK_N)
+    tile = unpack(lo, hi, BITS, CODES, HEAD_DIM, BLOCK_N, WARPS).to(tl.float32)
+    rows = row_tokens(tl.arange(0, BLOCK_N), BLOCK_N, WARPS)
+    cols = channels(tl.arange(0, HEAD_DIM), BITS, HEAD_DIM)
+    tl.store(out + rows[:, None] * HEAD_DIM + cols[None, :], tile)
+    tl.store(out + BLOCK_N * HEAD_DIM + tl.arange(0, HEAD_DIM), columns(cols, BITS, HEAD_DIM).to(tl.float32))
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_n,warps", [(16, 4), (128, 4), (128, 8)])
+def test_unpack_orders(device, bits, head_dim, block_n, warps):
+    # the permuted tile holds every code exactly once, at (row_tokens(r), channels(c)); columns inverts channels
+    codes = torch.randint(0, 2 ** bits, (1, 1, block_n, head_dim), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(bits * head_dim + block_n))
+    packed = pack_codes(codes, bits).to(device)
+    for mode in (0, 1, 2):
+        out = torch.zeros(block_n + 1, head_dim, device=device)
+        _unpack_kernel[(1,)](packed, out, bits, words_per_row(bits, head_dim), head_dim, block_n, warps, mode)
+        tile = out[:block_n] * (2.0 ** 24 if mode == 2 else 1.0)
+        assert torch.equal(tile.cpu(), codes[0, 0].float())
+        assert torch.equal(out[block_n].cpu(), torch.arange(head_dim, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "outlier_channels"), (torch.bfloat16, "outlier_channels"),
+                                        (torch.float16, "normal"), (torch.float16, "large")])
+def test_formats(device, bits, dtype, kind):
+    # empty, length 1, ragged and several-page contexts; planted 50x channels / 1e4 values
+    check(build_case(**DECODE, num_kv_heads=2, group=4, head_dim=64, bits=bits, page_size=16, dtype=dtype,
+                     kind=kind, device=device), dtype)
+
+
+@pytest.mark.parametrize("bits,dtype", [(3, torch.bfloat16), (4, torch.float32), (2, torch.float16)])
+def test_head_dim_128(device, bits, dtype):
+    check(build_case([5, 33], [1, 1], 2, 4, 128, bits, 16, dtype=dtype, kind="outlier_channels", seed=1,
+                     device=device), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_large_values(device, dtype):
+    check(build_case([50, 17], [1, 1], 2, 4, 64, 3, 16, dtype=dtype, kind="large", seed=2, device=device), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_axis_keys(device, dtype):
+    check(build_case([45, 64], [1, 1], 2, 4, 64, 4, 16, dtype=dtype, key_axis="token", kind="outlier_channels",
+                     seed=3, device=device), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sink_pages_and_splits(device, num_splits):
+    # the first two pages of each sequence stay in fp staging pages, before low-bit ones
+    case = build_case([90, 20, 70], [1, 1, 1], 2, 4, 64, 3, 16, sink_pages=2, seed=4, device=device)
+    check(case, torch.float32, num_splits=num_splits, SCAN=4)
+
+
+def test_no_outlier_capacity_group_1(device):
+    check(build_case([40, 3], [1, 1], 1, 1, 64, 2, 16, outlier_fraction=0.0, seed=5, device=device), torch.float32)
+
+
+def test_page_size_32_slot_chunks(device):
+    case = build_case([70, 31], [1, 1], 2, 4, 64, 4, 32, kind="outlier_channels", seed=6, device=device)
+    check(case, torch.float32, BLOCK_C=32)
+    check(case, torch.float32, BLOCK_N=16, BLOCK_C=16)
+
+
+@pytest.mark.parametrize("overrides", [{"codes": "subnormal"}, {"BLOCK_H": 8, "STAGE_N": 16},
+                                       {"codes": "subnormal", "BLOCK_N": 16, "BLOCK_C": 32, "num_splits": 2}])
+def test_launch_variants(device, overrides):
+    case = build_case([0, 1, 40, 100], [1, 1, 1, 1], 2, 4, 64, 3, 16, dtype=torch.float16, kind="normal",
+                      sink_pages=1, seed=9, device=device)
+    check(case, torch.float16, **overrides)
+
+
+@pytest.mark.parametrize("block_n,warps", [(128, 4), (64, 4), (128, 8)])
+def test_mma_row_orders(device, block_n, warps):
+    # blocks large enough for the permuted row order (the wgmma layouts): pages of 128, a sub-page block,
+    # 8 warps; a full page, a partial staged page, and outliers in both
+    case = build_case([128 + 77, 128], [1, 1], 1, 4, 64, 3, 128, dtype=torch.bfloat16, kind="outlier_channels",
+                      seed=12, device=device)
+    check(case, torch.bfloat16, BLOCK_N=block_n, num_warps=warps)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_fixed_num_splits(device, splits):
+    # device-side split ranges; short sequences leave some splits empty (and context 0 leaves all empty); the
+    # host lengths describe another batch (as in a graph replay)
+    case = build_case([0, 17, 100, 48], [1, 1, 1, 1], 2, 4, 64, 3, 16, dtype=torch.bfloat16, sink_pages=1, seed=7,
+                      device=device)
+    want = reference(*case.args(), SCALE)
+    case.meta = dataclasses.replace(case.meta, fixed_num_splits=splits, context_lens_host=[0] * 4)
+    assert_close(kernel(*case.args(), SCALE), want, torch.bfloat16)
+
+
+def test_rejects_prefill_and_unsupported(device):
+    case = build_case([16], [2], 1, 4, 64, 3, 16, seed=8, device=device)
+    with pytest.raises(ValueError):
+        kernel(*case.args(), SCALE)
+    grouped = build_case([16], [1], 1, 4, 64, 4, 16, key_axis="token", group_size=16, seed=8, device=device)
+    assert not supports(grouped.key_spec, grouped.value_spec, 64)
+    with pytest.raises(NotImplementedError):
+        kernel(*grouped.args(), SCALE)
+    with pytest.raises(TypeError):
+        kernel(*build_case([16], [1], 1, 4, 64, 3, 16, seed=8, device=device).args(), SCALE, bogus=1)
+
+
+def test_real_page_shape(device):
+    # the target shape's page (P = 128, D = 128, GQA 4), one low-bit page + a staged tail, two splits
+    case = build_case([300], [1], 1, 4, 128, 3, 128, dtype=torch.bfloat16, kind="outlier_channels", seed=10,
+                      device=device)
+    check(case, torch.bfloat16, num_splits=2)
+    case.meta.fixed_num_splits = 3
+    check(case, torch.bfloat16, codes="subnormal")
