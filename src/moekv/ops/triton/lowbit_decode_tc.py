@@ -379,23 +379,25 @@ def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, val
       BLOCK_N [128, capped to the page]: low-bit tokens per step (a divisor of the page size, >= 16),
       STAGE_N [32]: staged fp tokens per step, SCAN [32]: block-table entries scanned per step,
       BLOCK_C [16]: outlier slots per step (>= 16),
-      codes ["magic"] | "subnormal": fp16 codes as (code | 0x6400) - 1024, or the code's bits read as an
+      (defaults: the fastest measured on the H200, benchmarks/results/attention-bench.md of 2026-11-30:
+      int3 B=32 L=16k 0.99 ms vs 1.26 ms with magic codes, no preload, no L2 prefetch)
+      codes ["subnormal"] | "magic": fp16 codes as (code | 0x6400) - 1024, or the code's bits read as an
           fp16 subnormal (code * 2^-24; ~1 instruction per value less; needs tensor cores that keep
           fp16 subnormal inputs -- the tests check it),
       prefetch [False]: load the next block's code words one iteration ahead (register double buffer),
       spread [True], perm [True]: operand layouts (module docstring), off = the v5 layout,
-      outlier_pre [0]: outlier slot chunks (BLOCK_C each, up to 4) loaded with the block's code words
+      outlier_pre [3]: outlier slot chunks (BLOCK_C each, up to 4) loaded with the block's code words
           and corrected by preloaded passes (each run only if the count reaches it),
-      l2_prefetch [False]: prefetch the next block's bytes into L2 (CUDA only; no-op in the interpreter),
+      l2_prefetch [True]: prefetch the next block's bytes into L2 (CUDA only; no-op in the interpreter),
       outliers ["dot"] | "elementwise", gather_p [False]: value outliers pick p by tl.gather (warp
           shuffles, p kept to 22 bits) instead of an exact 0/1 dot on fp16(p),
       bias_dot [True]: channel-axis keys' q . Z by two small MMAs instead of a cross-lane row sum,
       num_splits [None: planned] (host mode only), waves [2] (host planning).
     """
     cfg = {"num_warps": 4, "num_stages": 1, "maxnreg": None, "BLOCK_N": 128, "STAGE_N": 32, "SCAN": 32,
-           "BLOCK_C": 16, "codes": "magic", "prefetch": False, "outliers": "dot", "gather_p": False,
-           "bias_dot": True, "num_splits": None, "waves": 2, "spread": True, "perm": True, "outlier_pre": 0,
-           "l2_prefetch": False}
+           "BLOCK_C": 16, "codes": "subnormal", "prefetch": False, "outliers": "dot", "gather_p": False,
+           "bias_dot": True, "num_splits": None, "waves": 2, "spread": True, "perm": True, "outlier_pre": 3,
+           "l2_prefetch": True}
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     page_size = key_spec.page_size
