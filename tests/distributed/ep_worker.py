@@ -15,6 +15,8 @@ SPEC = {"scenarios": [...]}; each scenario has a "name" and a "kind":
   "llm":    LLM(model, expert_parallel_size=N, **kwargs).generate(prompts) (the offline API path);
             with "rebalance", then LLM.rebalance() and generate again.
   "serve":  entrypoints.ep_serve without HTTP: rank 0 adds requests to a LeaderEngine and steps it.
+  "exchange": one MoE layer's all-gather exchange against the single-device experts, and its launching
+            ops per layer (tests/distributed/exchange_checks.py).
   "fail":   like "random" (or "serve" with "serve": true), but rank "fail_rank" raises inside its
             experts' compute after "fail_after" calls (mid-step, between two collectives); with
             "swallow", that rank catches the error and sleeps (a process that stays alive), else it
@@ -36,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 
 from moekv.distributed.groups import init_expert_parallel, shutdown  # noqa: E402
 from moekv.sampling import SamplingParams  # noqa: E402
+from tests.distributed.exchange_checks import run_exchange  # noqa: E402
 from tests.distributed.helpers import engine_config, prompts_and_params, tiny_arch  # noqa: E402
 
 
@@ -111,8 +114,17 @@ def forbid_host_reads(runtime) -> None:
     torch.tensor = guard("torch.tensor", original_tensor)
     runtime.guarded_calls = 0
 
+    def unguarded(compute):
+        def call(*args):
+            saved, active[0] = active[0], False
+            try:
+                return compute(*args)
+            finally:
+                active[0] = saved
+        return call
+
     for layer in runtime.layers:
-        forward, compute = layer.forward, layer.compute
+        forward = layer.forward
 
         def guarded(hidden, topk_ids, topk_weights, forward=forward):
             active[0] = runtime.static_valid is not None
@@ -122,14 +134,8 @@ def forbid_host_reads(runtime) -> None:
             finally:
                 active[0] = False
 
-        def unguarded(rows, local_ids, compute=compute):
-            saved, active[0] = active[0], False
-            try:
-                return compute(rows, local_ids)
-            finally:
-                active[0] = saved
-
-        layer.forward, layer.compute = guarded, unguarded
+        layer.forward = guarded
+        layer.compute, layer.compute_weighted = unguarded(layer.compute), unguarded(layer.compute_weighted)
 
 
 class _FakeGraph:
@@ -266,7 +272,8 @@ def main() -> None:
     spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     world = int(__import__("os").environ["WORLD_SIZE"])
     for scenario in json.loads(spec_path.read_text())["scenarios"]:
-        runner = {"random": run_random, "llm": run_llm, "serve": run_serve, "fail": run_fail}[scenario["kind"]]
+        runner = {"random": run_random, "llm": run_llm, "serve": run_serve, "fail": run_fail,
+                  "exchange": run_exchange}[scenario["kind"]]
         result = runner(scenario, world)
         gathered = [None] * world
         dist.all_gather_object(gathered, result["tokens"])

@@ -8,16 +8,19 @@ the weighted sum back to the token's own rank:
   rows, then the expert outputs back). Moves only the rows a rank needs; one host sync per layer
   for the split sizes. The choice for large batches (prefill, big decode batches).
 - `AllGatherExchange`: every rank all-gathers every rank's tokens and routing (one byte-packed
-  gather, padded to the step's largest per-rank count), runs every gathered token-slot through its
-  local experts (slots owned elsewhere contribute an exact 0), and a reduce-scatter (fp32 sum)
-  hands each rank its tokens' results. Static shapes, two collectives, no count exchange and no
-  host sync: meant for small decode batches (the extra compute grows with the world size). Each row
-  carries a valid flag, so padding rows (past a rank's count, or a CUDA-graph bucket's padding rows
-  given by `row_valid`) route nowhere; in a graph step every rank gathers the bucket's rows.
+  gather, padded to the step's largest per-rank count), runs every gathered token through its local
+  experts with the fused MoE op (the k choices mapped to local slots, the weights of choices owned
+  elsewhere zeroed: they add an exact 0), and a reduce-scatter (fp32 sum) hands each rank its tokens'
+  results. Static shapes, two collectives, no count exchange and no host sync: meant for small decode
+  batches (the extra compute grows with the world size). Padding rows (past a rank's count, or a
+  CUDA-graph bucket's padding rows given by `row_valid`) carry codes that route nowhere; in a graph step
+  every rank gathers the bucket's rows through per-bucket buffers, a few kernels per layer.
 
-Numerics match the single-device reference bit for bit for top-2 routing: expert outputs are
-rounded to the model dtype exactly as there, and each token's weighted sum is accumulated in
-fp32 in ascending expert order (for k > 2 the all-gather path may differ in the last bit).
+Numerics match the single-device reference bit for bit for top-2 routing: each expert output is
+rounded to the model dtype exactly as there (all_to_all: per row; allgather: the same MoE op computes
+it, with its fp32 weighted sum returned unrounded), each token's share of the weighted sum stays fp32
+until the combine adds the shares, and two products sum to the same bits in any order (for k > 2 the
+order of the additions may differ, so the last bit may).
 """
 
 from __future__ import annotations
@@ -109,63 +112,153 @@ class AllToAllExchange(TokenExchange):
 
 
 class AllGatherExchange(TokenExchange):
+    """All-gather dispatch, fused weighted sum on the local experts, fp32 reduce-scatter combine.
+
+    Each gathered row is the token's hidden bytes, then k int64 routing codes and one more code, 0 (the
+    floor, below), then its k fp32 routing weights. A code is 1 + expert * M + the replica pick
+    ((t + s) % M, M the lcm of the layer's replica counts: the pick of ExpertParallelExperts.physical_ids),
+    or 1 + the physical id when that table would be large, plus `span` on padding rows; the layer's
+    routing table (ExpertParallelExperts.routing_table) maps it to the local slot on this rank, -1 for
+    another rank's slot or a padding row, and code 0 to slot 0. On the receiving side:
+
+        local = table[codes]                 one gather: [W*P, k + 1]
+        reused = local.amax()                a slot this rank computes anyway (slot 0 if none: the floor)
+        ids = where(local >= 0, local, reused), weights = where(local >= 0, weights, 0)
+        partial = moe_experts(all_hidden, w_gate_up, w_down, ids, weights, out_dtype=fp32)   [W*P, H]
+
+    so the fused MoE op does the weighted top-k sum per gathered token in fp32. Choices owned elsewhere
+    have weight 0 and add an exact 0 (as long as the reused slot's output is finite, which any model whose
+    expert outputs fit its dtype gives); they run on a slot whose weights are read anyway, so no extra
+    expert is read unless this rank owns none of the step's choices. The reduce-scatter adds the ranks'
+    fp32 partial sums: for top-2 the same two products summed once, as one device does. A row only ever
+    feeds its own output row.
+
+    Graph steps (row_valid given, every rank has the bucket's P rows) reuse per-bucket buffers (the packed
+    rows, the gathered rows, their floor column written once) and per-step code offsets (computed by the
+    first layer of each static forward), so a layer launches: 2 copies and the codes into the packed rows,
+    the all-gather, 5 routing ops, the expert kernels, the reduce-scatter and the cast back
+    (tests/distributed/test_exchange.py bounds it).
+    """
+
     name = "allgather"
+
+    def __init__(self):
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # graph buckets: (packed, gathered)
+        self._zeros: dict[tuple, torch.Tensor] = {}                           # partial sums of a rank without slots
+        self._consts: dict[tuple, torch.Tensor] = {}                          # per-token constants (_constant)
+
+    def _no_slots(self, rows: int, hidden_size: int, device, static: bool) -> torch.Tensor:
+        """Zero partial sums [rows, H] fp32 (cached for graph steps: nothing writes them)."""
+        key = (rows, hidden_size, device)
+        if not static:
+            return torch.zeros(rows, hidden_size, dtype=torch.float32, device=device)
+        if key not in self._zeros:
+            self._zeros[key] = torch.zeros(rows, hidden_size, dtype=torch.float32, device=device)
+        return self._zeros[key]
+
+    @staticmethod
+    def layout(hidden_size: int, dtype: torch.dtype, top_k: int) -> tuple[int, int, int, int]:
+        """Bytes of a gathered row: (hidden bytes, codes offset, weights offset, row width), 16-byte aligned."""
+        hidden_bytes = hidden_size * dtype.itemsize
+        codes = -(-hidden_bytes // 16) * 16                   # k + 1 int64 codes (the last: the floor, 0)
+        weights = codes + 8 * (top_k + 1)                     # k fp32 weights
+        row = -(-(weights + 4 * top_k) // 16) * 16
+        return hidden_bytes, codes, weights, row
+
+    def _views(self, rows: torch.Tensor, hidden_size: int, dtype: torch.dtype, top_k: int):
+        """(hidden [N, H], codes [N, k + 1] int64, weights [N, k] fp32): views of packed rows [N, B] uint8."""
+        hidden_bytes, codes, weights, _ = self.layout(hidden_size, dtype, top_k)
+        return (rows[:, :hidden_bytes].view(dtype), rows[:, codes:weights].view(torch.int64),
+                rows[:, weights:weights + 4 * top_k].view(torch.float32))
+
+    def _static_buffers(self, rows: int, world: int, hidden_size: int, dtype: torch.dtype, top_k: int, device):
+        key = (rows, world, hidden_size, dtype, top_k, device)
+        if key not in self._buffers:         # zeros: the floor column stays 0 (nothing writes it)
+            width = self.layout(hidden_size, dtype, top_k)[3]
+            self._buffers[key] = (torch.zeros(rows, width, dtype=torch.uint8, device=device),
+                                  torch.zeros(world * rows, width, dtype=torch.uint8, device=device))
+        return self._buffers[key]
+
+    def _constant(self, key: tuple, rows: int, device, values) -> torch.Tensor:
+        """values(arange(n)) for the first `rows` token indices, cached per key (grown as needed)."""
+        cached = self._consts.get((key, device))
+        if cached is None or cached.shape[0] < rows:
+            size = max(rows, 64, 2 * (cached.shape[0] if cached is not None else 0))
+            cached = values(torch.arange(size, device=device))
+            self._consts[(key, device)] = cached
+        return cached[:rows]
+
+    def _offsets(self, experts, rows: int, row_valid: torch.Tensor | None) -> torch.Tensor:
+        """1 + the replica pick (t + rank) % M (0 for physical codes), + span on padding rows (row_valid 0):
+        [rows] int64. In a static forward computed once per step (by its first layer with this table shape)."""
+        runtime = experts.runtime
+        _, scale, span = experts.routing_table()
+        rank, device, period = runtime.rank, experts.w_gate_up.device, scale or 1
+        if row_valid is None:
+            return self._constant(("pick", period, rank), rows, device, lambda t: 1 + (t + rank) % period)
+        cache = runtime.static_step_cache if runtime.static_step_cache is not None else {}
+        key = ("offsets", rows, period, span)
+        if key not in cache:
+            base = self._constant(("pick+span", period, rank, span), rows, device,
+                                  lambda t: 1 + (t + rank) % period + span)                        # [P]
+            cache[key] = torch.add(base, row_valid, alpha=-span)                                    # [P]
+        return cache[key]
+
+    def _encode(self, experts, ids: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the routing codes of `ids` [n, k] into `out` [n, k] (offsets [n]: see _offsets)."""
+        _, scale, _ = experts.routing_table()
+        if scale:                            # 1 + expert * M + pick (+ span)
+            torch.add(offsets.unsqueeze(1), ids, alpha=scale, out=out)
+        else:                                # 1 + the physical id physical_ids picks (+ span)
+            token_index = self._constant(("token",), ids.shape[0], ids.device, lambda t: t).unsqueeze(1)   # [n, 1]
+            torch.add(offsets.unsqueeze(1), experts.physical_ids(ids, token_index, experts.runtime.rank), out=out)
 
     def __call__(self, experts, hidden, topk_ids, topk_weights, token_counts, row_valid=None):
         runtime = experts.runtime
         group, rank, world = runtime.group.device_group, runtime.rank, runtime.world_size
         num_tokens, top_k = topk_ids.shape
         hidden_size = hidden.shape[1]
+        dtype, device = hidden.dtype, hidden.device
         # eager: padded to the step's largest count (known on every rank); graph step: the bucket's rows
         padded_tokens = num_tokens if row_valid is not None else max(token_counts)
         if padded_tokens == 0:                       # no rank has a token: every rank skips alike
             return hidden.new_empty(0, hidden_size)
-        device = hidden.device
-        row_bytes = hidden_size * hidden.element_size()
-        # one gather moves everything: each row is the token's hidden bytes, then as fp32 bytes its routing
-        # (k expert ids, exact in fp32, and k weights) and a valid flag (1: a real token; rows past a rank's
-        # count stay zero, so invalid)
-        packed = torch.zeros(padded_tokens, row_bytes + 4 * (2 * top_k + 1), dtype=torch.uint8, device=device)
-        packed[:num_tokens, :row_bytes] = hidden.contiguous().view(torch.uint8).view(num_tokens, row_bytes)
-        flag = row_valid.float().unsqueeze(1) if row_valid is not None else \
-            torch.ones(num_tokens, 1, dtype=torch.float32, device=device)
-        routing = torch.cat([topk_ids.float(), topk_weights.float(), flag], dim=1)         # [T, 2k+1] fp32
-        packed[:num_tokens, row_bytes:] = routing.view(torch.uint8).view(num_tokens, 4 * (2 * top_k + 1))
-        gathered = packed.new_empty(world * padded_tokens, packed.shape[1])                 # [W*P, B]
+        table, scale, span = experts.routing_table()
+        if row_valid is not None:                    # static shapes: the bucket's buffers, written in place
+            packed, gathered = self._static_buffers(padded_tokens, world, hidden_size, dtype, top_k, device)
+            send_hidden, send_codes, send_weights = self._views(packed, hidden_size, dtype, top_k)
+            send_hidden.copy_(hidden)
+            self._encode(experts, topk_ids, self._offsets(experts, num_tokens, row_valid), send_codes[:, :top_k])
+            send_weights.copy_(topk_weights)
+        else:
+            width = self.layout(hidden_size, dtype, top_k)[3]
+            packed = torch.zeros(padded_tokens, width, dtype=torch.uint8, device=device)
+            gathered = packed.new_empty(world * padded_tokens, width)
+            send_hidden, send_codes, send_weights = self._views(packed, hidden_size, dtype, top_k)
+            if num_tokens:
+                send_hidden[:num_tokens].copy_(hidden)
+                self._encode(experts, topk_ids, self._offsets(experts, num_tokens, None),
+                             send_codes[:num_tokens, :top_k])
+                send_weights[:num_tokens].copy_(topk_weights)
+            if num_tokens < padded_tokens:
+                send_codes[num_tokens:, :top_k].fill_(1 + span)      # rows past this rank's count route nowhere
         with runtime.timer.time("allgather"):
             all_gather(gathered, packed, group=group)
-        all_hidden = gathered[:, :row_bytes].contiguous().view(hidden.dtype)                # [W*P, H]
-        all_routing = gathered[:, row_bytes:].contiguous().view(torch.float32)              # [W*P, 2k+1]
-        all_ids = all_routing[:, :top_k].long()                                             # [W*P, k]
-        all_weights = all_routing[:, top_k:2 * top_k]                                       # [W*P, k]
-        valid = all_routing[:, 2 * top_k:] > 0                                              # [W*P, 1]
-        source = torch.arange(world, device=device).repeat_interleave(padded_tokens).unsqueeze(1)   # [W*P, 1]
-        token_index = torch.arange(padded_tokens, device=device).repeat(world).unsqueeze(1)         # [W*P, 1]
-        physical = experts.physical_ids(all_ids, token_index, source).reshape(-1)           # [W*P*k]
-        mine = (experts.slot_rank[physical] == rank) & valid.expand(-1, top_k).reshape(-1)  # [W*P*k]
-        # Every gathered token-slot runs through a local slot, contributing an exact 0 where the slot
-        # is another rank's: static shapes, no host sync to count this rank's rows. Those rows reuse
-        # a slot this rank computes anyway (the first of its own), so the kernels, which read each
-        # expert's weights once per call, read no extra expert.
-        local = experts.slot_local[physical]                                                # [W*P*k]
-        # (index_select with a [1] index: indexing by a 0-dim CUDA tensor would read it back to the host)
-        first_mine = torch.argmax(mine.to(torch.int8)).reshape(1)                           # [1]
-        reused = torch.where(mine.any(), local.index_select(0, first_mine)[0], torch.zeros_like(local[0]))
-        local_ids = torch.where(mine, local, reused)                                        # [W*P*k]
-        order = torch.argsort(all_ids.reshape(-1), stable=True)                             # by expert
-        tokens = order // top_k                                                             # [W*P*k]
+        all_hidden, all_codes, all_weights = self._views(gathered, hidden_size, dtype, top_k)   # [W*P, ...]
         if experts.w_gate_up.shape[0] == 0:          # this rank holds no slot: it owes nothing
-            partial = torch.zeros(world * padded_tokens, hidden_size, dtype=torch.float32, device=device)
+            partial = self._no_slots(world * padded_tokens, hidden_size, device, static=row_valid is not None)
         else:
-            out_rows = experts.compute(all_hidden.index_select(0, tokens), local_ids[order])   # [W*P*k, H]
-            weighted = out_rows.float() * all_weights.reshape(-1)[order].unsqueeze(-1)
-            weighted = torch.where(mine[order].unsqueeze(-1), weighted, torch.zeros((), device=device))
-            partial = torch.zeros(world * padded_tokens, hidden_size, dtype=torch.float32, device=device)
-            partial.index_add_(0, tokens, weighted)                                         # [W*P, H]
+            local = table[all_codes]                                    # [W*P, k + 1] local slot, -1: not here
+            reused = local.amax()                                      # >= 0 (the floor column)
+            local = local[:, :top_k]
+            mine = local >= 0                                            # [W*P, k]
+            local_ids = torch.where(mine, local, reused)                 # [W*P, k]
+            weights = torch.where(mine, all_weights, 0.0)                # [W*P, k] fp32
+            partial = experts.compute_weighted(all_hidden, local_ids, weights)   # [W*P, H] fp32
         out = torch.empty(padded_tokens, hidden_size, dtype=torch.float32, device=device)  # [P, H]
         with runtime.timer.time("allgather"):
             reduce_scatter(out, partial, group=group)
-        return out[:num_tokens].to(hidden.dtype)
+        return out[:num_tokens].to(dtype)
 
 
 EXCHANGES = {cls.name: cls for cls in (AllToAllExchange, AllGatherExchange)}

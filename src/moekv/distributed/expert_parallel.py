@@ -23,6 +23,7 @@ so the collectives are captured in each bucket's graph. Other steps stay eager a
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from contextlib import contextmanager, nullcontext
@@ -50,6 +51,9 @@ AUTO_ALLGATHER_MAX_TOKENS = {"gloo": 0, "nccl": 16}
 # collectives, so graph steps win long before all_to_all's smaller transfers do. 64 covers the
 # 128 x 16k run on 2 GPUs (64 sequences per rank); provisional until a GPU run measures larger buckets.
 AUTO_ALLGATHER_MAX_TOKENS_GRAPHS = {"gloo": 0, "nccl": 64}
+# The all-gather exchange's routing table has 2 * E * M + 1 entries (M: the lcm of a layer's replica counts;
+# see ExpertParallelExperts.routing_table); past this many it carries physical ids instead (2 * S + 1).
+MAX_PICK_TABLE = 1 << 16
 
 
 def agree_graph_bucket(counts: list[int], batches: list[int], buckets: list[int], limits: list[int]) -> int | None:
@@ -136,6 +140,7 @@ class ExpertParallelRuntime:
         self.graph_buckets: list[int] = []     # the runner's buckets while its graph path is on
         self.graph_bucket: int | None = None    # this step's agreed bucket (None: an eager step)
         self.static_valid: torch.Tensor | None = None   # inside a graph step's forward: token_valid [Bb] int64
+        self.static_step_cache: dict | None = None      # ... tensors its layers share (AllGatherExchange)
         self.step_kinds: Counter = Counter()    # steps with tokens on some rank: "graph" / "eager"
 
     @property
@@ -211,11 +216,13 @@ class ExpertParallelRuntime:
         """Around a graph step's forward (replayed or run eagerly on the bucket's buffers): the experts take
         the static all-gather path with meta.token_valid as the row mask; no timing events."""
         self.static_valid = meta.token_valid
+        self.static_step_cache = {}       # per forward: computed inside it (so a capture records it) once
         self.timer.paused = True
         try:
             yield
         finally:
             self.static_valid = None
+            self.static_step_cache = None
             self.timer.paused = False
 
     def any_rank(self, flag: bool) -> bool:
@@ -301,6 +308,32 @@ class ExpertParallelExperts(Experts):
         self.register_buffer("replica_count", buffer(list(counts)), persistent=False)  # [E]
         self.register_buffer("slot_rank", buffer(list(placement.slot_ranks)), persistent=False)  # [S]
         self.register_buffer("slot_local", buffer(local), persistent=False)           # [S]
+        self._routing = None               # routing_table(), rebuilt from these buffers on next use
+
+    def routing_table(self) -> tuple[torch.Tensor, int, int]:
+        """(table, M, span): how the all-gather exchange maps a routing code to this rank's local slot.
+
+        M > 0: a token-slot (token t of rank s, expert e) has code 1 + e * M + (t + s) % M, M the lcm of the
+        replica counts, so (t + s) % M % count[e] is physical_ids' pick; M = 0 (the table would exceed
+        MAX_PICK_TABLE): code 1 + its physical id. span (E * M, or S): padding rows add it. table
+        [2 * span + 1] int64: entry 0 is 0 (the exchange's floor column), then per code the local slot of
+        its replica if this rank holds it, else -1; every padding code -1. Built with device ops from the
+        placement buffers (no host read) on first use after each placement or device change.
+        """
+        if self._routing is not None and self._routing[0] is self.replica_table:
+            return self._routing[1]
+        period = math.lcm(*self.placement.replica_counts)
+        rank = self.runtime.rank
+        own = torch.where(self.slot_rank == rank, self.slot_local, -1)                  # [S] local slot or -1
+        if self.num_experts * period <= MAX_PICK_TABLE:
+            picks = torch.arange(period, device=own.device) % self.replica_count.unsqueeze(1)   # [E, M]
+            codes = own[self.replica_table.gather(1, picks)].reshape(-1)                # [E * M]
+        else:
+            codes, period = own, 0                                                      # [S]
+        span = codes.shape[0]
+        table = torch.cat([codes.new_zeros(1), codes, codes.new_full((span,), -1)])     # [2 * span + 1]
+        self._routing = (self.replica_table, (table, period, span))
+        return self._routing[1]
 
     def physical_ids(self, topk_ids: torch.Tensor, token_index, source_rank) -> torch.Tensor:
         """topk_ids [T, k]; token_index and source_rank (ints or [T, 1]) -> physical ids [T, k].
@@ -317,6 +350,14 @@ class ExpertParallelExperts(Experts):
             return rows.new_empty(0, rows.shape[1])
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)           # [R, 1]
         return dispatch.moe_experts(rows, self.w_gate_up, self.w_down, local_ids.unsqueeze(1), ones)
+
+    def compute_weighted(self, rows: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """rows [R, H] (rows may be strided), local slots [R, k], weights [R, k] fp32 ->
+        sum_j weights[r, j] * expert_j(rows[r]) [R, H] in fp32 (each expert output rounded as the
+        single-device op rounds it, the sum not rounded: the caller adds the ranks' sums first)."""
+        if rows.shape[0] == 0:
+            return rows.new_empty(0, rows.shape[1], dtype=torch.float32)
+        return dispatch.moe_experts(rows, self.w_gate_up, self.w_down, local_ids, weights, out_dtype=torch.float32)
 
     def forward(self, hidden, topk_ids, topk_weights):
         runtime = self.runtime

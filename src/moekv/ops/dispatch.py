@@ -166,10 +166,11 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights):
+def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=None):
     """See ops.reference.moe.moe_experts_reference. Triton: T <= the decode limit of this shape and GPU
     (tuned crossover in ops/triton/moe_configs, default 16 tokens) runs ops.triton.moe_decode (no
-    sort, weights read once per step), larger T ops.triton.moe_grouped (device align + grouped GEMM)."""
+    sort, weights read once per step), larger T ops.triton.moe_grouped (device align + grouped GEMM).
+    out_dtype: the output's dtype (None: hidden's); torch.float32 returns the fp32 weighted sum unrounded."""
     if use_triton("moe_experts", hidden):
         from moekv.ops.triton import moe_decode, moe_grouped
         from moekv.ops.triton.moe_configs import decode_max_tokens
@@ -178,10 +179,10 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights):
         limit = min(decode_max_tokens(num_experts, hidden_size, two_inter // 2, hidden.dtype, hidden.device),
                     moe_decode.MAX_DECODE_TOKENS)
         kernel = moe_decode.moe_experts_decode if hidden.shape[0] <= limit else moe_grouped.moe_experts_grouped
-        return kernel(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+        return kernel(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=out_dtype)
     from moekv.ops.reference.moe import moe_experts_reference as reference
 
-    return reference(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+    return reference(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=out_dtype)
 
 
 def moe_align(topk_ids, num_experts, block_m):

@@ -11,13 +11,15 @@ import torch.nn.functional as F
 
 
 def moe_experts_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                          topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                          topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
 
     hidden [T, H]; topk_ids [T, k] int64; topk_weights [T, k] (any float dtype) -> [T, H] in
-    hidden's dtype. Token slots are sorted by expert so each expert runs one matmul over a
-    contiguous segment; the per-expert counts come to the host once (this is the reference path,
-    the Triton kernel avoids that sync). The weighted sum accumulates in fp32.
+    out_dtype (None: hidden's; torch.float32: the fp32 sum, unrounded). Token slots are sorted by
+    expert so each expert runs one matmul over a contiguous segment; the per-expert counts come to
+    the host once (this is the reference path, the Triton kernel avoids that sync). The weighted sum
+    accumulates in fp32.
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w_gate_up.shape
@@ -42,7 +44,7 @@ def moe_experts_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down:
     weighted = expert_out.float() * slot_weight.unsqueeze(-1)                # [T*k, H] fp32
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
     out.index_add_(0, slot_token, weighted)                                  # [T, H]
-    return out.to(hidden.dtype)
+    return out.to(out_dtype or hidden.dtype)
 
 
 def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int

@@ -237,17 +237,18 @@ def moe_shapes(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
 
 
 def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-                       topk_weights: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+                       topk_weights: torch.Tensor, config: dict | None = None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Same contract as ops.reference.moe.moe_experts_reference, for T <= MAX_DECODE_TOKENS.
 
     config: {"gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages}, "down": {..., SPLIT_K}}, entries
     overriding the tuned or default ones (moe_configs.get_config); SPLIT_K None: default_split_k.
     Expert ids of a token are expected distinct (torch.topk's are); repeated ones still give the
-    reference's result.
+    reference's result. out_dtype: the output's (None: hidden's; torch.float32: the sum unrounded).
     """
     num_tokens, hidden_size, num_experts, inter, top_k = moe_shapes(hidden, w_gate_up, w_down, topk_ids,
                                                                     topk_weights)
-    out = torch.empty_like(hidden)                                                    # [T, H]
+    out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)   # [T, H]
     if num_tokens == 0:
         return out
     act = decode_activation(hidden, w_gate_up, topk_ids, config)                      # [T*k, I]

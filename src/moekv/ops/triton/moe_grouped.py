@@ -140,15 +140,16 @@ def grouped_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: 
 
 
 def moe_experts_grouped(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """Same contract as ops.reference.moe.moe_experts_reference, for any T.
+                        topk_weights: torch.Tensor, config: dict | None = None,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Same contract as ops.reference.moe.moe_experts_reference, for any T (out_dtype: as there).
 
     config: {"BLOCK_M", "gate_up": {BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}, "down": {...}},
     entries overriding the tuned or default ones (moe_configs.get_config).
     """
     num_tokens, hidden_size, num_experts, inter, top_k = moe_shapes(hidden, w_gate_up, w_down, topk_ids,
                                                                     topk_weights)
-    out = torch.empty_like(hidden)                                                    # [T, H]
+    out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)   # [T, H]
     if num_tokens == 0:
         return out
     cfg = _resolve_config(hidden, w_gate_up, top_k, config)
