@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from moekv.ops import dispatch
+
 if TYPE_CHECKING:
     from moekv.distributed.expert_parallel import ExpertParallelExperts
 
@@ -136,8 +138,8 @@ class AllGatherExchange(TokenExchange):
     Graph steps (row_valid given, every rank has the bucket's P rows) reuse per-bucket buffers (the packed
     rows, the gathered rows, their floor column written once) and per-step code offsets (computed by the
     first layer of each static forward), so a layer launches: 2 copies and the codes into the packed rows,
-    the all-gather, 5 routing ops, the expert kernels, the reduce-scatter and the cast back
-    (tests/distributed/test_exchange.py bounds it).
+    the all-gather, one routing launch (ops.dispatch.ep_local_routing; five ops in the reference), the
+    expert kernels, the reduce-scatter and the cast back (tests/distributed/test_exchange.py bounds it).
     """
 
     name = "allgather"
@@ -248,12 +250,8 @@ class AllGatherExchange(TokenExchange):
         if experts.w_gate_up.shape[0] == 0:          # this rank holds no slot: it owes nothing
             partial = self._no_slots(world * padded_tokens, hidden_size, device, static=row_valid is not None)
         else:
-            local = table[all_codes]                                    # [W*P, k + 1] local slot, -1: not here
-            reused = local.amax()                                      # >= 0 (the floor column)
-            local = local[:, :top_k]
-            mine = local >= 0                                            # [W*P, k]
-            local_ids = torch.where(mine, local, reused)                 # [W*P, k]
-            weights = torch.where(mine, all_weights, 0.0)                # [W*P, k] fp32
+            # local slots [W*P, k] (choices held elsewhere: weight 0 on a slot read anyway) and fp32 weights
+            local_ids, weights = dispatch.ep_local_routing(table, all_codes, all_weights, top_k)
             partial = experts.compute_weighted(all_hidden, local_ids, weights)   # [W*P, H] fp32
         out = torch.empty(padded_tokens, hidden_size, dtype=torch.float32, device=device)  # [P, H]
         with runtime.timer.time("allgather"):

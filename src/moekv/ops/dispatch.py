@@ -185,6 +185,20 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
     return reference(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=out_dtype)
 
 
+def ep_local_routing(table, codes, weights, top_k):
+    """See ops.reference.ep_routing (Triton: ops.triton.ep_routing, one launch instead of five)."""
+    if use_triton("ep_local_routing", codes):
+        from moekv.ops.triton import ep_routing
+
+        if ep_routing.supports(codes, top_k):
+            return ep_routing.ep_local_routing(table, codes, weights, top_k)
+        _warn_once("ep_local_routing:unsupported", f"moekv: no Triton EP routing for {tuple(codes.shape)}; "
+                   "running the reference")
+    from moekv.ops.reference.ep_routing import ep_local_routing as reference
+
+    return reference(table, codes, weights, top_k)
+
+
 def moe_align(topk_ids, num_experts, block_m):
     """See ops.reference.moe.moe_align_reference (Triton: ops.triton.moe_align)."""
     if use_triton("moe_align", topk_ids):
