@@ -23,7 +23,8 @@ _warned: set[str] = set()
 # DEFAULT_LOWBIT_DECODE; "v4" keeps the general kernel (lowbit_attention) for decode as well.
 # Measured side by side on the H200 by benchmarks/bench_attention.py (docs/attention-kernels.md).
 _LOWBIT_DECODE_KERNELS = {
-    "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc"),
+    "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc"),     # v5.1
+    "tm": ("moekv.ops.triton.lowbit_decode_tm", "paged_attention_lowbit_decode_tm"),     # v6, token-major
     "v4": None,
 }
 DEFAULT_LOWBIT_DECODE = "tc"
@@ -69,7 +70,8 @@ def use_triton(op: str, tensor: torch.Tensor, has_triton: bool = True) -> bool:
 
 
 def set_lowbit_decode(name: str) -> None:
-    """Pick the low-bit decode kernel: "auto", "tc" (decode-only, tensor cores) or "v4" (the general kernel)."""
+    """Pick the low-bit decode kernel: "auto", "tc" (decode-only, tensor cores), "tm" (decode-only,
+    token-major) or "v4" (the general kernel)."""
     global _lowbit_decode
     if name not in (*_LOWBIT_DECODE_KERNELS, "auto"):
         raise ValueError(f"low-bit decode kernel must be auto or one of {tuple(_LOWBIT_DECODE_KERNELS)}, got {name!r}")
