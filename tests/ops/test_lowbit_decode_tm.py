@@ -15,14 +15,46 @@ from moekv.ops.triton.lowbit_decode_tm import paged_attention_lowbit_decode_tm a
 from moekv.ops.triton.lowbit_decode_tm import supports
 from moekv.ops.triton.lowbit_decode_tm_parts import channels, columns, load_words, row_tokens, unpack
 from tests.ops.helpers import assert_close
-from tests.ops.lowbit_cases import build_case
+from tests.ops.lowbit_cases import build_case, to_device
 
 SCALE = 0.125
 DECODE = dict(context_lens=[0, 1, 40, 100], query_lens=[1, 1, 1, 1])   # empty, tiny, ragged, several pages
 
 
+@pytest.fixture(params=["dot", "scatter"])
+def outliers(request):
+    """Both outlier paths: exact 0/1 dots, and fp32 atomics through the per-program scratch."""
+    return request.param
+
+
 def check(case, dtype, **overrides):
     assert_close(kernel(*case.args(), SCALE, **overrides), reference(*case.args(), SCALE), dtype)
+
+
+def plant_outliers(pages, spec, seed: int, value_scale: float, max_count: int | None = None) -> None:
+    """Overwrite the outlier slots of every (page, head) with hard patterns, sorted by index as the format
+    requires: one token with an outlier in every channel, one channel with an outlier at every token (the same
+    correction row many times), then random slots; counts 0, the full capacity and odd counts in between.
+    Residuals: normal times value_scale (the format allows any fp16)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages, heads, capacity = pages.outlier_idx.shape
+    size, dim = spec.page_size, spec.head_dim
+    for page in range(num_pages):
+        for head in range(heads):
+            token = int(torch.randint(size, (1,), generator=gen))
+            channel = int(torch.randint(dim, (1,), generator=gen))
+            ordered = torch.cat([token * dim + torch.arange(dim), torch.arange(size) * dim + channel,
+                                 torch.randperm(size * dim, generator=gen)]).tolist()
+            chosen = list(dict.fromkeys(ordered))                                    # distinct, first kept
+            count = [0, capacity, max(capacity // 2 - 3, 1), min(capacity, 2 * dim + 1)][(page * heads + head) % 4]
+            count = min(count, capacity if max_count is None else max_count)
+            idx = torch.zeros(capacity, dtype=torch.int64)
+            idx[:count] = torch.tensor(sorted(chosen[:count]), dtype=torch.int64)
+            vals = torch.zeros(capacity)
+            vals[:count] = torch.randn(count, generator=gen) * value_scale
+            pages.outlier_idx[page, head] = torch.where(idx >= 1 << 15, idx - (1 << 16), idx).to(torch.int16)
+            pages.outlier_vals[page, head] = vals.clamp(-65504, 65504).to(torch.float16)
+            pages.outlier_count[page, head] = count
 
 
 @triton.jit
@@ -55,72 +87,74 @@ def test_unpack_orders(device, bits, head_dim, block_n, warps):
 @pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("dtype,kind", [(torch.float32, "outlier_channels"), (torch.bfloat16, "outlier_channels"),
                                         (torch.float16, "normal"), (torch.float16, "large")])
-def test_formats(device, bits, dtype, kind):
+def test_formats(device, bits, dtype, kind, outliers):
     # empty, length 1, ragged and several-page contexts; planted 50x channels / 1e4 values
     check(build_case(**DECODE, num_kv_heads=2, group=4, head_dim=64, bits=bits, page_size=16, dtype=dtype,
-                     kind=kind, device=device), dtype)
+                     kind=kind, device=device), dtype, outliers=outliers)
 
 
 @pytest.mark.parametrize("bits,dtype", [(3, torch.bfloat16), (4, torch.float32), (2, torch.float16)])
-def test_head_dim_128(device, bits, dtype):
+def test_head_dim_128(device, bits, dtype, outliers):
     check(build_case([5, 33], [1, 1], 2, 4, 128, bits, 16, dtype=dtype, kind="outlier_channels", seed=1,
-                     device=device), dtype)
+                     device=device), dtype, outliers=outliers)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_large_values(device, dtype):
-    check(build_case([50, 17], [1, 1], 2, 4, 64, 3, 16, dtype=dtype, kind="large", seed=2, device=device), dtype)
+def test_large_values(device, dtype, outliers):
+    check(build_case([50, 17], [1, 1], 2, 4, 64, 3, 16, dtype=dtype, kind="large", seed=2, device=device), dtype,
+          outliers=outliers)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_axis_keys(device, dtype):
+def test_token_axis_keys(device, dtype, outliers):
     check(build_case([45, 64], [1, 1], 2, 4, 64, 4, 16, dtype=dtype, key_axis="token", kind="outlier_channels",
-                     seed=3, device=device), dtype)
+                     seed=3, device=device), dtype, outliers=outliers)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_sink_pages_and_splits(device, num_splits):
+def test_sink_pages_and_splits(device, num_splits, outliers):
     # the first two pages of each sequence stay in fp staging pages, before low-bit ones
     case = build_case([90, 20, 70], [1, 1, 1], 2, 4, 64, 3, 16, sink_pages=2, seed=4, device=device)
-    check(case, torch.float32, num_splits=num_splits, SCAN=4)
+    check(case, torch.float32, num_splits=num_splits, SCAN=4, outliers=outliers)
 
 
-def test_no_outlier_capacity_group_1(device):
-    check(build_case([40, 3], [1, 1], 1, 1, 64, 2, 16, outlier_fraction=0.0, seed=5, device=device), torch.float32)
+def test_no_outlier_capacity_group_1(device, outliers):
+    check(build_case([40, 3], [1, 1], 1, 1, 64, 2, 16, outlier_fraction=0.0, seed=5, device=device), torch.float32,
+          outliers=outliers)
 
 
-def test_page_size_32_slot_chunks(device):
+def test_page_size_32_slot_chunks(device, outliers):
     case = build_case([70, 31], [1, 1], 2, 4, 64, 4, 32, kind="outlier_channels", seed=6, device=device)
-    check(case, torch.float32, BLOCK_C=32)
-    check(case, torch.float32, BLOCK_N=16, BLOCK_C=16)
+    check(case, torch.float32, BLOCK_C=32, outliers=outliers)
+    check(case, torch.float32, BLOCK_N=16, BLOCK_C=16, outliers=outliers)
 
 
 @pytest.mark.parametrize("overrides", [{"codes": "subnormal"}, {"BLOCK_H": 8, "STAGE_N": 16},
                                        {"codes": "subnormal", "BLOCK_N": 16, "BLOCK_C": 32, "num_splits": 2}])
-def test_launch_variants(device, overrides):
+def test_launch_variants(device, overrides, outliers):
     case = build_case([0, 1, 40, 100], [1, 1, 1, 1], 2, 4, 64, 3, 16, dtype=torch.float16, kind="normal",
                       sink_pages=1, seed=9, device=device)
-    check(case, torch.float16, **overrides)
+    check(case, torch.float16, outliers=outliers, **overrides)
 
 
 @pytest.mark.parametrize("block_n,warps", [(128, 4), (64, 4), (128, 8)])
-def test_mma_row_orders(device, block_n, warps):
+def test_mma_row_orders(device, block_n, warps, outliers):
     # blocks large enough for the permuted row order (the wgmma layouts): pages of 128, a sub-page block,
     # 8 warps; a full page, a partial staged page, and outliers in both
     case = build_case([128 + 77, 128], [1, 1], 1, 4, 64, 3, 128, dtype=torch.bfloat16, kind="outlier_channels",
                       seed=12, device=device)
-    check(case, torch.bfloat16, BLOCK_N=block_n, num_warps=warps)
+    check(case, torch.bfloat16, BLOCK_N=block_n, num_warps=warps, outliers=outliers)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
-def test_fixed_num_splits(device, splits):
+def test_fixed_num_splits(device, splits, outliers):
     # device-side split ranges; short sequences leave some splits empty (and context 0 leaves all empty); the
     # host lengths describe another batch (as in a graph replay)
     case = build_case([0, 17, 100, 48], [1, 1, 1, 1], 2, 4, 64, 3, 16, dtype=torch.bfloat16, sink_pages=1, seed=7,
                       device=device)
     want = reference(*case.args(), SCALE)
     case.meta = dataclasses.replace(case.meta, fixed_num_splits=splits, context_lens_host=[0] * 4)
-    assert_close(kernel(*case.args(), SCALE), want, torch.bfloat16)
+    assert_close(kernel(*case.args(), SCALE, outliers=outliers), want, torch.bfloat16)
 
 
 def test_rejects_prefill_and_unsupported(device):
@@ -135,10 +169,60 @@ def test_rejects_prefill_and_unsupported(device):
         kernel(*build_case([16], [1], 1, 4, 64, 3, 16, seed=8, device=device).args(), SCALE, bogus=1)
 
 
-def test_real_page_shape(device):
+def test_real_page_shape(device, outliers):
     # the target shape's page (P = 128, D = 128, GQA 4), one low-bit page + a staged tail, two splits
     case = build_case([300], [1], 1, 4, 128, 3, 128, dtype=torch.bfloat16, kind="outlier_channels", seed=10,
                       device=device)
-    check(case, torch.bfloat16, num_splits=2)
+    check(case, torch.bfloat16, num_splits=2, outliers=outliers)
     case.meta.fixed_num_splits = 3
-    check(case, torch.bfloat16, codes="subnormal")
+    check(case, torch.bfloat16, codes="subnormal", outliers=outliers)
+
+
+def _planted(context_lens, group, head_dim, bits, page_size, dtype, seed, device, key_scale, value_scale,
+             fraction=0.25, max_count=None, **kw):
+    case = build_case(context_lens, [1] * len(context_lens), 2, group, head_dim, bits, page_size, dtype=dtype,
+                      outlier_fraction=fraction, seed=seed, **kw)                     # 25%: several slot chunks
+    plant_outliers(case.key_pages, case.key_spec, seed, key_scale, max_count)
+    plant_outliers(case.value_pages, case.value_spec, seed + 1, value_scale, max_count)
+    return to_device(case, device) if device != "cpu" else case
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_planted_outlier_slots(device, bits, dtype, outliers):
+    # every outlier of a token, every outlier of a channel, counts 0 / capacity / odd, huge value residuals;
+    # empty, length-1, ragged contexts, a staged sink page (its stale slots must be ignored), host splits
+    case = _planted(DECODE["context_lens"], group=4, head_dim=64, bits=bits, page_size=16, dtype=dtype, seed=20 + bits,
+                    device=device, key_scale=4.0, value_scale=3e4, sink_pages=1)
+    check(case, dtype, outliers=outliers, num_splits=2)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"BLOCK_C": 16}, {"BLOCK_N": 16, "BLOCK_C": 32, "codes": "subnormal"},
+                                       {"BLOCK_H": 8, "num_warps": 8}])
+def test_planted_outlier_slots_variants(device, overrides, outliers):
+    # slot chunk sizes (one chunk, several), sub-page blocks, 8 warps; token-axis keys; device-side splits
+    case = _planted([33, 100, 64], group=2, head_dim=64, bits=3, page_size=32, dtype=torch.float16, seed=30,
+                    device=device, key_scale=2.0, value_scale=100.0, key_axis="token")
+    want = reference(*case.args(), SCALE)
+    case.meta = dataclasses.replace(case.meta, fixed_num_splits=3, context_lens_host=[0] * 3)
+    assert_close(kernel(*case.args(), SCALE, outliers=outliers, **overrides), want, torch.float16)
+
+
+def test_outlier_index_above_32767(device, outliers):
+    # pages of 512 x 128: flat indices use all 16 bits (stored negative in int16), 128-token blocks
+    case = _planted([700], group=4, head_dim=128, bits=3, page_size=512, dtype=torch.bfloat16, seed=40,
+                    device=device, key_scale=4.0, value_scale=1e3, fraction=0.01)
+    assert (case.key_pages.outlier_idx < 0).any()
+    check(case, torch.bfloat16, outliers=outliers)
+
+
+def test_scatter_repeatable_single_slots(device):
+    # the scratch is zeroed by the kernel, nothing carries over between calls: with at most one outlier per
+    # (page, head) (one atomic per scratch element, no order to vary) two calls agree exactly
+    case = _planted([100, 40], group=4, head_dim=64, bits=3, page_size=16, dtype=torch.float32, seed=50,
+                    device=device, key_scale=1.0, value_scale=10.0, max_count=1)
+    first = kernel(*case.args(), SCALE, outliers="scatter")
+    assert torch.equal(first, kernel(*case.args(), SCALE, outliers="scatter"))
+    assert_close(first, reference(*case.args(), SCALE), torch.float32)
+    with pytest.raises(ValueError):
+        kernel(*case.args(), SCALE, outliers="bogus")

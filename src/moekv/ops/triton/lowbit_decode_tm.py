@@ -29,7 +29,14 @@ Math (q holds scale * log2(e); base-2 online softmax; qn = q / |q_h|max, |qn| <=
   16-bit queries: fp16 dots on normalised operands (3 more mantissa bits than bf16); fp32 queries:
   fp32 operands and exact ("ieee") dots.
   Outliers (fp16 residual r at token t, channel d; up to the page-head's count, BLOCK_C slots at a
-  time), exact 0/1 dots as in v5, token-major:
+  time), "scatter" (default): fp32 atomics into this program's scratch in global memory (L1/L2), one per
+  (slot, head of the group), then one read of the corrections in the accumulator layout:
+    keys: K[t, h] += r * q[h, d] (q scaled, read from a copy by channel); barrier; s += K (rows_view of the
+      loaded [N, H] tile is the score layout), K re-zeroed by its reader;
+    values: P[t, h] = p (stored by token, rows_unview); barrier; V[row(d), h] += P[t, h] * r; barrier after the
+      value dot; out^T += V (added on the next page, before its rescale, so the read's latency hides), V
+      re-zeroed by its reader. Unconditional barriers per page order every reuse (docs/attention-kernels.md).
+  "dot": exact 0/1 dots as in v5, token-major:
     keys: s[:, h] += R [N, C] @ (q[h, d_c] / 2^e_h) [C, H] * 2^e_h, R = r at (its token's row, slot);
     values: p_sel [C, H] = pick [C, N] @ fp16(p) (an exact pick), then out^T += R [D, C] @ p_sel,
       R = r at (its channel's row, slot).
@@ -48,8 +55,10 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, pow2
-from moekv.ops.triton.lowbit_decode_tm_parts import (channels, key_outliers, load_words, narrow, outlier_slots,
-                                                     row_tokens, token_scale_zero, unpack, value_outliers, widen)
+from moekv.ops.triton.lowbit_decode_tm_parts import (add_values, channels, first_slots, key_outliers, load_words,
+                                                     narrow, outlier_slots, pick_values, row_tokens, rows_unview,
+                                                     rows_view, scatter_keys, scratch_offsets, token_scale_zero,
+                                                     unpack, value_outliers, widen)
 from moekv.ops.triton.split_k import combine_splits, plan_splits
 
 CODES_FP32 = 0          # fp32 queries: fp32 operands, exact fp32 dots
@@ -62,17 +71,19 @@ def _decode_tm_kernel(
     q_ptr, new_k_ptr, new_v_ptr, out_ptr, lse_ptr,
     k_codes, k_scale, k_zero, k_base, k_ovals, k_oidx, k_ocount,
     v_codes, v_scale, v_zero, v_base, v_ovals, v_oidx, v_ocount,
-    staging_k, staging_v, slot_of_page,
+    staging_k, staging_v, slot_of_page, scratch,
     block_tables, query_start_loc, context_lens,
     qk_scale, pages_per_split, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HS: tl.constexpr, BLOCK_N: tl.constexpr, STAGE_N: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HS: tl.constexpr, HG: tl.constexpr, BLOCK_N: tl.constexpr,
+    STAGE_N: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_BITS: tl.constexpr, K_WORDS: tl.constexpr, K_CAP: tl.constexpr,
     V_BITS: tl.constexpr, V_WORDS: tl.constexpr, V_CAP: tl.constexpr,
     CODES: tl.constexpr, CODE_SCALE: tl.constexpr, FP_HALF: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_C: tl.constexpr, GATHER: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr, SCAN: tl.constexpr, WARPS: tl.constexpr,
+    BLOCK_C: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr,
+    SCAN: tl.constexpr, WARPS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,6 +126,24 @@ def _decode_tm_kernel(
     z_acc = tl.zeros([BLOCK_N, HS], tl.float32)                                       # sum_t p Z_t, per row
     table = block_tables + seq.to(tl.int64) * stride_bt
     tok_r = row_tokens(tl.arange(0, BLOCK_N), BLOCK_N, WARPS)                         # token of each tile row
+    if SCATTER:
+        # outliers through this program's scratch (fp32; see the v6 section of docs/attention-kernels.md): key
+        # corrections [BLOCK_N, HS] by token and value corrections [D, HS] (zeroed here, left zero), the block's
+        # probabilities [BLOCK_N, HS] by token, the scaled query [D, HS] by channel
+        SK: tl.constexpr = BLOCK_N * HS
+        SV: tl.constexpr = HEAD_DIM * HS
+        k_scr = scratch + ((seq * NUM_KV_HEADS + kv_head) * num_splits + split).to(tl.int64) * (2 * SK + 2 * SV)
+        v_scr = k_scr + SK
+        p_scr = v_scr + SV
+        q_scr = p_scr + SK
+        tl.store(k_scr + tl.arange(0, SK), tl.zeros([SK], tl.float32))
+        tl.store(v_scr + tl.arange(0, SV), tl.zeros([SV], tl.float32))
+        tl.store(q_scr + chan_k[:, None] * HS + tl.max_contiguous(offs_h, [2])[None, :], q32)
+        tl.debug_barrier()
+        k_offs = scratch_offsets(BLOCK_N, HS)
+        v_offs = scratch_offsets(HEAD_DIM, HS)
+        offs_slot = tl.arange(0, BLOCK_C)
+        v_fix = tl.zeros([HEAD_DIM, HS], tl.float32)                                  # the previous page's, pending
 
     # ---- low-bit pages (staged pages computed too, then masked out) ----
     SUBS: tl.constexpr = PAGE_SIZE // BLOCK_N
@@ -130,6 +159,28 @@ def _decode_tm_kernel(
         valid = lowbit & (page_index * PAGE_SIZE + tok < context_len)
         v_b = tl.load(v_base + page_head).to(tl.float32)
         v_rel, v_zt = token_scale_zero(v_scale, v_zero, v_b, page_head * PAGE_SIZE + tok, V_BITS)
+        if K_CAP > 0 and SCATTER:
+            k_idx0, k_res0 = first_slots(k_oidx, k_ovals, page_head, K_CAP, BLOCK_C)
+        if V_CAP > 0 and SCATTER:
+            v_idx0, v_res0 = first_slots(v_oidx, v_ovals, page_head, V_CAP, BLOCK_C)
+        if K_CAP > 0 and SCATTER:
+            # key outliers first (the first slots were loaded with the code words): atomics, a barrier, then the
+            # read of the corrections is in flight during the unpack and the dot
+            k_count = tl.where(lowbit, tl.minimum(tl.load(k_ocount + page_head).to(tl.int32), K_CAP), 0)
+            if V_CAP == 0:
+                tl.debug_barrier()                                                    # last page's reads first
+            scatter_keys(k_scr, q_scr, k_idx0, k_res0, offs_slot < k_count, row0, GROUP, HEAD_DIM, BLOCK_N,
+                         PAGE_SIZE, HS, HG)
+            for c0 in range(BLOCK_C, k_count, BLOCK_C):
+                idx, resid, live = outlier_slots(k_oidx, k_ovals, page_head, c0, k_count, K_CAP, BLOCK_C)
+                scatter_keys(k_scr, q_scr, idx, resid, live, row0, GROUP, HEAD_DIM, BLOCK_N, PAGE_SIZE, HS, HG)
+            tl.debug_barrier()                                                        # atomics -> reads
+            k_mask = k_offs < (k_count > 0).to(tl.int32) * SK                         # all or nothing
+            k_fix = rows_view(tl.load(k_scr + k_offs, mask=k_mask, other=0.0, cache_modifier=".cg"), BLOCK_N, HS,
+                              WARPS)
+            if SK < 32 * WARPS:
+                tl.debug_barrier()                                                    # replicated reads first
+            tl.store(k_scr + k_offs, tl.zeros([BLOCK_N, HS], tl.float32), mask=k_mask)
         # keys -> scores^T [N, HS]
         k_op = unpack(k_lo, k_hi, K_BITS, CODES, HEAD_DIM, BLOCK_N, WARPS)
         if K_CHANNEL:
@@ -144,7 +195,9 @@ def _decode_tm_kernel(
             k_rel, k_zt = token_scale_zero(k_scale, k_zero, k_b, page_head * PAGE_SIZE + tok, K_BITS)
             s = (narrow(tl.dot(k_op, qn_op, input_precision="ieee"), BLOCK_N, HS, BLOCK_H) * (k_b * k_rel)[:, None]
                  * dot_scale[None, :] + k_zt[:, None] * (q_sum * q_max)[None, :])
-        if K_CAP > 0:
+        if K_CAP > 0 and SCATTER:
+            s += k_fix
+        elif K_CAP > 0:
             k_count = tl.where(lowbit, tl.minimum(tl.load(k_ocount + page_head).to(tl.int32), K_CAP), 0)
             s_out = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
             for c0 in range(0, k_count, BLOCK_C):
@@ -162,11 +215,36 @@ def _decode_tm_kernel(
         m_i = m_new
         l_acc = l_acc * alpha[None, :] + p
         z_acc = z_acc * alpha[None, :] + p * tl.where(lowbit, v_zt, 0.0)[:, None]
+        if V_CAP > 0 and SCATTER:
+            # value outliers: p by token to the scratch, a barrier, the first slots' p read (in flight during the
+            # unpack), atomics; the corrections are read after the dot
+            v_count = tl.where(lowbit, tl.minimum(tl.load(v_ocount + page_head).to(tl.int32), V_CAP), 0)
+            tl.store(p_scr + k_offs, rows_unview(p, BLOCK_N, HS, WARPS), mask=k_offs < (v_count > 0).to(tl.int32) * SK)
+            tl.debug_barrier()                                                        # p -> its readers
+            v_p0, v_row0, v_mask0 = pick_values(p_scr, v_idx0, offs_slot < v_count, row0, GROUP, HEAD_DIM, V_BITS,
+                                                BLOCK_N, PAGE_SIZE, WARPS, HS, HG)
         # values -> out^T [D, HS]
         v_op = unpack(v_lo, v_hi, V_BITS, CODES, HEAD_DIM, BLOCK_N, WARPS)
         ps_op = widen(p * v_rel[:, None], BLOCK_N, HS, BLOCK_H).to(low_dtype)
+        if V_CAP > 0 and SCATTER:
+            add_values(v_scr, v_p0, v_row0, v_mask0, v_res0, HS, HG)
+            for c0 in range(BLOCK_C, v_count, BLOCK_C):
+                idx, resid, live = outlier_slots(v_oidx, v_ovals, page_head, c0, v_count, V_CAP, BLOCK_C)
+                v_p, v_row, v_mask = pick_values(p_scr, idx, live, row0, GROUP, HEAD_DIM, V_BITS, BLOCK_N,
+                                                 PAGE_SIZE, WARPS, HS, HG)
+                add_values(v_scr, v_p, v_row, v_mask, resid, HS, HG)
         pv = tl.dot(tl.trans(v_op), ps_op, input_precision="ieee")                    # [D, BLOCK_H]
-        if V_CAP > 0:
+        if V_CAP > 0 and SCATTER:
+            pv = tl.where(lowbit, narrow(pv, HEAD_DIM, HS, BLOCK_H) * (v_b * CODE_SCALE), 0.0)
+            # the previous page's corrections join before this page's rescale; this page's are read now (after
+            # the barrier) and added next page, so the read's latency hides behind the next page's work
+            acc = (acc + v_fix) * alpha[None, :] + pv
+            tl.debug_barrier()                                                        # atomics -> reads
+            v_mask = v_offs < (v_count > 0).to(tl.int32) * SV
+            v_fix = rows_view(tl.load(v_scr + v_offs, mask=v_mask, other=0.0, cache_modifier=".cg"), HEAD_DIM, HS,
+                              WARPS)
+            tl.store(v_scr + v_offs, tl.zeros([HEAD_DIM, HS], tl.float32), mask=v_mask)
+        elif V_CAP > 0:
             v_count = tl.where(lowbit, tl.minimum(tl.load(v_ocount + page_head).to(tl.int32), V_CAP), 0)
             p_op = widen(p, BLOCK_N, HS, BLOCK_H).to(low_dtype)
             pv_out = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
@@ -175,10 +253,14 @@ def _decode_tm_kernel(
                 pv_out = value_outliers(pv_out, p, p_op, idx, resid, live, tok, row0, chan_v, HEAD_DIM, HALF, GATHER,
                                         BLOCK_N, WARPS, HS, BLOCK_H)
             pv = narrow(pv, HEAD_DIM, HS, BLOCK_H) * (v_b * CODE_SCALE) + narrow(pv_out, HEAD_DIM, HS, BLOCK_H)
+            pv = tl.where(lowbit, pv, 0.0)                                            # staged: stale storage
+            acc = acc * alpha[None, :] + pv
         else:
             pv = narrow(pv, HEAD_DIM, HS, BLOCK_H) * (v_b * CODE_SCALE)
-        pv = tl.where(lowbit, pv, 0.0)                                                # staged: stale storage
-        acc = acc * alpha[None, :] + pv
+            pv = tl.where(lowbit, pv, 0.0)
+            acc = acc * alpha[None, :] + pv
+    if V_CAP > 0 and SCATTER:
+        acc += v_fix
     l_i = tl.sum(l_acc, axis=0)
     acc += tl.sum(z_acc, axis=0)[None, :]
 
@@ -280,13 +362,21 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
       BLOCK_H [max(16, GQA group)]: heads per tile, the MMA N (Triton 3.6 takes wgmma from 16 on; 8
           works on later versions),
       STAGE_N [32]: staged fp tokens per step, SCAN [32]: block-table entries scanned per step,
-      BLOCK_C [16]: outlier slots per step (>= 16),
+      outliers ["scatter"] | "dot": outlier corrections as fp32 atomics into a per-program scratch in global
+          memory (torch.empty here, [programs, 2 * (BLOCK_N + D) * heads] fp32, zeroed by the kernel; the shape
+          depends on launch constants only, so CUDA graphs may capture it; where several outliers meet in one
+          correction the order of the fp32 additions varies run to run, and so may the last bits), or as exact
+          0/1 dots (bit-reproducible),
+      BLOCK_C [64 for "scatter", 16 for "dot"]: outlier slots per step (>= 16; "scatter" handles the first
+          BLOCK_C slots of a page in the page loop itself, further ones in a loop),
+      gather_p [True] ("dot" only): value outliers pick p with tl.gather, else with a 0/1 dot,
       codes ["magic"] | "subnormal": fp16 codes as (code | 0x6400) - 1024, or the code's bits read as an
           fp16 subnormal (code * 2^-24; one instruction per two values less),
       num_splits [None: planned] (host mode only), waves [2] (host planning).
     """
     cfg = {"num_warps": 4, "num_stages": 1, "maxnreg": None, "BLOCK_N": 128, "BLOCK_H": None, "STAGE_N": 32,
-           "SCAN": 32, "BLOCK_C": 16, "gather_p": True, "codes": "magic", "num_splits": None, "waves": 2}
+           "SCAN": 32, "BLOCK_C": None, "gather_p": True, "codes": "magic", "outliers": "scatter", "num_splits": None,
+           "waves": 2}
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     page_size = key_spec.page_size
@@ -336,21 +426,33 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
     group = num_heads // num_kv_heads
     block_h = max(cfg["BLOCK_H"] or 16, pow2(group, floor=1))
     soft_h = block_h if block_h <= 8 or group > block_h // 2 else block_h // 2      # heads the softmax carries
+    block_n = min(cfg["BLOCK_N"], page_size)
+    if cfg["outliers"] not in ("dot", "scatter"):
+        raise ValueError(f"outliers must be 'dot' or 'scatter', not {cfg['outliers']!r}")
+    scatter = cfg["outliers"] == "scatter" and (key_spec.outlier_capacity > 0 or value_spec.outlier_capacity > 0)
+    block_c = cfg["BLOCK_C"] or (64 if scatter else 16)
+    if scatter:
+        # shape from launch constants only (no host read of device values: CUDA-graph safe)
+        scratch = torch.empty((batch * num_kv_heads * num_splits, 2 * (block_n + head_dim) * soft_h),
+                              dtype=torch.float32, device=query.device)
+    else:
+        scratch = lse
     _decode_tm_kernel[(batch, num_kv_heads, num_splits)](
         query, key, value, target, lse, *_tensors(key_pages, "K"), *_tensors(value_pages, "V"),
-        staging_keys, staging_values, staging_slot_of_page,
+        staging_keys, staging_values, staging_slot_of_page, scratch,
         meta.block_tables, meta.query_start_loc, meta.context_lens,
         scale * LOG2E, pages_per_split, num_splits,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *strides, meta.block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        GROUP=group, BLOCK_H=block_h, HS=soft_h,
-        BLOCK_N=min(cfg["BLOCK_N"], page_size), STAGE_N=min(cfg["STAGE_N"], page_size),
+        GROUP=group, BLOCK_H=block_h, HS=soft_h, HG=min(max(pow2(group, floor=2), 2), soft_h),
+        BLOCK_N=block_n, STAGE_N=min(cfg["STAGE_N"], page_size),
         K_CHANNEL=key_spec.axis == "channel", K_BITS=key_spec.bits, K_WORDS=key_spec.words_per_row,
         K_CAP=key_spec.outlier_capacity,
         V_BITS=value_spec.bits, V_WORDS=value_spec.words_per_row, V_CAP=value_spec.outlier_capacity,
         CODES=codes, CODE_SCALE=2.0 ** 24 if codes == CODES_SUBNORMAL else 1.0, FP_HALF=half, UPCAST=upcast,
-        BLOCK_C=cfg["BLOCK_C"], GATHER=bool(cfg["gather_p"]), FIXED=fixed is not None, SPLIT=num_splits > 1, SCAN=cfg["SCAN"],
+        BLOCK_C=block_c, GATHER=bool(cfg["gather_p"]), SCATTER=scatter, FIXED=fixed is not None,
+        SPLIT=num_splits > 1, SCAN=cfg["SCAN"],
         WARPS=cfg["num_warps"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))

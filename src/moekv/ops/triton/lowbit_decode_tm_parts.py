@@ -280,3 +280,92 @@ def value_outliers(pv, p, p_op, idx, resid, live, tok, row0, col_d, HEAD_DIM: tl
     else:
         spread = tl.where(hit, resid.to(tl.float32)[None, :], 0.0)
         return tl.dot(spread, p_sel, pv, input_precision="ieee")
+
+
+
+# ---------------------------------------------------------------- outliers through a per-program scratch ("scatter")
+@triton.jit
+def rows_unview(x, BLOCK_N: tl.constexpr, X: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """The inverse of rows_view: row t of the result is row token_rows(t) of x (MMA order -> loaded order)."""
+    if BLOCK_N >= 16 * NUM_WARPS:
+        y = tl.reshape(x, (BLOCK_N // (16 * NUM_WARPS), NUM_WARPS, 2, 8, X))
+        y = tl.permute(y, (0, 2, 1, 3, 4))
+        return tl.reshape(y, (BLOCK_N, X))
+    else:
+        return x
+
+
+@triton.jit
+def scratch_offsets(ROWS: tl.constexpr, HS: tl.constexpr):
+    """Offsets [ROWS, HS] of a row-major fp32 scratch tile, declared contiguous in pairs only: Triton then loads
+    and stores it in the layout sizePerThread [1, 2], threadsPerWarp [8, 4], warps along rows -- the loaded order
+    of rows_view -- so rows_view / rows_unview turn it into the MMA accumulator layout of an [ROWS, HS] tile
+    (HS = 8) without moving data."""
+    return tl.max_contiguous(tl.arange(0, ROWS)[:, None] * HS + tl.arange(0, HS)[None, :], [1, 2])
+
+
+@triton.jit
+def _slots(idx, live, row0, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(token in the block, channel, live and in the block) of slots with flat indices idx (>= 0)."""
+    flat = idx.to(tl.uint32)
+    token = (flat // HEAD_DIM).to(tl.int32)
+    channel = (flat % HEAD_DIM).to(tl.int32)
+    if BLOCK_N < PAGE_SIZE:
+        token = token - row0
+        take = live & (token >= 0) & (token < BLOCK_N)
+        token = tl.where(take, token, 0)
+    else:
+        take = live
+    return token, channel, take
+
+
+@triton.jit
+def _heads(HG: tl.constexpr):
+    """Head offsets [1, HG] of a scratch row, declared contiguous in pairs (see scratch_offsets): the slot tiles
+    [C, HG] then share one layout (sizePerThread [1, 2]) for their loads and two-wide atomics."""
+    return tl.max_contiguous(tl.arange(0, HG), [2])[None, :]
+
+
+@triton.jit
+def scatter_keys(buf, q_buf, idx, resid, live, row0, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HS: tl.constexpr, HG: tl.constexpr):
+    """buf [BLOCK_N, HS] (row = token in the block, fp32, score units) += r * q[h, d] for the slots (token t,
+    channel d, residual r) and the GROUP heads (HG = GROUP rounded up to a power of two, >= 2, <= HS): one fp32
+    atomic per (slot, head). q_buf [D, HS]: the scaled query by channel (this program's copy in the scratch)."""
+    token, channel, take = _slots(idx, live, row0, HEAD_DIM, BLOCK_N, PAGE_SIZE)
+    heads = _heads(HG)
+    fix = resid.to(tl.float32)[:, None] * tl.load(q_buf + channel[:, None] * HS + heads)     # [C, HG]
+    tl.atomic_add(buf + token[:, None] * HS + heads, fix, mask=take[:, None] & (heads < GROUP), sem="relaxed",
+                  scope="cta")
+
+
+@triton.jit
+def pick_values(p_buf, idx, live, row0, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_WARPS: tl.constexpr, HS: tl.constexpr,
+                HG: tl.constexpr):
+    """For the value slots (token t, channel d) and the GROUP heads: (p[t, h] [C, HG] from p_buf [BLOCK_N, HS],
+    the block's probabilities by token, stored by this program before a barrier and read from L2; the row of
+    each slot's correction in the value scratch; the mask of live (slot, head)s). The scratch row of channel d
+    is row_tokens(columns(d)), so that rows_view of the loaded scratch is out^T's accumulator (rows columns(d))."""
+    token, channel, take = _slots(idx, live, row0, HEAD_DIM, BLOCK_N, PAGE_SIZE)
+    heads = _heads(HG)
+    p_sel = tl.load(p_buf + token[:, None] * HS + heads, cache_modifier=".cg")
+    row = row_tokens(columns(channel.to(tl.uint32), BITS, HEAD_DIM), HEAD_DIM, NUM_WARPS).to(tl.int32)
+    return p_sel, row, take[:, None] & (heads < GROUP)
+
+
+@triton.jit
+def add_values(buf, p_sel, row, mask, resid, HS: tl.constexpr, HG: tl.constexpr):
+    """buf [D, HS] += p[t, h] * r at the slots' rows (from pick_values): one fp32 atomic per live (slot, head)."""
+    tl.atomic_add(buf + row[:, None] * HS + _heads(HG), p_sel * resid.to(tl.float32)[:, None], mask=mask,
+                  sem="relaxed", scope="cta")
+
+
+@triton.jit
+def first_slots(idx_ptr, val_ptr, page_head, CAP: tl.constexpr, C: tl.constexpr):
+    """Slots 0 .. C-1 of a page-head (flat index, fp16 residual), loaded before its count is known."""
+    offs_c = tl.arange(0, C)
+    c_mask = offs_c < CAP
+    idx = tl.load(idx_ptr + page_head * CAP + offs_c, mask=c_mask, other=0).to(tl.int32) & 0xFFFF
+    resid = tl.load(val_ptr + page_head * CAP + offs_c, mask=c_mask, other=0.0)
+    return idx, resid
