@@ -89,7 +89,7 @@ def prompts(batch: int, context: int, vocab: int, seed: int = 0) -> list[list[in
     return torch.randint(3, vocab, (batch, context), generator=gen).tolist()
 
 
-KERNEL_GROUPS = (("attention (low-bit)", ("lowbit", "_decode_tc")), ("attention (bf16 paged)", ("_paged_decode", "attention")),
+KERNEL_GROUPS = (("attention (low-bit)", ("lowbit", "_decode_tc", "_decode_tm")), ("attention (bf16 paged)", ("_paged_decode", "attention")),
                  ("experts (fused MoE)", ("moe", "expert")), ("GEMM (projections, logits)", ("gemm", "sm90", "cutlass", "nvjet")),
                  ("norm / rotary / routing", ("norm", "rotary", "route", "topk", "softmax")),
                  ("copies / fills", ("copy", "memcpy", "memset", "fill")))
@@ -198,7 +198,8 @@ def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args,
     cache = CacheConfig(kv_cache_dtype=kv, page_size=page_size, num_pages=num_pages,
                         staging_pages=2 * batch + 8 if kv.startswith("int") else None)
     config = EngineConfig(model=ModelConfig(model=f"random:{args.model}", max_model_len=max_len), cache=cache,
-                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=args.prefill_chunk),
+                          scheduler=SchedulerConfig(max_num_seqs=batch,
+                                                    max_num_batched_tokens=max(args.prefill_chunk, batch)),
                           device=DeviceConfig(str(model.device), cuda_graphs=graphs))
     return Engine(config, model=model)
 

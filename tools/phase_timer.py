@@ -29,7 +29,7 @@ def sync():
     if cuda: torch.cuda.synchronize()
 
 for kv in args.kv.split(","):
-    ns = argparse.Namespace(page_size=None if not args.tiny else 16, prefill_chunk=max(args.context, 256), model=args.model)
+    ns = argparse.Namespace(page_size=None if not args.tiny else 16, prefill_chunk=max(args.context, 256, args.batch), model=args.model)
     new_tokens = args.steps + 40
     engine = bench_decode.make_engine(model, args.batch, args.context, kv, new_tokens, ns, graphs=cuda)
     runner, cache = engine.runner, engine.kv_cache

@@ -4,7 +4,7 @@ target for Nsight Compute.
     # timings (median of triton.testing.do_bench), int3, B=32, L=16k, default launch config:
     PYTHONPATH=src:. python3 tools/profile_lowbit_decode.py --time
     # one launch for ncu to read (hardware counters: stall reasons, issue rate, occupancy):
-    ncu --clock-control none -k regex:_decode_tc_kernel -s 2 -c 1 --section WarpStateStats \
+    ncu --clock-control none -k regex:"_decode_t[cm]_kernel" -s 2 -c 1 --section WarpStateStats \
         --section SchedulerStats --section Occupancy --section SpeedOfLight \
         python3 tools/profile_lowbit_decode.py --launches 3
 
@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-import torch
+if "--dry" in sys.argv:                    # CPU plumbing check: the interpreter, set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention as ba  # noqa: E402

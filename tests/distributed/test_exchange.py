@@ -16,6 +16,7 @@ layer is profiled), the table gather, amax, >=, two wheres and the cast back.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.helpers import run_worker
 
@@ -122,3 +123,16 @@ def test_rank_shares_sum_to_one_device_with_the_triton_kernels(tokens):
     assert torch.equal(total, want_fp32)
     if device == "cuda":
         assert torch.equal(total.to(dtype), want)
+
+
+def test_grown_constants_stay_alive_for_captured_graphs():
+    """A graph captured with a small bucket reads the constant tensor it saw; growing the cache for a
+    larger bucket must not free it (CUDA graphs do not keep their inputs alive)."""
+    from moekv.distributed.exchange import AllGatherExchange
+
+    exchange = AllGatherExchange()
+    small = exchange._constant(("k",), 8, torch.device("cpu"), lambda t: t * 2)
+    first = small.untyped_storage().data_ptr()
+    big = exchange._constant(("k",), 200, torch.device("cpu"), lambda t: t * 2)
+    assert big.shape[0] == 200 and torch.equal(big[:8], small)
+    assert any(t.untyped_storage().data_ptr() == first for t in exchange._retired)

@@ -100,6 +100,10 @@ def test_agreement_rule():
     assert agree_graph_bucket([5, 1], [-1, 1], buckets, [8, 8]) is None  # a prefill anywhere: eager
     assert agree_graph_bucket([0, 0], [0, 0], buckets, [8, 8]) is None   # nobody has tokens
     assert agree_graph_bucket([3, 1], [3, 1], buckets, [2, 2]) is None   # past the all-gather range
+    # equal limits but different bucket lists (max_num_seqs differs): the same batch would map to
+    # different buckets, so the step is eager everywhere
+    assert agree_graph_bucket([3, 1], [3, 1], buckets, [8, 8], [8, 8]) == 4
+    assert agree_graph_bucket([3, 1], [3, 1], buckets, [8, 8], [8, 16]) is None
     assert agree_graph_bucket([2, 1], [2, 1], buckets, [0, 0]) is None   # all_to_all / graphs off
     assert agree_graph_bucket([2, 1], [2, 1], buckets, [8, 0]) is None   # one rank's graphs are off
     assert agree_graph_bucket([2, 1], [2, 1], buckets, [8, 4]) is None   # configs differ: never graphs

@@ -289,3 +289,28 @@ def test_agreed_bucket_and_idle_steps_keep_tokens():
     assert sorted(runner._buckets) == [8] and runner.idle_steps > 0
     assert coordinator.static_forwards == runner.graph_steps
     assert runner.graph_batch(SchedulerOutput()) == 0
+
+
+def test_first_cause_names_the_first_error_and_respects_from_none():
+    from moekv.engine.model_runner import _first_cause
+
+    def capture():
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        except RuntimeError:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    with pytest.raises(RuntimeError) as info:
+        capture()
+    text = _first_cause(info.value)
+    assert "first error: RuntimeError: operation not permitted" in text and "test_graph_decode.py" in text
+
+    def suppressed():
+        try:
+            raise KeyError("handled")
+        except KeyError:
+            raise ValueError("unrelated") from None
+
+    with pytest.raises(ValueError) as info:
+        suppressed()
+    assert _first_cause(info.value) == ""

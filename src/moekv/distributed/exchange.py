@@ -148,6 +148,7 @@ class AllGatherExchange(TokenExchange):
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # graph buckets: (packed, gathered)
         self._zeros: dict[tuple, torch.Tensor] = {}                           # partial sums of a rank without slots
         self._consts: dict[tuple, torch.Tensor] = {}                          # per-token constants (_constant)
+        self._retired: list[torch.Tensor] = []     # superseded constants that captured graphs may still read
 
     def _no_slots(self, rows: int, hidden_size: int, device, static: bool) -> torch.Tensor:
         """Zero partial sums [rows, H] fp32 (cached for graph steps: nothing writes them)."""
@@ -186,6 +187,10 @@ class AllGatherExchange(TokenExchange):
         cached = self._consts.get((key, device))
         if cached is None or cached.shape[0] < rows:
             size = max(rows, 64, 2 * (cached.shape[0] if cached is not None else 0))
+            if cached is not None:
+                # graphs captured earlier read the old tensor's memory (a graph does not keep its inputs
+                # alive): keep it, or a replay of a smaller bucket would read freed memory
+                self._retired.append(cached)
             cached = values(torch.arange(size, device=device))
             self._consts[(key, device)] = cached
         return cached[:rows]

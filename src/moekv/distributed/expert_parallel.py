@@ -56,15 +56,21 @@ AUTO_ALLGATHER_MAX_TOKENS_GRAPHS = {"gloo": 0, "nccl": 64}
 MAX_PICK_TABLE = 1 << 16
 
 
-def agree_graph_bucket(counts: list[int], batches: list[int], buckets: list[int], limits: list[int]) -> int | None:
+def agree_graph_bucket(counts: list[int], batches: list[int], buckets: list[int], limits: list[int],
+                       last_buckets: list[int] | None = None) -> int | None:
     """The bucket every rank replays this step, or None (an eager step), from the values all ranks share.
 
     counts[r]: rank r's tokens; batches[r]: the rows its runner could replay (ModelRunner.graph_batch: the
     decode batch, 0 for no sequences, -1 when its step must be eager); buckets: the runners' buckets;
     limits[r]: the largest per-rank batch rank r lets a graph step have (ExpertParallelRuntime.graph_limit,
     0: none), which differs between ranks only if their configs do: then no step is a graph step.
+    last_buckets[r]: rank r's largest bucket (its max_num_seqs): ranks with equal limits but different
+    bucket lists (max_num_seqs 48 vs 100) would pick different buckets for the same batch, so unequal
+    values also make every step eager.
     """
     if not buckets or min(limits) <= 0 or len(set(limits)) > 1 or max(counts, default=0) == 0 or min(batches) < 0:
+        return None
+    if last_buckets is not None and len(set(last_buckets)) > 1:
         return None
     top = max(batches)
     if top > min(limits[0], buckets[-1]):
@@ -168,14 +174,14 @@ class ExpertParallelRuntime:
         """Agree on this step's per-rank token counts before the forward (one control collective), and on
         whether it is a graph step: graph_batch is ModelRunner.graph_batch of this rank's step (None: eager)."""
         check_healthy()
-        mine = torch.tensor([num_tokens, -1 if graph_batch is None else graph_batch, self.graph_limit()],
-                            dtype=torch.int64)
-        rows = torch.empty(3 * self.world_size, dtype=torch.int64)
+        mine = torch.tensor([num_tokens, -1 if graph_batch is None else graph_batch, self.graph_limit(),
+                             self.graph_buckets[-1] if self.graph_buckets else 0], dtype=torch.int64)
+        rows = torch.empty(4 * self.world_size, dtype=torch.int64)
         all_gather(rows, mine, group=self.group.cpu_group)
         values = rows.tolist()
-        self.step_token_counts = values[0::3]
-        self.graph_bucket = agree_graph_bucket(self.step_token_counts, values[1::3], self.graph_buckets,
-                                               values[2::3])
+        self.step_token_counts = values[0::4]
+        self.graph_bucket = agree_graph_bucket(self.step_token_counts, values[1::4], self.graph_buckets,
+                                               values[2::4], values[3::4])
         self.layers_done = 0
         if any(self.step_token_counts):
             self.step_kinds["graph" if self.graph_bucket is not None else "eager"] += 1

@@ -90,10 +90,13 @@ def usable_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def _first_cause(exc: BaseException) -> str:
     """The innermost exception a capture error chains to (torch's capture_end error hides the first one)."""
+    def parent(e: BaseException):
+        return e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+
     seen, cause = set(), exc
-    while (cause.__cause__ or cause.__context__) is not None and id(cause) not in seen:
+    while parent(cause) is not None and id(cause) not in seen:
         seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
+        cause = parent(cause)
     if cause is exc:
         return ""
     frames = traceback.extract_tb(cause.__traceback__)[-6:]
