@@ -15,6 +15,7 @@ from moekv.ops.triton.lowbit_decode_tm import paged_attention_lowbit_decode_tm a
 from moekv.ops.triton.lowbit_decode_tm import supports
 from moekv.ops.triton.lowbit_decode_tm_parts import channels, columns, load_words, row_tokens, unpack
 from tests.ops.helpers import assert_close
+from tests.ops.interp_bounds import bounds_checked
 from tests.ops.lowbit_cases import build_case, to_device
 
 SCALE = 0.125
@@ -226,3 +227,145 @@ def test_scatter_repeatable_single_slots(device):
     assert_close(first, reference(*case.args(), SCALE), torch.float32)
     with pytest.raises(ValueError):
         kernel(*case.args(), SCALE, outliers="bogus")
+
+
+# ------------------------------------------------------------------ memory bounds under the interpreter
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                      reason="the bounds checker patches the CPU interpreter")
+
+
+@triton.jit
+def _strays(src, dst, n, SHIFT: tl.constexpr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(src + offs, mask=offs < n, other=0.0)
+    tl.store(dst + offs + SHIFT, x)
+    tl.atomic_add(dst + offs * SHIFT + SHIFT, x, mask=offs < n)
+
+
+@interpreter_only
+def test_bounds_checker_sees_strays():
+    # lanes issued outside every argument are reported (pointer, element offsets, source line) and not performed;
+    # masked-off lanes are not issued on a GPU and are not reported
+    src = torch.arange(1, 15, dtype=torch.float32)                                     # 14 elements
+    with bounds_checked():
+        _strays[(1,)](src, torch.zeros(16), 14, 0, 16)                                 # masked tail: clean
+    dst = torch.zeros(16)
+    with bounds_checked(raise_on_exit=False) as checker:
+        _strays[(1,)](src, dst, 16, 1, 16)
+    load, store, atomic = checker.distinct()
+    assert (load.op, load.lanes, load.total) == ("load", 2, 16) and "`src` [14]" in load.nearest
+    assert "offsets [14, 15]" in load.nearest and "tl.load(src + offs" in load.where[0]
+    assert (store.op, store.lanes) == ("store", 1) and "`dst` [16]" in store.nearest and "offsets [16]" in store.nearest
+    assert "tl.store(dst + offs + SHIFT, x)" in store.where[0] and "_strays" in store.where[0]
+    assert (atomic.op, atomic.lanes) == ("atomic_rmw", 1) and "offsets [16]" in atomic.nearest
+    x = torch.cat([src, torch.zeros(2)])                                               # the dropped lanes read 0
+    assert torch.equal(dst, torch.cat([torch.zeros(1), 2 * x[:15]]))                   # dropped lanes not written
+    with pytest.raises(AssertionError, match="out-of-bounds"):
+        with bounds_checked():
+            _strays[(1,)](src, torch.zeros(16), 16, 1, 16)
+
+
+BOUNDS_CASES = {
+    # the H200 fault's case (D 64, int3, pages of 128; BLOCK_N 128 / 64, 4 and 8 warps), then the other layouts
+    "d64-p128-n128-w4": (dict(context_lens=[128 + 77, 128], query_lens=[1, 1], num_kv_heads=1, group=4, head_dim=64,
+                              bits=3, page_size=128, dtype=torch.bfloat16, kind="outlier_channels", seed=12),
+                         dict(BLOCK_N=128, num_warps=4)),
+    "d64-p128-n64-w4": (None, dict(BLOCK_N=64, num_warps=4)),
+    "d64-p128-n128-w8": (None, dict(BLOCK_N=128, num_warps=8)),
+    "d64-p128-int2": (dict(context_lens=[128 + 77, 128], query_lens=[1, 1], num_kv_heads=1, group=4, head_dim=64,
+                           bits=2, page_size=128, dtype=torch.float16, kind="outlier_channels", seed=13), {}),
+    "d128-p128-splits": (dict(context_lens=[300], query_lens=[1], num_kv_heads=1, group=4, head_dim=128, bits=3,
+                              page_size=128, dtype=torch.bfloat16, kind="outlier_channels", seed=10),
+                         dict(num_splits=2)),
+    "d64-p16-sinks": (dict(context_lens=[90, 20, 70], query_lens=[1, 1, 1], num_kv_heads=2, group=4, head_dim=64,
+                           bits=3, page_size=16, sink_pages=2, seed=4), dict(num_splits=3, SCAN=4)),
+    "d64-p32-n16": (dict(context_lens=[70, 31], query_lens=[1, 1], num_kv_heads=2, group=4, head_dim=64, bits=4,
+                         page_size=32, kind="outlier_channels", seed=6), dict(BLOCK_N=16, BLOCK_C=16)),
+}
+
+
+@interpreter_only
+@pytest.mark.parametrize("name", list(BOUNDS_CASES))
+def test_memory_in_bounds(name, outliers):
+    # every lane the kernel issues (loads, stores, atomics, including addresses made from page ids, outlier
+    # indices and the scratch) lies inside one of its tensor arguments
+    spec, overrides = BOUNDS_CASES[name]
+    spec = spec or BOUNDS_CASES["d64-p128-n128-w4"][0]
+    case = build_case(**spec)
+    with bounds_checked() as checker:
+        got = kernel(*case.args(), SCALE, outliers=outliers, **overrides)
+    assert checker.launches >= 1 and checker.checked_ops > 0
+    assert_close(got, reference(*case.args(), SCALE), spec.get("dtype", torch.float32))
+
+
+# ------------------------------------------------------------------ the register-operand layout, compiled for sm_90
+_SM90_SCRIPT = r'''
+import json, os, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import moekv.ops.triton.lowbit_decode_tm as m
+from tests.ops.lowbit_cases import build_case
+
+ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
+if not os.path.exists(ptxas):
+    print(json.dumps({"skip": "no ptxas in this triton"})); sys.exit(0)
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32", torch.int16: "i16",
+         torch.uint8: "u8", torch.int64: "i64"}
+kernel, names, results = m._decode_tm_kernel, m._decode_tm_kernel.arg_names, []
+
+class Capture:                      # the launch's arguments, compiled for sm_90 instead of launched
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages, **const):
+            sig = {n: ("*" + TYPES[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float)
+                       else "i32") for n, a in zip(names, args)}
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+            sig.update({n: "constexpr" for n in const})
+            compiled = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": num_warps, "num_stages": num_stages})
+            ir, n, d = compiled.asm["ttgir"], const["BLOCK_N"], const["HEAD_DIM"]
+            layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
+            word_load = r"tt\.load %\S+ : tensor<" + str(4 * n) + r"x\d+x!tt\.ptr<i32>, (#\w+)>"
+            words = [layouts[l] for l in re.findall(word_load, ir)]
+            a_dot = r"ttng\.warp_group_dot (%[^\s,]+), [^{]*\{[^}]*\} : tensor<" + f"{n}x{d}" + r"xf16, #ttg\.dot_op"
+            a_ops = re.findall(a_dot, ir)
+            # the key dot is the first [BLOCK_N, HEAD_DIM] dot of the page loop (the value dot, [HEAD_DIM, BLOCK_N],
+            # comes after it and takes the shared-memory path by design)
+            from_smem = bool(a_ops) and re.search(r"^\s*" + re.escape(a_ops[0]) + r" = ttg\.local_load", ir, re.M)
+            results.append({"word_loads": words, "key_dots": len(a_ops), "key_a_from_smem": bool(from_smem)})
+        return launch
+
+m._decode_tm_kernel, m.check_launchable = Capture(), lambda *a: None
+for head_dim, bits, outliers, block_n, warps in json.loads(sys.argv[1]):
+    case = build_case([128 + 77, 128], [1, 1], 1, 4, head_dim, bits, 128, dtype=torch.float16,
+                      kind="outlier_channels", seed=12)
+    m.paged_attention_lowbit_decode_tm(*case.args(), 0.125, outliers=outliers, BLOCK_N=block_n, num_warps=warps)
+print(json.dumps(results))
+'''
+
+
+def test_sm90_code_tile_is_the_register_operand():
+    # compiled for Hopper (no GPU needed): each thread loads one lane's words of one token, so the unpacked key tile
+    # is the wgmma register A operand as laid out in lowbit_decode_tm_parts.py. At head_dim 64 (one word per lane)
+    # the load hint used to be folded away: Triton 3.6 loaded 2 lanes per thread and sent the tile through shared
+    # memory (the layout of the H200 illegal-address fault at D 64, pages of 128)
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # (head_dim, bits, outliers, BLOCK_N, warps)
+    configs = [(64, 3, "dot", 128, 4), (64, 3, "scatter", 128, 8), (64, 2, "scatter", 128, 4), (128, 3, "dot", 128, 4)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps(configs)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    if isinstance(results, dict):
+        pytest.skip(results["skip"])
+    for config, result in zip(configs, results):
+        assert result["word_loads"] and result["key_dots"] >= 1, (config, result)
+        for layout in result["word_loads"]:
+            assert "sizePerThread = [1, " in layout and "threadsPerWarp = [32, 1]" in layout, (config, layout)
+        assert not result["key_a_from_smem"], (config, result)

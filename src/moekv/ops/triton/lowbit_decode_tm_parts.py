@@ -106,11 +106,21 @@ def load_words(codes_ptr, page_head, tok0, BITS: tl.constexpr, WORDS: tl.constex
     token = tok0 + rho // 4
     lane = rho % 4
     base = page_head * (PAGE_SIZE * WORDS) + token * WORDS                          # [N*4]
-    offs = tl.max_contiguous((base + lane * V)[:, None] + tl.arange(0, V)[None, :], [1, V])
+    if V == 1:
+        # one word per lane (head_dim 64 at 2 / 3 bits): the hint goes on the 1-D offsets -- on the [N*4, 1] form
+        # it lands on an add of zeros that the canonicalizer folds away, and without it the coalescer sees the 4
+        # lanes' words as contiguous and loads 2 or 4 lanes per thread, which is not the MMA operand order
+        offs = tl.max_contiguous(base + lane, [1])[:, None]
+    else:
+        offs = tl.max_contiguous((base + lane * V)[:, None] + tl.arange(0, V)[None, :], [1, V])
     lo = tl.load(codes_ptr + offs)
     if BITS == 3:
         first = lane * (V * 16)                                                      # the lane's first channel
-        hoffs = tl.max_contiguous((base + HEAD_DIM // 16 + first // 32)[:, None] + tl.zeros([1, 1], tl.int32), [1, 1])
+        if V == 1:
+            hoffs = tl.max_contiguous(base + HEAD_DIM // 16 + first // 32, [1])[:, None]
+        else:
+            hoffs = tl.max_contiguous((base + HEAD_DIM // 16 + first // 32)[:, None] + tl.zeros([1, 1], tl.int32),
+                                      [1, 1])
         hi = tl.load(codes_ptr + hoffs) >> (first % 32)[:, None]
         return lo, hi
     else:
