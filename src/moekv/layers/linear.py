@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moekv.ops import dispatch
+
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """An uninitialised, frozen parameter (inference only: no autograd bookkeeping)."""
@@ -28,6 +30,9 @@ class Linear(nn.Module):
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dispatch.skinny_gemm_enabled() and x.dim() >= 2 and x.shape[-1] > 0:    # opt-in, MOEKV_SKINNY_GEMM=1
+            out = dispatch.skinny_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)   # [T, out]
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)          # [T, out]
 
     def extra_repr(self) -> str:

@@ -333,3 +333,41 @@ def quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_s
     for staging, spec, out, indices in ((staging_keys, key_spec, key_out, key_counters),
                                         (staging_values, value_spec, value_out, value_counters)):
         quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, *indices)
+
+
+# Skinny GEMM for the dense projections at decode sizes (x [M, K], M <= SKINNY_GEMM_MAX_ROWS): the
+# weight-streaming kernel of ops.triton.skinny_gemm instead of cuBLAS's split-K GEMV-like GEMMs.
+# OPT-IN, default OFF: not yet measured against cuBLAS on a GPU (benchmarks/bench_gemv.py is the
+# measurement; turn the default on only after it shows a win on the H200). MOEKV_SKINNY_GEMM=1 or
+# set_skinny_gemm(True) turns it on; a forced "reference" backend keeps F.linear, a forced "triton"
+# backend also runs the kernel on CPU tensors (the interpreter). Off, skinny_linear is F.linear.
+SKINNY_GEMM_MAX_ROWS = 16
+_skinny_gemm = os.environ.get("MOEKV_SKINNY_GEMM", "0")
+if _skinny_gemm not in ("0", "1"):
+    raise ValueError(f"MOEKV_SKINNY_GEMM must be 0 or 1, got {_skinny_gemm!r}")
+_skinny_gemm = _skinny_gemm == "1"
+
+
+def set_skinny_gemm(enabled: bool) -> None:
+    """Route decode-size linear layers to the Triton skinny GEMM (default off, see above)."""
+    global _skinny_gemm
+    _skinny_gemm = bool(enabled)
+
+
+def skinny_gemm_enabled() -> bool:
+    return _skinny_gemm
+
+
+def skinny_linear(x, weight, bias=None):
+    """F.linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]. With the skinny GEMM on and
+    1 <= M <= 16 on CUDA, fp16 / bf16, shapes ops.triton.skinny_gemm.supports: that kernel (fp32 sums,
+    bias in fp32, one rounding: see ops.reference.skinny_gemm for how close to cuBLAS). Decided from
+    shapes, dtypes and devices only: no host reads, CUDA-graph safe."""
+    if (_skinny_gemm and _backend != "reference" and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_GEMM_MAX_ROWS
+            and x.dtype in (torch.float16, torch.bfloat16) and (x.is_cuda or _backend == "triton")
+            and triton_available()):
+        from moekv.ops.triton import skinny_gemm
+
+        if skinny_gemm.supports(x, weight, bias):
+            return skinny_gemm.skinny_gemm(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
