@@ -78,13 +78,12 @@ import triton.language as tl
 
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, online_softmax_step, pow2
 from moekv.ops.triton.lowbit_decode_tc_parts import (channels, key_chunk, key_outliers, load_words, outlier_slots,
-                                                     prefetch_block, token_scale_zero, unpack, value_chunk,
+                                                     prefetch_block, unpack, value_chunk,
                                                      value_outliers)
-from moekv.ops.triton.split_k import combine_splits, plan_splits
+from moekv.ops.triton.lowbit_decode_common import (CODES_SUBNORMAL, code_mode, decode_batch, decode_splits,
+                                                   launch_config, page_tensors, split_outputs, token_scale_zero)
+from moekv.ops.triton.split_k import combine_splits
 
-CODES_FP32 = 0          # fp32 queries: fp32 operands, exact fp32 dots
-CODES_MAGIC = 1         # fp16 (code | 0x6400) - 1024
-CODES_SUBNORMAL = 2     # fp16 subnormal code * 2^-24 (bit pattern = the code); 2^24 applied after the dot
 OUTLIERS_DOT = 1        # outlier corrections by exact 0/1-matrix tensor-core dots (fp16, or fp32 "ieee")
 OUTLIERS_ELEMENTWISE = 2
 
@@ -359,12 +358,6 @@ def supports(key_spec, value_spec, head_dim: int) -> bool:
             and value_spec.axis == "token" and value_spec.num_groups == 1)
 
 
-def _tensors(pages, prefix: str) -> list[torch.Tensor]:
-    for name, tensor in pages.tensors().items():
-        assert tensor.is_contiguous(), f"{prefix} {name} must be contiguous"
-    base = pages.scale_base if pages.scale_base is not None else pages.scale
-    return [pages.codes, pages.scale, pages.zero, base, pages.outlier_vals, pages.outlier_idx, pages.outlier_count]
-
 
 def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,
                                      value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
@@ -403,19 +396,11 @@ def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, val
     page_size = key_spec.page_size
     if not supports(key_spec, value_spec, head_dim):
         raise NotImplementedError(f"lowbit decode_tc: unsupported format {key_spec} / {value_spec} at D={head_dim}")
-    unknown = set(launch_overrides) - set(cfg)
-    if unknown:
-        raise TypeError(f"unknown launch overrides {sorted(unknown)}")
-    cfg.update(launch_overrides)
+    cfg = launch_config(cfg, launch_overrides)
     if cfg["outlier_pre"] not in (0, 1, 2, 3, 4):
         raise ValueError(f"outlier_pre must be 0..4 (chunks of BLOCK_C slots), not {cfg['outlier_pre']}")
-    batch = meta.context_lens.shape[0]
+    batch = decode_batch(meta, num_tokens, "paged_attention_lowbit_decode_tc")
     fixed = getattr(meta, "fixed_num_splits", None)
-    if fixed is not None:
-        if num_tokens != batch:
-            raise ValueError("paged_attention_lowbit_decode_tc: decode only (one new token per sequence)")
-    elif not meta.is_decode:
-        raise ValueError("paged_attention_lowbit_decode_tc: decode only (one new token per sequence)")
     out = torch.empty_like(query)
     if num_tokens == 0 or batch == 0:
         return out
@@ -423,31 +408,12 @@ def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, val
     assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
     assert staging_keys.is_contiguous() and staging_values.is_contiguous()
     half, upcast = dot_modes(query, staging_keys.dtype)
-    if query.dtype in (torch.float16, torch.bfloat16):
-        codes = {"magic": CODES_MAGIC, "subnormal": CODES_SUBNORMAL}[cfg["codes"]]
-    else:
-        codes = CODES_FP32
-    if fixed is not None:
-        num_splits, pages_per_split = int(fixed), 0
-    else:
-        max_context = max(meta.context_lens_host, default=0)
-        if cfg["num_splits"] is None:
-            num_splits, tokens_per_split = plan_splits(batch, num_kv_heads, max_context, page_size, query.device,
-                                                       waves=cfg["waves"])
-        else:
-            num_splits = cfg["num_splits"]
-            tokens_per_split = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), page_size) * page_size
-        pages_per_split = tokens_per_split // page_size
-    num_splits = max(int(num_splits), 1)
-    if num_splits > 1:
-        partial = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
-        lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
-        target, strides = partial, (partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-                                    lse.stride(1))
-    else:
-        lse, target, strides = out, out, (out.stride(0), out.stride(1), 0, 0, 0)
+    codes = code_mode(query, cfg["codes"])
+    num_splits, pages_per_split = decode_splits(meta, batch, num_kv_heads, page_size, query.device,
+                                                cfg["num_splits"], cfg["waves"])
+    partial, lse, target, strides = split_outputs(out, num_splits)
     _decode_tc_kernel[(batch, num_kv_heads, num_splits)](
-        query, key, value, target, lse, *_tensors(key_pages, "K"), *_tensors(value_pages, "V"),
+        query, key, value, target, lse, *page_tensors(key_pages, "K"), *page_tensors(value_pages, "V"),
         staging_keys, staging_values, staging_slot_of_page,
         meta.block_tables, meta.query_start_loc, meta.context_lens,
         scale * LOG2E, pages_per_split, num_splits,

@@ -124,14 +124,6 @@ def unpack(lo, hi, BITS: tl.constexpr, CODES: tl.constexpr, PERM: tl.constexpr, 
 
 
 @triton.jit
-def token_scale_zero(scale_ptr, zero_ptr, base, rows, BITS: tl.constexpr):
-    """Per-token (one group) S / scale_base and Z of the rows `rows` [N] (uint8 codes)."""
-    relative = tl.exp2(-tl.load(scale_ptr + rows).to(tl.float32) * (1.0 / 16.0))
-    zero = -((base * relative) * tl.load(zero_ptr + rows).to(tl.float32)) * (1.0 / (1 << (8 - BITS)))
-    return relative, zero
-
-
-@triton.jit
 def outlier_slots(idx_ptr, val_ptr, page_head, c0, count, CAP: tl.constexpr, C: tl.constexpr):
     """Slots c0 .. c0+C-1 of a page-head as [1, C] rows (they broadcast into [N, C] / [M, C] tiles
     without layout conversions): (flat index t*D + d, fp16 residual, live = slot < count). Loads are
