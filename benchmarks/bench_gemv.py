@@ -87,7 +87,7 @@ def read_bandwidth(device: torch.device) -> tuple[float | None, float | None]:
         return None, None
     src = torch.empty(2**30, dtype=torch.bfloat16, device=device).normal_()
     acc = torch.empty((), dtype=torch.float32, device=device)
-    read = 2 * 2**30 / graph_ms([lambda: torch.sum(src, dtype=torch.float32, out=acc)], reps=5) / 1e9
+    read = 2 * 2**30 / graph_ms([lambda: torch.sum(src, dim=0, dtype=torch.float32, out=acc)], reps=5) / 1e9
     dst = torch.empty_like(src)
     copy = 2 * 2 * 2**30 / graph_ms([lambda: dst.copy_(src)], reps=5) / 1e9
     del src, dst

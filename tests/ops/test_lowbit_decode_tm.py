@@ -22,9 +22,10 @@ SCALE = 0.125
 DECODE = dict(context_lens=[0, 1, 40, 100], query_lens=[1, 1, 1, 1])   # empty, tiny, ragged, several pages
 
 
-@pytest.fixture(params=["dot", "scatter"])
+@pytest.fixture(params=["dot", "scatter", "passes"])
 def outliers(request):
-    """Both outlier paths: exact 0/1 dots, and fp32 atomics through the per-program scratch."""
+    """The three outlier paths: exact 0/1 dots, fp32 atomics through the per-program scratch, and passes of
+    their own before and after the attention (lowbit_decode_fix.py)."""
     return request.param
 
 

@@ -30,7 +30,7 @@ class Linear(nn.Module):
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if dispatch.skinny_gemm_enabled() and x.dim() >= 2 and x.shape[-1] > 0:    # opt-in, MOEKV_SKINNY_GEMM=1
+        if dispatch.skinny_gemm_enabled() and x.dim() >= 2 and x.shape[-1] > 0:    # opt-in, MOEKV_SKINNY_GEMM
             out = dispatch.skinny_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)   # [T, out]
             return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)          # [T, out]

@@ -7,7 +7,6 @@ first, then top-k, then (Mixtral always; the others when norm_topk_prob) divide 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moekv.layers.linear import empty_parameter
@@ -38,5 +37,5 @@ class Router(nn.Module):
         """hidden [T, hidden] -> (weights [T, k] float32, ids [T, k] int64); adds the routed slots per
         expert to expert_load [E] int64 when given (token_valid [T]: 0 rows not counted). On CUDA the
         softmax, top-k, renormalisation and count are one kernel (ties: lowest expert index first)."""
-        logits = F.linear(hidden, self.weight)                         # [T, E] in the model dtype
+        logits = dispatch.skinny_linear(hidden, self.weight)           # [T, E] in the model dtype
         return dispatch.route_topk(logits, self.top_k, self.renormalize, expert_load, token_valid)

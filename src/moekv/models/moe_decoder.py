@@ -15,7 +15,6 @@ sequence's pages are. Per-architecture differences are ArchConfig flags.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moekv.config import ArchConfig
@@ -25,6 +24,7 @@ from moekv.layers.linear import Embedding, Linear
 from moekv.layers.moe import DenseMLP, MoEBlock
 from moekv.layers.norm import RMSNorm
 from moekv.layers.rotary import RotaryEmbedding
+from moekv.ops import dispatch
 
 
 class DecoderLayer(nn.Module):
@@ -112,7 +112,7 @@ class MoEForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight   # [V, H]
-        return F.linear(hidden, weight).float()                                  # [N, V]
+        return dispatch.skinny_linear(hidden, weight).float()                   # [N, V] (F.linear off M == 1 / CUDA)
 
     def reset_expert_load(self) -> None:
         self.expert_load.zero_()

@@ -27,7 +27,7 @@ _LOWBIT_DECODE_KERNELS = {
     "tm": ("moekv.ops.triton.lowbit_decode_tm", "paged_attention_lowbit_decode_tm"),     # v6, token-major
     "v4": None,
 }
-DEFAULT_LOWBIT_DECODE = "tc"
+DEFAULT_LOWBIT_DECODE = "tm"          # v6: all its tests pass on the H200; faster than v5.1 at every shape
 _lowbit_decode = os.environ.get("MOEKV_LOWBIT_DECODE", "auto")
 if _lowbit_decode not in (*_LOWBIT_DECODE_KERNELS, "auto"):
     raise ValueError(f"MOEKV_LOWBIT_DECODE must be auto or one of {tuple(_LOWBIT_DECODE_KERNELS)}, "
@@ -335,35 +335,47 @@ def quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_s
         quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, *indices)
 
 
-# Skinny GEMM for the dense projections at decode sizes (x [M, K], M <= SKINNY_GEMM_MAX_ROWS): the
-# weight-streaming kernel of ops.triton.skinny_gemm instead of cuBLAS's split-K GEMV-like GEMMs.
-# OPT-IN, default OFF: not yet measured against cuBLAS on a GPU (benchmarks/bench_gemv.py is the
-# measurement; turn the default on only after it shows a win on the H200). MOEKV_SKINNY_GEMM=1 or
-# set_skinny_gemm(True) turns it on; a forced "reference" backend keeps F.linear, a forced "triton"
-# backend also runs the kernel on CPU tensors (the interpreter). Off, skinny_linear is F.linear.
+# Skinny GEMM for the dense projections at decode sizes: the weight-streaming kernel of
+# ops.triton.skinny_gemm instead of cuBLAS. OPT-IN (default off): alone, its "fma" variant at one row takes
+# 0.32-0.96x of cuBLAS's time on all six Mixtral-8x7B projections (qkv 0.84x, o 0.80x, lm_head 0.96x, router
+# 0.32x; benchmarks/results/gemv-h200.md), but the batch-1 decode step did not get faster with it (graph
+# replay 8.56 vs 8.52 ms, step 9.06 vs 9.14 ms: noise); from M = 2 the "dot" variant is not faster than
+# cuBLAS. MOEKV_SKINNY_GEMM=auto / set_skinny_gemm(True, max_rows=1): one-row inputs only; =1: every M <= 16.
+# A forced "reference" backend keeps F.linear, a forced "triton" backend also runs the kernel on CPU tensors
+# (the interpreter).
 SKINNY_GEMM_MAX_ROWS = 16
-_skinny_gemm = os.environ.get("MOEKV_SKINNY_GEMM", "0")
-if _skinny_gemm not in ("0", "1"):
-    raise ValueError(f"MOEKV_SKINNY_GEMM must be 0 or 1, got {_skinny_gemm!r}")
-_skinny_gemm = _skinny_gemm == "1"
+SKINNY_GEMM_AUTO_ROWS = 1
+_skinny_env = os.environ.get("MOEKV_SKINNY_GEMM", "0")
+if _skinny_env not in ("0", "1", "auto"):
+    raise ValueError(f"MOEKV_SKINNY_GEMM must be 0, 1 or auto, got {_skinny_env!r}")
+_skinny_gemm = _skinny_env != "0"
+_skinny_rows = SKINNY_GEMM_AUTO_ROWS if _skinny_env == "auto" else SKINNY_GEMM_MAX_ROWS
 
 
-def set_skinny_gemm(enabled: bool) -> None:
-    """Route decode-size linear layers to the Triton skinny GEMM (default off, see above)."""
-    global _skinny_gemm
-    _skinny_gemm = bool(enabled)
+def set_skinny_gemm(enabled: bool, max_rows: int = SKINNY_GEMM_MAX_ROWS) -> None:
+    """Route linear layers of up to `max_rows` rows (<= 16) to the Triton skinny GEMM, or none (default off,
+    see above)."""
+    global _skinny_gemm, _skinny_rows
+    if not 1 <= max_rows <= SKINNY_GEMM_MAX_ROWS:
+        raise ValueError(f"max_rows must be in 1..{SKINNY_GEMM_MAX_ROWS}, got {max_rows}")
+    _skinny_gemm, _skinny_rows = bool(enabled), max_rows
 
 
 def skinny_gemm_enabled() -> bool:
     return _skinny_gemm
 
 
+def skinny_gemm_max_rows() -> int:
+    """The row limit of the skinny GEMM when on (1 with MOEKV_SKINNY_GEMM=auto, 16 otherwise)."""
+    return _skinny_rows
+
+
 def skinny_linear(x, weight, bias=None):
     """F.linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]. With the skinny GEMM on and
-    1 <= M <= 16 on CUDA, fp16 / bf16, shapes ops.triton.skinny_gemm.supports: that kernel (fp32 sums,
+    1 <= M <= its row limit on CUDA, fp16 / bf16, shapes ops.triton.skinny_gemm.supports: that kernel (fp32 sums,
     bias in fp32, one rounding: see ops.reference.skinny_gemm for how close to cuBLAS). Decided from
     shapes, dtypes and devices only: no host reads, CUDA-graph safe."""
-    if (_skinny_gemm and _backend != "reference" and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_GEMM_MAX_ROWS
+    if (_skinny_gemm and _backend != "reference" and x.dim() == 2 and 1 <= x.shape[0] <= _skinny_rows
             and x.dtype in (torch.float16, torch.bfloat16) and (x.is_cuda or _backend == "triton")
             and triton_available()):
         from moekv.ops.triton import skinny_gemm

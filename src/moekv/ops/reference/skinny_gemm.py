@@ -2,7 +2,8 @@
 
 The oracle for ops.triton.skinny_gemm. Rounding follows torch's F.linear on CUDA for 16-bit inputs
 (cuBLAS / cuBLASLt: products and sums in fp32, the bias added in fp32 in the epilogue, one rounding to
-the activation dtype at the end): here the fp32 matmul of the widened operands (16-bit products are
+the activation dtype at the end; exception, measured on an H200 with torch 2.11: at M = 1 in bf16 it
+rounds x w^T to bf16 before adding the bias, so it is up to one ulp of the product off): here the fp32 matmul of the widened operands (16-bit products are
 exact in fp32), + bias in fp32, then one cast to x.dtype.
 
 What a kernel can match: only the order of the fp32 sum differs (cuBLAS split-K, this matmul's blocking,

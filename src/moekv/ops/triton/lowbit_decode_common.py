@@ -69,10 +69,10 @@ def decode_splits(meta, batch: int, num_kv_heads: int, page_size: int, device, n
     return max(int(num_splits), 1), tokens_per_split // page_size
 
 
-def split_outputs(out: torch.Tensor, num_splits: int):
-    """(partial, lse, target, strides): with several splits the kernel writes fp32 partial outputs and their
-    log-sum-exp for split_k.combine_splits; with one it writes `out` directly (partial None, lse = out)."""
-    if num_splits == 1:
+def split_outputs(out: torch.Tensor, num_splits: int, always: bool = False):
+    """(partial, lse, target, strides): with several splits (or `always`) the kernel writes fp32 partial outputs
+    and their log-sum-exp for split_k.combine_splits; with one it writes `out` directly (partial None, lse = out)."""
+    if num_splits == 1 and not always:
         return None, out, out, (out.stride(0), out.stride(1), 0, 0, 0)
     num_tokens, num_heads, head_dim = out.shape
     partial = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device)

@@ -61,6 +61,7 @@ from moekv.ops.triton.lowbit_decode_tm_parts import (add_values, channels, first
                                                      unpack, value_outliers, widen)
 from moekv.ops.triton.lowbit_decode_common import (CODES_SUBNORMAL, code_mode, decode_batch, decode_splits,
                                                    launch_config, page_tensors, split_outputs, token_scale_zero)
+from moekv.ops.triton.lowbit_decode_fix import fix_tiles, group_width, key_fixes, value_fixes
 from moekv.ops.triton.split_k import combine_splits
 
 
@@ -70,9 +71,9 @@ def _decode_tm_kernel(
     q_ptr, new_k_ptr, new_v_ptr, out_ptr, lse_ptr,
     k_codes, k_scale, k_zero, k_base, k_ovals, k_oidx, k_ocount,
     v_codes, v_scale, v_zero, v_base, v_ovals, v_oidx, v_ocount,
-    staging_k, staging_v, slot_of_page, scratch,
+    staging_k, staging_v, slot_of_page, scratch, scores_ptr,
     block_tables, query_start_loc, context_lens,
-    qk_scale, pages_per_split, num_splits,
+    qk_scale, pages_per_split, num_splits, fix_width,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -81,7 +82,8 @@ def _decode_tm_kernel(
     K_CHANNEL: tl.constexpr, K_BITS: tl.constexpr, K_WORDS: tl.constexpr, K_CAP: tl.constexpr,
     V_BITS: tl.constexpr, V_WORDS: tl.constexpr, V_CAP: tl.constexpr,
     CODES: tl.constexpr, CODE_SCALE: tl.constexpr, FP_HALF: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_C: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_C: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, PASSES: tl.constexpr, FIXED: tl.constexpr,
+    SPLIT: tl.constexpr,
     SCAN: tl.constexpr, WARPS: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -143,6 +145,12 @@ def _decode_tm_kernel(
         v_offs = scratch_offsets(HEAD_DIM, HS)
         offs_slot = tl.arange(0, BLOCK_C)
         v_fix = tl.zeros([HEAD_DIM, HS], tl.float32)                                  # the previous page's, pending
+    if PASSES:
+        # outliers in passes of their own (lowbit_decode_fix.py): key fixes [PAGE, HG] per page-head are read
+        # here, the scores of pages with value outliers are stored for the value pass; no barriers, no atomics
+        fix_tiles = (seq * NUM_KV_HEADS + kv_head).to(tl.int64) * fix_width * (PAGE_SIZE * HG)
+        f_offs = tl.max_contiguous(tl.arange(0, BLOCK_N)[:, None] * HG + offs_h[None, :], [1, 2])    # [N, HS]
+        f_cols = tl.zeros([BLOCK_N, 1], tl.int32) + offs_h[None, :]                        # [N, HS] column
 
     # ---- low-bit pages (staged pages computed too, then masked out) ----
     SUBS: tl.constexpr = PAGE_SIZE // BLOCK_N
@@ -162,6 +170,12 @@ def _decode_tm_kernel(
             k_idx0, k_res0 = first_slots(k_oidx, k_ovals, page_head, K_CAP, BLOCK_C)
         if V_CAP > 0 and SCATTER:
             v_idx0, v_res0 = first_slots(v_oidx, v_ovals, page_head, V_CAP, BLOCK_C)
+        if PASSES:
+            f_tile = fix_tiles + (page_index * PAGE_SIZE + row0) * HG
+        if K_CAP > 0 and PASSES:
+            k_count = tl.where(lowbit, tl.load(k_ocount + page_head).to(tl.int32), 0)
+            k_fix = rows_view(tl.load(scratch + f_tile + f_offs, mask=f_cols < tl.where(k_count > 0, GROUP, 0), other=0.0), BLOCK_N,
+                              HS, WARPS)
         if K_CAP > 0 and SCATTER:
             # key outliers first (the first slots were loaded with the code words): atomics, a barrier, then the
             # read of the corrections is in flight during the unpack and the dot
@@ -194,7 +208,7 @@ def _decode_tm_kernel(
             k_rel, k_zt = token_scale_zero(k_scale, k_zero, k_b, page_head * PAGE_SIZE + tok, K_BITS)
             s = (narrow(tl.dot(k_op, qn_op, input_precision="ieee"), BLOCK_N, HS, BLOCK_H) * (k_b * k_rel)[:, None]
                  * dot_scale[None, :] + k_zt[:, None] * (q_sum * q_max)[None, :])
-        if K_CAP > 0 and SCATTER:
+        if K_CAP > 0 and (SCATTER or PASSES):
             s += k_fix
         elif K_CAP > 0:
             k_count = tl.where(lowbit, tl.minimum(tl.load(k_ocount + page_head).to(tl.int32), K_CAP), 0)
@@ -207,6 +221,10 @@ def _decode_tm_kernel(
             else:
                 s += narrow(s_out, BLOCK_N, HS, BLOCK_H) * qk_scale
         s = tl.where(valid[:, None], s, float("-inf"))
+        if V_CAP > 0 and PASSES:
+            v_count = tl.where(lowbit, tl.load(v_ocount + page_head).to(tl.int32), 0)
+            tl.store(scores_ptr + f_tile + f_offs, rows_unview(s, BLOCK_N, HS, WARPS),
+                     mask=f_cols < tl.where(v_count > 0, GROUP, 0))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -243,7 +261,7 @@ def _decode_tm_kernel(
             v_fix = rows_view(tl.load(v_scr + v_offs, mask=v_mask, other=0.0, cache_modifier=".cg"), HEAD_DIM, HS,
                               WARPS)
             tl.store(v_scr + v_offs, tl.zeros([HEAD_DIM, HS], tl.float32), mask=v_mask)
-        elif V_CAP > 0:
+        elif V_CAP > 0 and not PASSES:
             v_count = tl.where(lowbit, tl.minimum(tl.load(v_ocount + page_head).to(tl.int32), V_CAP), 0)
             p_op = widen(p, BLOCK_N, HS, BLOCK_H).to(low_dtype)
             pv_out = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
@@ -326,6 +344,11 @@ def _decode_tm_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=head_mask[None, :])
 
 
+# outliers="auto" takes "passes" from this many (sequence, kv head) pairs on (H200, int3, L=16k: B=32 0.60 ms
+# vs 0.85 with "scatter"; B=1 0.063 vs 0.059 ms), "scatter" below
+PASSES_MIN_PROGRAMS = 64
+
+
 def supports(key_spec, value_spec, head_dim: int) -> bool:
     """Whether this kernel handles the format (the same formats as v5): keys channel axis or token axis
     with one group, values token axis with one group, bits 4/3/2, head_dim 64 or 128, equal
@@ -355,20 +378,24 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
       BLOCK_H [max(16, GQA group)]: heads per tile, the MMA N (Triton 3.6 takes wgmma from 16 on; 8
           works on later versions),
       STAGE_N [32]: staged fp tokens per step, SCAN [32]: block-table entries scanned per step,
-      outliers ["scatter"] | "dot": outlier corrections as fp32 atomics into a per-program scratch in global
-          memory (torch.empty here, [programs, 2 * (BLOCK_N + D) * heads] fp32, zeroed by the kernel; the shape
-          depends on launch constants only, so CUDA graphs may capture it; where several outliers meet in one
-          correction the order of the fp32 additions varies run to run, and so may the last bits), or as exact
-          0/1 dots (bit-reproducible),
+      outliers ["auto": "passes" from PASSES_MIN_PROGRAMS (sequence, kv head) pairs, else "scatter"] | "passes" |
+          "scatter" | "dot": "passes": in launches of their own before and after this kernel
+          (lowbit_decode_fix.py; the kernel only reads a key-fix tile and stores its scores per page with
+          outliers: no barriers or atomics in its loop; two [B, Hkv, table width, page, HG] fp32 buffers);
+          "scatter": fp32 atomics into a per-program scratch in global memory (torch.empty here,
+          [programs, 2 * (BLOCK_N + D) * heads] fp32, zeroed by the kernel); "dot": exact 0/1 dots. Buffer
+          shapes depend on launch constants only (CUDA graphs may capture them). With "passes" and "scatter",
+          where several outliers meet in one correction the order of the fp32 additions varies run to run, and
+          so may the last bits; "dot" is bit-reproducible,
       BLOCK_C [64 for "scatter", 16 for "dot"]: outlier slots per step (>= 16; "scatter" handles the first
           BLOCK_C slots of a page in the page loop itself, further ones in a loop),
       gather_p [True] ("dot" only): value outliers pick p with tl.gather, else with a 0/1 dot,
-      codes ["magic"] | "subnormal": fp16 codes as (code | 0x6400) - 1024, or the code's bits read as an
-          fp16 subnormal (code * 2^-24; one instruction per two values less),
+      codes ["subnormal"] | "magic": fp16 codes as the code's bits read as an fp16 subnormal (code * 2^-24,
+          2^24 applied after the dot; one instruction per two values less), or as (code | 0x6400) - 1024,
       num_splits [None: planned] (host mode only), waves [2] (host planning).
     """
     cfg = {"num_warps": 4, "num_stages": 1, "maxnreg": None, "BLOCK_N": 128, "BLOCK_H": None, "STAGE_N": 32,
-           "SCAN": 32, "BLOCK_C": None, "gather_p": True, "codes": "magic", "outliers": "scatter", "num_splits": None,
+           "SCAN": 32, "BLOCK_C": None, "gather_p": True, "codes": "subnormal", "outliers": "auto", "num_splits": None,
            "waves": 2}
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -388,40 +415,52 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
     codes = code_mode(query, cfg["codes"])
     num_splits, pages_per_split = decode_splits(meta, batch, num_kv_heads, page_size, query.device,
                                                 cfg["num_splits"], cfg["waves"])
-    partial, lse, target, strides = split_outputs(out, num_splits)
+    if cfg["outliers"] not in ("auto", "dot", "scatter", "passes"):
+        raise ValueError(f"outliers must be 'auto', 'dot', 'scatter' or 'passes', not {cfg['outliers']!r}")
+    mode = cfg["outliers"]
+    if mode == "auto":          # the passes' three extra launches cost more than they save on a small grid
+        mode = "passes" if batch * num_kv_heads >= PASSES_MIN_PROGRAMS else "scatter"
+    has_outliers = key_spec.outlier_capacity > 0 or value_spec.outlier_capacity > 0
+    scatter = mode == "scatter" and has_outliers
+    passes = mode == "passes" and has_outliers
+    partial, lse, target, strides = split_outputs(out, num_splits, always=passes)
     group = num_heads // num_kv_heads
     block_h = max(cfg["BLOCK_H"] or 16, pow2(group, floor=1))
     soft_h = block_h if block_h <= 8 or group > block_h // 2 else block_h // 2      # heads the softmax carries
     block_n = min(cfg["BLOCK_N"], page_size)
-    if cfg["outliers"] not in ("dot", "scatter"):
-        raise ValueError(f"outliers must be 'dot' or 'scatter', not {cfg['outliers']!r}")
-    scatter = cfg["outliers"] == "scatter" and (key_spec.outlier_capacity > 0 or value_spec.outlier_capacity > 0)
     block_c = cfg["BLOCK_C"] or (64 if scatter else 16)
+    # shapes from launch constants only (no host read of device values: CUDA-graph safe)
+    scratch = scores = lse
+    fix_width = meta.block_tables.shape[1]
     if scatter:
-        # shape from launch constants only (no host read of device values: CUDA-graph safe)
         scratch = torch.empty((batch * num_kv_heads * num_splits, 2 * (block_n + head_dim) * soft_h),
                               dtype=torch.float32, device=query.device)
-    else:
-        scratch = lse
+    elif passes:
+        scratch = fix_tiles(batch, num_kv_heads, fix_width, page_size, group, query.device)
+        scores = fix_tiles(batch, num_kv_heads, fix_width, page_size, group, query.device)
+        key_fixes(query, key_pages, key_spec, staging_slot_of_page, meta, scale * LOG2E, scratch)
     _decode_tm_kernel[(batch, num_kv_heads, num_splits)](
         query, key, value, target, lse, *page_tensors(key_pages, "K"), *page_tensors(value_pages, "V"),
-        staging_keys, staging_values, staging_slot_of_page, scratch,
+        staging_keys, staging_values, staging_slot_of_page, scratch, scores,
         meta.block_tables, meta.query_start_loc, meta.context_lens,
-        scale * LOG2E, pages_per_split, num_splits,
+        scale * LOG2E, pages_per_split, num_splits, fix_width,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *strides, meta.block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        GROUP=group, BLOCK_H=block_h, HS=soft_h, HG=min(max(pow2(group, floor=2), 2), soft_h),
+        GROUP=group, BLOCK_H=block_h, HS=soft_h, HG=min(group_width(group), soft_h),
         BLOCK_N=block_n, STAGE_N=min(cfg["STAGE_N"], page_size),
         K_CHANNEL=key_spec.axis == "channel", K_BITS=key_spec.bits, K_WORDS=key_spec.words_per_row,
         K_CAP=key_spec.outlier_capacity,
         V_BITS=value_spec.bits, V_WORDS=value_spec.words_per_row, V_CAP=value_spec.outlier_capacity,
         CODES=codes, CODE_SCALE=2.0 ** 24 if codes == CODES_SUBNORMAL else 1.0, FP_HALF=half, UPCAST=upcast,
-        BLOCK_C=block_c, GATHER=bool(cfg["gather_p"]), SCATTER=scatter, FIXED=fixed is not None,
-        SPLIT=num_splits > 1, SCAN=cfg["SCAN"],
+        BLOCK_C=block_c, GATHER=bool(cfg["gather_p"]), SCATTER=scatter, PASSES=passes, FIXED=fixed is not None,
+        SPLIT=partial is not None, SCAN=cfg["SCAN"],
         WARPS=cfg["num_warps"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
-    if num_splits > 1:
+    if passes:
+        fix = value_fixes(scores, lse, value_pages, value_spec, staging_slot_of_page, meta, group, head_dim)
+        combine_splits(partial, lse, out, fix)
+    elif num_splits > 1:
         combine_splits(partial, lse, out)
     return out

@@ -169,23 +169,25 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 def default_config(M: int, N: int, K: int, device: torch.device, variant: str = "dot") -> dict:
-    """Untuned launch parameters, reasoned from the sm_90 compile (bench_gemv.py --static), not yet
-    measured. SPLIT_K only when there are fewer programs than SMs: up to ~2 programs per SM, each
+    """Launch parameters. "dot" is reasoned from the sm_90 compile (bench_gemv.py --static); "fma" is the
+    H200 sweep's best over the six Mixtral-8x7B projections at M = 1 (benchmarks/results/gemv-h200.md:
+    0.32-0.96x of cuBLAS's time on every shape; the earlier BLOCK_N 4 / BLOCK_K 1024 / 4 warps / UNROLL 2
+    lost on the down projection). SPLIT_K only when there are fewer programs than SMs: up to ~2 programs per SM, each
     split at least 2 BLOCK_K steps.
 
     "dot": BLOCK_N 32 when that still gives 2 programs per SM, else 16; BLOCK_K 256 and 4 stages keep
            3 x 8 KB of weight tiles in flight per program (cp.async), 40-48 registers.
     "fma": each thread owns 8 consecutive K of every row (one 16-byte load), so BLOCK_K = 256 x warps
            makes x's layout that of the weight tile's columns (no shared-memory shuffle in the loop);
-           BLOCK_N 4 keeps it at 70 registers (7 programs per SM) and the loop is unrolled twice so
-           the next tiles' loads are issued before this tile's FMAs (non-dot loads are not pipelined).
+           BLOCK_N 2 rows of BLOCK_K 2048 over 8 warps (fewer for short K) per step.
     """
     sms = num_sms(device)
     if variant == "dot":
         cfg = {"BLOCK_N": 32 if triton.cdiv(N, 32) >= 2 * sms else 16, "BLOCK_K": min(256, _pow2(K)),
                "num_warps": 4, "num_stages": 4}
     else:
-        cfg = {"BLOCK_N": 4, "BLOCK_K": min(1024, _pow2(K)), "UNROLL": 2, "num_warps": 4, "num_stages": 1}
+        block_k = min(2048, _pow2(K, floor=256))
+        cfg = {"BLOCK_N": 2, "BLOCK_K": block_k, "UNROLL": 1, "num_warps": block_k // 256, "num_stages": 1}
     programs = triton.cdiv(N, cfg["BLOCK_N"])
     split_k = 1
     if programs < sms:
