@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -193,3 +192,17 @@ def test_non_finite_kv_in_a_graph_step_ends_only_that_request():
     first, second = engine.requests[ids[0]], engine.requests[ids[1]]
     assert first.finish_reason == "error" and "non-finite keys or values" in first.error
     assert second.finish_reason == "length" and second.output_token_ids == clean[1]
+
+
+def test_graph_pool_estimate_counts_the_outlier_passes():
+    """With a low-bit cache the estimate adds the v6 kernel's two fp32 outlier-pass buffers of the largest
+    bucket: 2 x bucket x Hkv x (max_model_len + 128) x HG x 4 bytes (HG = GQA group 2 -> 2)."""
+    from moekv.config import ArchConfig
+    from moekv.engine.model_runner import graph_buckets, graph_pool_bytes
+
+    arch = ArchConfig(architecture="mixtral", vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, num_experts=4, top_k=2, expert_intermediate_size=16,
+                      norm_topk_prob=True, max_position_embeddings=4096)
+    plain = graph_pool_bytes(arch, 8, torch.bfloat16)
+    lowbit = graph_pool_bytes(arch, 8, torch.bfloat16, max_model_len=4096, lowbit=True)
+    assert lowbit - plain == 2 * graph_buckets(8)[-1] * 2 * (4096 + 128) * 2 * 4

@@ -70,7 +70,7 @@ def test_value_fixes(device, kind, planted, pages):
                                atol=1e-5)
 
 
-def test_no_capacity_and_empty_batch(device):
+def test_no_outlier_capacity_touches_nothing(device):
     case = build_case([40], [1], 2, 4, 64, 3, 16, outlier_fraction=0.0)
     case = to_device(case, device)
     tiles = _tiles(case)

@@ -370,3 +370,35 @@ def test_sm90_code_tile_is_the_register_operand():
         for layout in result["word_loads"]:
             assert "sizePerThread = [1, " in layout and "threadsPerWarp = [32, 1]" in layout, (config, layout)
         assert not result["key_a_from_smem"], (config, result)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_passes_groups_not_a_power_of_two(device, group):
+    """outliers="passes" with GQA groups 1 and 3 (fix-tile rows of HG = 2 / 4 columns, of which 1 / 3 are
+    heads), planted outliers on both sides (counts 0 to the full capacity), host-planned and fixed splits."""
+    case = to_device(build_case([0, 1, 40, 100], [1] * 4, 2, group, 64, 3, 16, dtype=torch.float32,
+                                kind="outlier_channels", seed=21), device)
+    plant_outliers(case.key_pages, case.key_spec, 23, 50.0)
+    plant_outliers(case.value_pages, case.value_spec, 24, 50.0)
+    check(case, torch.float32, outliers="passes", num_splits=3)
+    check(case, torch.float32, outliers="passes", BLOCK_N=16, num_splits=1)
+
+
+def test_auto_takes_passes_on_large_grids(device, monkeypatch):
+    """outliers="auto": "scatter" below PASSES_MIN_PROGRAMS (sequence, kv head) pairs, "passes" from there on
+    (seen by whether the key pass runs); both match the reference."""
+    import moekv.ops.triton.lowbit_decode_tm as tm
+
+    runs = []
+    key_fixes = tm.key_fixes
+    monkeypatch.setattr(tm, "key_fixes", lambda *args, **kwargs: runs.append(1) or key_fixes(*args, **kwargs))
+    case = to_device(build_case(**DECODE, num_kv_heads=2, group=4, head_dim=64, bits=3, page_size=16,
+                                dtype=torch.float32, kind="outlier_channels", seed=25), device)
+    check(case, torch.float32)                                   # 4 x 2 = 8 pairs < 64
+    assert runs == []
+    monkeypatch.setattr(tm, "PASSES_MIN_PROGRAMS", 8)
+    check(case, torch.float32)
+    assert runs == [1]
+    monkeypatch.setattr(tm, "PASSES_MAX_BYTES", 0)              # tiles over the limit: scatter again
+    check(case, torch.float32)
+    assert runs == [1]

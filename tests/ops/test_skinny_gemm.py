@@ -291,3 +291,21 @@ def test_cuda_graph_capture(skinny_on):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, layer(x)) and not torch.equal(static_out, eager)
+
+
+def test_default_variant_by_rows(device, monkeypatch):
+    """Without a variant the kernel takes the one measured faster: "fma" at M == 1, "dot" from M = 2 (what
+    dispatch.skinny_linear gets, since it passes none)."""
+    chosen = []
+    original = sk.default_config
+
+    def spy(M, N, K, dev, variant="dot"):
+        chosen.append((M, variant))
+        return original(M, N, K, dev, variant)
+    monkeypatch.setattr(sk, "default_config", spy)
+    gen = torch.Generator().manual_seed(6)
+    weight = _rand((24, 64), torch.float16, device, gen)
+    for rows in (1, 2):
+        x = _rand((rows, 64), torch.float16, device, gen)
+        assert_matches(sk.skinny_gemm(x, weight), x, weight, None)
+    assert chosen == [(1, "fma"), (2, "dot")]

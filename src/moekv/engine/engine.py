@@ -16,7 +16,7 @@ import torch
 
 from moekv.config import EngineConfig, torch_dtype
 from moekv.engine.model_runner import ModelRunner, graph_pool_bytes, usable_rows
-from moekv.engine.request import Request, RequestOutput, RequestStatus
+from moekv.engine.request import Request, RequestOutput
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
 from moekv.sampling import SampleResult, SamplingParams, sample
@@ -155,7 +155,8 @@ class Engine:
             budget = int(total * config.memory_fraction) - torch.cuda.memory_allocated(self.device) \
                 - _CUDA_ACTIVATION_RESERVE
             if self._wants_cuda_graphs():     # the shared graph pool: every bucket's logits + intermediates
-                budget -= graph_pool_bytes(self.arch, self.config.scheduler.max_num_seqs, self.model_dtype)
+                budget -= graph_pool_bytes(self.arch, self.config.scheduler.max_num_seqs, self.model_dtype,
+                                           self.max_model_len, config.kv_cache_dtype in ("int4", "int3", "int2"))
         else:
             budget = config.cpu_cache_bytes
         num_pages = min(wanted, (budget - format_class.fixed_bytes(spec, config)) // page_bytes)

@@ -113,16 +113,24 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max(max_num_seqs, 1)]
 
 
-def graph_pool_bytes(arch, max_num_seqs: int, dtype: torch.dtype) -> int:
+def graph_pool_bytes(arch, max_num_seqs: int, dtype: torch.dtype, max_model_len: int = 0,
+                     lowbit: bool = False) -> int:
     """A generous estimate of the device memory the shared graph pool holds once every bucket is
-    captured: each bucket's logits stay alive, intermediates of the largest bucket are reused."""
+    captured: each bucket's logits stay alive, intermediates of the largest bucket are reused; with a
+    low-bit cache (`lowbit`) also the v6 decode kernel's outlier-pass buffers of the largest bucket (two fp32
+    tiles of the GQA group's width per token of max_model_len: ops/triton/lowbit_decode_fix.py)."""
     element = torch.empty((), dtype=dtype).element_size()
     buckets = graph_buckets(max_num_seqs)
     outputs = sum(b * arch.vocab_size * 4 for b in buckets)
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     per_token = (16 * arch.hidden_size + 4 * qkv + 4 * arch.top_k * max(arch.expert_intermediate_size, 1)) * element \
         + 2 * arch.num_heads * 128 * arch.head_dim * 4 + arch.vocab_size * 4
-    return outputs + buckets[-1] * per_token + (64 << 20)
+    passes = 0
+    if lowbit:
+        from moekv.ops.triton.lowbit_decode_fix import group_width
+        width = group_width(max(arch.num_heads // max(arch.num_kv_heads, 1), 1))
+        passes = 2 * buckets[-1] * arch.num_kv_heads * (max_model_len + 128) * width * 4
+    return outputs + buckets[-1] * per_token + passes + (64 << 20)
 
 
 class _Bucket:

@@ -112,7 +112,7 @@ class MoEForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight   # [V, H]
-        return dispatch.skinny_linear(hidden, weight).float()                   # [N, V] (F.linear off M == 1 / CUDA)
+        return dispatch.skinny_linear(hidden, weight).float()                   # [N, V] (F.linear unless the skinny GEMM is on)
 
     def reset_expert_load(self) -> None:
         self.expert_load.zero_()

@@ -338,9 +338,10 @@ def quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_s
 # Skinny GEMM for the dense projections at decode sizes: the weight-streaming kernel of
 # ops.triton.skinny_gemm instead of cuBLAS. OPT-IN (default off): alone, its "fma" variant at one row takes
 # 0.32-0.96x of cuBLAS's time on all six Mixtral-8x7B projections (qkv 0.84x, o 0.80x, lm_head 0.96x, router
-# 0.32x; benchmarks/results/gemv-h200.md), but the batch-1 decode step did not get faster with it (graph
-# replay 8.56 vs 8.52 ms, step 9.06 vs 9.14 ms: noise); from M = 2 the "dot" variant is not faster than
-# cuBLAS. MOEKV_SKINNY_GEMM=auto / set_skinny_gemm(True, max_rows=1): one-row inputs only; =1: every M <= 16.
+# 0.32x; benchmarks/results/gemv-h200.md); from M = 2 the "dot" variant is not faster than cuBLAS. The one
+# end-to-end batch-1 decode run with it (no gain: graph replay 8.56 vs 8.52 ms) went through the "dot"
+# variant at M = 1 too (skinny_gemm's default then; it now picks "fma" there): re-measure before turning
+# it on (docs/gpu-runbook.md). MOEKV_SKINNY_GEMM=auto / set_skinny_gemm(True, max_rows=1): one-row inputs only; =1: every M <= 16.
 # A forced "reference" backend keeps F.linear, a forced "triton" backend also runs the kernel on CPU tensors
 # (the interpreter).
 SKINNY_GEMM_MAX_ROWS = 16

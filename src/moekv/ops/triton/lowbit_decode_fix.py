@@ -1,5 +1,6 @@
 """Outlier corrections of the token-major decode kernel (v6, lowbit_decode_tm.py) in passes of their own
-(`outliers="passes"`): no atomics, no barriers and no scratch traffic inside the attention's page loop.
+(`outliers="passes"`): no atomics and no barriers inside the attention's page loop, which only loads a key-fix
+tile and stores its scores for pages with outliers.
 
 A low-bit page-head stores up to its count of outliers as (flat index t * D + d, fp16 residual r): the value
 at token t, channel d is the dequantized code plus r. Attention needs two corrections:
@@ -69,18 +70,23 @@ def _slots(idx_ptr, val_ptr, page_head, c0, count, CAP: tl.constexpr, BLOCK_C: t
 
 
 @triton.jit
+def _program(query_start_loc, context_lens, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HG: tl.constexpr):
+    """(sequence, kv head, pages of its context, its query row, head offsets [HG], heads < GROUP) of a program
+    of grid (sequence, kv head, chunk of pages)."""
+    seq = tl.program_id(0)
+    num_pages = tl.cdiv(tl.load(context_lens + seq), PAGE_SIZE)
+    heads = tl.arange(0, HG)
+    return seq, tl.program_id(1), num_pages, tl.load(query_start_loc + seq).to(tl.int64), heads, heads < GROUP
+
+
+@triton.jit
 def _key_fix_kernel(
     q_ptr, k_ovals, k_oidx, k_ocount, slot_of_page, block_tables, query_start_loc, context_lens, fix_ptr,
     qk_scale, table_width, stride_qt, stride_qh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     HG: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr, PAGES: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    num_pages = tl.cdiv(tl.load(context_lens + seq), PAGE_SIZE)
-    q_row = tl.load(query_start_loc + seq).to(tl.int64)
-    heads = tl.arange(0, HG)
-    head_mask = heads < GROUP
+    seq, kv_head, num_pages, q_row, heads, head_mask = _program(query_start_loc, context_lens, PAGE_SIZE, GROUP, HG)
     q_cols = q_ptr + q_row * stride_qt + (kv_head * GROUP + heads) * stride_qh                    # [HG]
     offs = tl.arange(0, PAGE_SIZE)[:, None] * HG + heads[None, :]
     for i in tl.static_range(PAGES):
@@ -107,12 +113,7 @@ def _value_fix_kernel(
     NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     HG: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, PAGES: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    num_pages = tl.cdiv(tl.load(context_lens + seq), PAGE_SIZE)
-    q_row = tl.load(query_start_loc + seq).to(tl.int64)
-    heads = tl.arange(0, HG)
-    head_mask = heads < GROUP
+    seq, kv_head, num_pages, q_row, heads, head_mask = _program(query_start_loc, context_lens, PAGE_SIZE, GROUP, HG)
     # the global base-2 log-sum-exp of each head from the splits' (as the combine computes it)
     offs_s = tl.arange(0, BLOCK_S)
     lse = tl.load(lse_ptr + q_row * stride_lt + (kv_head * GROUP + heads)[:, None] * stride_lh + offs_s[None, :],
@@ -122,7 +123,8 @@ def _value_fix_kernel(
     weights = tl.sum(tl.exp2(lse - lse_max[:, None]), axis=1)                                     # 0: no scores
     total = tl.where(weights > 0, lse_max + tl.log2(tl.where(weights > 0, weights, 1.0)), 0.0)    # [HG]
     base = (seq * NUM_KV_HEADS + kv_head).to(tl.int64)
-    acc = acc_ptr + base * (HG * HEAD_DIM) + heads[None, :] * HEAD_DIM                          # [1, HG]
+    # by the sequence's query row, as the combine reads it (decode: row = sequence)
+    acc = acc_ptr + (q_row * NUM_KV_HEADS + kv_head) * (HG * HEAD_DIM) + heads[None, :] * HEAD_DIM   # [1, HG]
     for i in tl.static_range(PAGES):
         page_index = tl.program_id(2) * PAGES + i
         page_head, count = _page_count(block_tables, slot_of_page, v_ocount, seq, kv_head, page_index, num_pages,

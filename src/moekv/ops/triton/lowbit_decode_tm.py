@@ -28,8 +28,11 @@ Math (q holds scale * log2(e); base-2 online softmax; qn = q / |q_h|max, |qn| <=
       no cross-warp reduction per block for them (only the running max needs one).
   16-bit queries: fp16 dots on normalised operands (3 more mantissa bits than bf16); fp32 queries:
   fp32 operands and exact ("ieee") dots.
-  Outliers (fp16 residual r at token t, channel d; up to the page-head's count, BLOCK_C slots at a
-  time), "scatter" (default): fp32 atomics into this program's scratch in global memory (L1/L2), one per
+  Outliers (fp16 residual r at token t, channel d; up to the page-head's count), "passes" (the default from
+  PASSES_MIN_PROGRAMS (sequence, kv head) pairs): corrections in launches of their own
+  (lowbit_decode_fix.py): the loop adds a key-fix tile [BLOCK_N, H] (one load, by token, rows_view) to the
+  scores and stores the scores of pages with value outliers (rows_unview); the value corrections join in the
+  split combine. "scatter" (the default below that; BLOCK_C slots at a time): fp32 atomics into this program's scratch in global memory (L1/L2), one per
   (slot, head of the group), then one read of the corrections in the accumulator layout:
     keys: K[t, h] += r * q[h, d] (q scaled, read from a copy by channel); barrier; s += K (rows_view of the
       loaded [N, H] tile is the score layout), K re-zeroed by its reader;
@@ -347,6 +350,7 @@ def _decode_tm_kernel(
 # outliers="auto" takes "passes" from this many (sequence, kv head) pairs on (H200, int3, L=16k: B=32 0.60 ms
 # vs 0.85 with "scatter"; B=1 0.063 vs 0.059 ms), "scatter" below
 PASSES_MIN_PROGRAMS = 64
+PASSES_MAX_BYTES = 4 << 30      # "auto" keeps "scatter" when the passes' two fp32 tile buffers would exceed this
 
 
 def supports(key_spec, value_spec, head_dim: int) -> bool:
@@ -388,7 +392,8 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
           where several outliers meet in one correction the order of the fp32 additions varies run to run, and
           so may the last bits; "dot" is bit-reproducible,
       BLOCK_C [64 for "scatter", 16 for "dot"]: outlier slots per step (>= 16; "scatter" handles the first
-          BLOCK_C slots of a page in the page loop itself, further ones in a loop),
+          BLOCK_C slots of a page in the page loop itself, further ones in a loop; "passes": not used, the
+          passes take 64 at a time),
       gather_p [True] ("dot" only): value outliers pick p with tl.gather, else with a 0/1 dot,
       codes ["subnormal"] | "magic": fp16 codes as the code's bits read as an fp16 subnormal (code * 2^-24,
           2^24 applied after the dot; one instruction per two values less), or as (code | 0x6400) - 1024,
@@ -418,8 +423,11 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
     if cfg["outliers"] not in ("auto", "dot", "scatter", "passes"):
         raise ValueError(f"outliers must be 'auto', 'dot', 'scatter' or 'passes', not {cfg['outliers']!r}")
     mode = cfg["outliers"]
+    fix_width = meta.block_tables.shape[1]
     if mode == "auto":          # the passes' three extra launches cost more than they save on a small grid
-        mode = "passes" if batch * num_kv_heads >= PASSES_MIN_PROGRAMS else "scatter"
+        tiles_bytes = 2 * batch * num_kv_heads * fix_width * page_size * group_width(num_heads // num_kv_heads) * 4
+        mode = ("passes" if batch * num_kv_heads >= PASSES_MIN_PROGRAMS and tiles_bytes <= PASSES_MAX_BYTES
+                else "scatter")
     has_outliers = key_spec.outlier_capacity > 0 or value_spec.outlier_capacity > 0
     scatter = mode == "scatter" and has_outliers
     passes = mode == "passes" and has_outliers
@@ -429,16 +437,20 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
     soft_h = block_h if block_h <= 8 or group > block_h // 2 else block_h // 2      # heads the softmax carries
     block_n = min(cfg["BLOCK_N"], page_size)
     block_c = cfg["BLOCK_C"] or (64 if scatter else 16)
+    hg = min(group_width(group), soft_h)                # heads per scratch row (scatter) / fix-tile row stride
+    if passes and hg != group_width(group):
+        raise ValueError(f"outliers='passes' needs BLOCK_H >= {group_width(group)} at GQA group {group}")
     # shapes from launch constants only (no host read of device values: CUDA-graph safe)
     scratch = scores = lse
-    fix_width = meta.block_tables.shape[1]
     if scatter:
         scratch = torch.empty((batch * num_kv_heads * num_splits, 2 * (block_n + head_dim) * soft_h),
                               dtype=torch.float32, device=query.device)
-    elif passes:
-        scratch = fix_tiles(batch, num_kv_heads, fix_width, page_size, group, query.device)
-        scores = fix_tiles(batch, num_kv_heads, fix_width, page_size, group, query.device)
-        key_fixes(query, key_pages, key_spec, staging_slot_of_page, meta, scale * LOG2E, scratch)
+    elif passes:                # each buffer only for a side with outlier capacity
+        if key_spec.outlier_capacity > 0:
+            scratch = fix_tiles(batch, num_kv_heads, fix_width, page_size, group, query.device)
+            key_fixes(query, key_pages, key_spec, staging_slot_of_page, meta, scale * LOG2E, scratch)
+        if value_spec.outlier_capacity > 0:
+            scores = fix_tiles(batch, num_kv_heads, fix_width, page_size, group, query.device)
     _decode_tm_kernel[(batch, num_kv_heads, num_splits)](
         query, key, value, target, lse, *page_tensors(key_pages, "K"), *page_tensors(value_pages, "V"),
         staging_keys, staging_values, staging_slot_of_page, scratch, scores,
@@ -447,7 +459,7 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *strides, meta.block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        GROUP=group, BLOCK_H=block_h, HS=soft_h, HG=min(group_width(group), soft_h),
+        GROUP=group, BLOCK_H=block_h, HS=soft_h, HG=hg,
         BLOCK_N=block_n, STAGE_N=min(cfg["STAGE_N"], page_size),
         K_CHANNEL=key_spec.axis == "channel", K_BITS=key_spec.bits, K_WORDS=key_spec.words_per_row,
         K_CAP=key_spec.outlier_capacity,
@@ -459,7 +471,9 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
     if passes:
-        fix = value_fixes(scores, lse, value_pages, value_spec, staging_slot_of_page, meta, group, head_dim)
+        fix = None
+        if value_spec.outlier_capacity > 0:
+            fix = value_fixes(scores, lse, value_pages, value_spec, staging_slot_of_page, meta, group, head_dim)
         combine_splits(partial, lse, out, fix)
     elif num_splits > 1:
         combine_splits(partial, lse, out)

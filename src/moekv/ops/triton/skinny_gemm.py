@@ -20,10 +20,11 @@ built around streaming `weight` at the copy bandwidth:
 Two variants:
   "dot"  tl.dot on [16, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles (tensor cores; the padded rows cost no
          bandwidth -- as ops.triton.moe_decode, which streams its experts at 4.2 TB/s on an H200);
-         every M <= 16 shares one binary. The default.
+         every M <= 16 shares one binary. The default from M = 2.
   "fma"  M == 1 only: a GEMV on CUDA cores, fp32 products accumulated elementwise in a
-         [BLOCK_N, BLOCK_K] register tile and reduced once at the end (no shared memory).
-Launch shapes are untuned defaults (default_config) until benchmarks/bench_gemv.py has run on a GPU.
+         [BLOCK_N, BLOCK_K] register tile and reduced once at the end (no shared memory). The default at
+         M == 1 (H200: 0.32-0.96x of cuBLAS's time on the Mixtral projections; "dot" 0.78-1.01x).
+Launch shapes: default_config ("fma" from the H200 sweep of benchmarks/bench_gemv.py, "dot" reasoned).
 No host reads: the launch depends on shapes only, so it can be captured in a CUDA graph.
 """
 
@@ -219,13 +220,16 @@ def rounding_modes(dtype: torch.dtype, device: torch.device) -> tuple[bool, bool
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: dict | None = None, variant: str = "dot") -> torch.Tensor:
+                config: dict | None = None, variant: str | None = None) -> torch.Tensor:
     """Same contract as ops.reference.skinny_gemm.skinny_gemm, for M <= 16 (see supports()).
 
     config: entries overriding default_config (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages; UNROLL
     for "fma").
-    variant: "dot" (any M) or "fma" (M == 1; "dot" is used for M > 1)."""
+    variant: None (the measured faster one: "fma" at M == 1, else "dot"), "dot" (any M) or "fma" (M == 1;
+    "dot" is used for M > 1)."""
     assert supports(x, weight, bias), (tuple(x.shape), x.dtype, tuple(weight.shape), weight.dtype, weight.stride())
+    if variant is None:
+        variant = "fma" if x.shape[0] == 1 else "dot"
     assert variant in ("dot", "fma"), variant
     M, K = x.shape
     N = weight.shape[0]
