@@ -341,9 +341,9 @@ def quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_s
 # 0.32x; benchmarks/results/gemv-h200.md); from M = 2 the "dot" variant is not faster than cuBLAS. The one
 # end-to-end batch-1 decode run with it (no gain: graph replay 8.56 vs 8.52 ms) went through the "dot"
 # variant at M = 1 too (skinny_gemm's default then; it now picks "fma" there): re-measure before turning
-# it on (docs/gpu-runbook.md). MOEKV_SKINNY_GEMM=auto / set_skinny_gemm(True, max_rows=1): one-row inputs only; =1: every M <= 16.
-# A forced "reference" backend keeps F.linear, a forced "triton" backend also runs the kernel on CPU tensors
-# (the interpreter).
+# it on (docs/gpu-runbook.md). MOEKV_SKINNY_GEMM=auto / set_skinny_gemm(True, max_rows=1): one-row inputs
+# only; =1: every M <= 16. A forced "reference" backend keeps F.linear, a forced "triton" backend also runs
+# the kernel on CPU tensors (the interpreter).
 SKINNY_GEMM_MAX_ROWS = 16
 SKINNY_GEMM_AUTO_ROWS = 1
 _skinny_env = os.environ.get("MOEKV_SKINNY_GEMM", "0")

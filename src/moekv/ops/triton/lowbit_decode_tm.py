@@ -32,8 +32,9 @@ Math (q holds scale * log2(e); base-2 online softmax; qn = q / |q_h|max, |qn| <=
   PASSES_MIN_PROGRAMS (sequence, kv head) pairs): corrections in launches of their own
   (lowbit_decode_fix.py): the loop adds a key-fix tile [BLOCK_N, H] (one load, by token, rows_view) to the
   scores and stores the scores of pages with value outliers (rows_unview); the value corrections join in the
-  split combine. "scatter" (the default below that; BLOCK_C slots at a time): fp32 atomics into this program's scratch in global memory (L1/L2), one per
-  (slot, head of the group), then one read of the corrections in the accumulator layout:
+  split combine. "scatter" (the default below that; BLOCK_C slots at a time): fp32 atomics into this
+  program's scratch in global memory (L1/L2), one per (slot, head of the group), then one read of the
+  corrections in the accumulator layout:
     keys: K[t, h] += r * q[h, d] (q scaled, read from a copy by channel); barrier; s += K (rows_view of the
       loaded [N, H] tile is the score layout), K re-zeroed by its reader;
     values: P[t, h] = p (stored by token, rows_unview); barrier; V[row(d), h] += P[t, h] * r; barrier after the
@@ -177,8 +178,8 @@ def _decode_tm_kernel(
             f_tile = fix_tiles + (page_index * PAGE_SIZE + row0) * HG
         if K_CAP > 0 and PASSES:
             k_count = tl.where(lowbit, tl.load(k_ocount + page_head).to(tl.int32), 0)
-            k_fix = rows_view(tl.load(scratch + f_tile + f_offs, mask=f_cols < tl.where(k_count > 0, GROUP, 0), other=0.0), BLOCK_N,
-                              HS, WARPS)
+            k_fix = rows_view(tl.load(scratch + f_tile + f_offs, mask=f_cols < tl.where(k_count > 0, GROUP, 0),
+                                      other=0.0), BLOCK_N, HS, WARPS)
         if K_CAP > 0 and SCATTER:
             # key outliers first (the first slots were loaded with the code words): atomics, a barrier, then the
             # read of the corrections is in flight during the unpack and the dot
@@ -385,7 +386,8 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
       outliers ["auto": "passes" from PASSES_MIN_PROGRAMS (sequence, kv head) pairs, else "scatter"] | "passes" |
           "scatter" | "dot": "passes": in launches of their own before and after this kernel
           (lowbit_decode_fix.py; the kernel only reads a key-fix tile and stores its scores per page with
-          outliers: no barriers or atomics in its loop; two [B, Hkv, table width, page, HG] fp32 buffers);
+          outliers: no barriers or atomics in its loop; a [B, Hkv, table width, page, HG] fp32 buffer per side
+          with outlier capacity);
           "scatter": fp32 atomics into a per-program scratch in global memory (torch.empty here,
           [programs, 2 * (BLOCK_N + D) * heads] fp32, zeroed by the kernel); "dot": exact 0/1 dots. Buffer
           shapes depend on launch constants only (CUDA graphs may capture them). With "passes" and "scatter",
