@@ -61,10 +61,8 @@ def test_value_fixes(device, kind, planted, pages):
     lse = (torch.randn(batch, num_heads, 3, generator=gen) * 3 + 8).to(case.query.device)
     lse[:, :, 2] = float("-inf")
     group = num_heads // case.key_pages.codes.shape[1]
-    got = fix.value_fixes(scores, lse, case.value_pages, case.value_spec, case.slot_of_page, case.meta, group,
-                          head_dim, PAGES=pages)
-    want = ref.value_fixes(scores, lse, case.value_pages, case.value_spec, case.slot_of_page, case.meta, group,
-                           head_dim, PAGES=pages)
+    got = fix.value_fixes(scores, lse, case.value_pages, case.value_spec, case.slot_of_page, case.meta, PAGES=pages)
+    want = ref.value_fixes(scores, lse, case.value_pages, case.value_spec, case.slot_of_page, case.meta, PAGES=pages)
     assert got.shape == want.shape and want.abs().sum() > 0
     torch.testing.assert_close(got.sum(2)[:, :, :group].cpu(), want.sum(2)[:, :, :group].cpu(), rtol=1e-5,
                                atol=1e-5)
@@ -77,4 +75,4 @@ def test_no_outlier_capacity_touches_nothing(device):
     assert fix.key_fixes(case.query, case.key_pages, case.key_spec, case.slot_of_page, case.meta, QK_SCALE,
                          tiles) is tiles and bool((tiles == UNSET).all())
     assert fix.value_fixes(tiles, torch.zeros(1, 8, 1, device=device), case.value_pages, case.value_spec,
-                           case.slot_of_page, case.meta, 4, 64) is None
+                           case.slot_of_page, case.meta) is None

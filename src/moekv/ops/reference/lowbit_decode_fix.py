@@ -43,11 +43,11 @@ def key_fixes(query: torch.Tensor, key_pages, key_spec, staging_slot_of_page: to
 
 
 def value_fixes(scores: torch.Tensor, lse: torch.Tensor, value_pages, value_spec,
-                staging_slot_of_page: torch.Tensor, meta, group: int, head_dim: int,
-                BLOCK_C: int = 64, PAGES: int = 4) -> torch.Tensor | None:
+                staging_slot_of_page: torch.Tensor, meta, BLOCK_C: int = 64, PAGES: int = 4) -> torch.Tensor | None:
     batch, num_kv_heads, width, page_size, hg = scores.shape
     if value_spec.outlier_capacity == 0:
         return None
+    group, head_dim = lse.shape[1] // num_kv_heads, value_spec.head_dim
     parts = torch.zeros((batch, num_kv_heads, 1, hg, head_dim), dtype=torch.float32, device=scores.device)
     total = torch.logsumexp(lse.float() * torch.log(torch.tensor(2.0)), dim=-1) / torch.log(torch.tensor(2.0))
     total = torch.where(torch.isinf(total), torch.zeros_like(total), total)                      # [B, Hq]

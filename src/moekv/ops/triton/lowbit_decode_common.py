@@ -23,6 +23,18 @@ def token_scale_zero(scale_ptr, zero_ptr, base, rows, BITS: tl.constexpr):
     return relative, zero
 
 
+def supports(key_spec, value_spec, head_dim: int) -> bool:
+    """Whether the decode kernels (v5.1 and v6 take the same formats) handle the format: keys channel axis or
+    token axis with one group, values token axis with one group, bits 4/3/2, head_dim 64 or 128, equal
+    power-of-two pages >= 16."""
+    page_size = key_spec.page_size
+    return (page_size == value_spec.page_size and page_size >= 16 and page_size & (page_size - 1) == 0
+            and head_dim in (64, 128) and key_spec.head_dim == value_spec.head_dim == head_dim
+            and key_spec.bits in (2, 3, 4) and value_spec.bits in (2, 3, 4)
+            and (key_spec.axis == "channel" or key_spec.num_groups == 1)
+            and value_spec.axis == "token" and value_spec.num_groups == 1)
+
+
 def launch_config(defaults: dict, overrides: dict) -> dict:
     """defaults updated by the caller's launch overrides; an unknown key is a TypeError."""
     unknown = set(overrides) - set(defaults)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import pow2
+from moekv.ops.triton.lowbit_decode_tm_parts import outlier_slots
 
 PAGES_PER_PROGRAM = 4       # pages per program of both passes
 
@@ -56,17 +57,6 @@ def _page_count(block_tables, slot_of_page, count_ptr, seq, kv_head, page_index,
     lowbit = tl.load(slot_of_page + page, mask=inside, other=0) < 0
     count = tl.load(count_ptr + page_head, mask=inside & lowbit, other=0).to(tl.int32)
     return page_head, tl.minimum(count, CAP)
-
-
-@triton.jit
-def _slots(idx_ptr, val_ptr, page_head, c0, count, CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-           HEAD_DIM: tl.constexpr):
-    """(token, channel, fp32 residual, live) of slots c0 .. c0 + BLOCK_C - 1 of a page-head."""
-    offs_c = c0 + tl.arange(0, BLOCK_C)
-    live = offs_c < count
-    flat = tl.load(idx_ptr + page_head * CAP + offs_c, mask=live, other=0).to(tl.int32) & 0xFFFF
-    resid = tl.load(val_ptr + page_head * CAP + offs_c, mask=live, other=0.0).to(tl.float32)
-    return flat // HEAD_DIM, flat % HEAD_DIM, resid, live
 
 
 @triton.jit
@@ -99,11 +89,11 @@ def _key_fix_kernel(
             tl.store(tile + offs, tl.zeros([PAGE_SIZE, HG], tl.float32), mask=head_mask[None, :])
             tl.debug_barrier()
             for c0 in range(0, count, BLOCK_C):
-                token, channel, resid, live = _slots(k_oidx, k_ovals, page_head, c0, count, CAP, BLOCK_C, HEAD_DIM)
+                flat, resid, live = outlier_slots(k_oidx, k_ovals, page_head, c0, count, CAP, BLOCK_C)
                 mask = live[:, None] & head_mask[None, :]
-                q = tl.load(q_cols[None, :] + channel[:, None], mask=mask, other=0.0).to(tl.float32) * qk_scale
-                tl.atomic_add(tile + token[:, None] * HG + heads[None, :], resid[:, None] * q, mask=mask,
-                              sem="relaxed", scope="cta")
+                q = tl.load(q_cols[None, :] + (flat % HEAD_DIM)[:, None], mask=mask, other=0.0).to(tl.float32)
+                tl.atomic_add(tile + (flat // HEAD_DIM)[:, None] * HG + heads[None, :],
+                              resid.to(tl.float32)[:, None] * (q * qk_scale), mask=mask, sem="relaxed", scope="cta")
 
 
 @triton.jit
@@ -131,12 +121,12 @@ def _value_fix_kernel(
                                        stride_bt, NUM_KV_HEADS, CAP)
         tile = scores_ptr + (base * table_width + page_index) * (PAGE_SIZE * HG)
         for c0 in range(0, count, BLOCK_C):
-            token, channel, resid, live = _slots(v_oidx, v_ovals, page_head, c0, count, CAP, BLOCK_C, HEAD_DIM)
+            flat, resid, live = outlier_slots(v_oidx, v_ovals, page_head, c0, count, CAP, BLOCK_C)
             mask = live[:, None] & head_mask[None, :]
-            s = tl.load(tile + token[:, None] * HG + heads[None, :], mask=mask, other=float("-inf"))
+            s = tl.load(tile + (flat // HEAD_DIM)[:, None] * HG + heads[None, :], mask=mask, other=float("-inf"))
             weight = tl.exp2(s - total[None, :])                                                  # [C, HG]
-            tl.atomic_add(acc + channel[:, None], tl.where(weight > 0, weight * resid[:, None], 0.0), mask=mask,
-                          sem="relaxed")
+            tl.atomic_add(acc + (flat % HEAD_DIM)[:, None],
+                          tl.where(weight > 0, weight * resid.to(tl.float32)[:, None], 0.0), mask=mask, sem="relaxed")
 
 
 def fix_tiles(batch: int, num_kv_heads: int, table_width: int, page_size: int, group: int,
@@ -165,13 +155,14 @@ def key_fixes(query: torch.Tensor, key_pages, key_spec, staging_slot_of_page: to
 
 
 def value_fixes(scores: torch.Tensor, lse: torch.Tensor, value_pages, value_spec,
-                staging_slot_of_page: torch.Tensor, meta, group: int, head_dim: int,
-                BLOCK_C: int = 64, PAGES: int = PAGES_PER_PROGRAM) -> torch.Tensor | None:
+                staging_slot_of_page: torch.Tensor, meta, BLOCK_C: int = 64,
+                PAGES: int = PAGES_PER_PROGRAM) -> torch.Tensor | None:
     """Value corrections [B, Hkv, 1, HG, D] (fp32, output units, normalised by the global LSE of lse
     [B, Hq, S]) from the stored scores [B, Hkv, W, PAGE, HG]; None without value outlier capacity."""
     batch, num_kv_heads, width, page_size, hg = scores.shape
     if value_spec.outlier_capacity == 0 or batch == 0 or width == 0:
         return None
+    group, head_dim = lse.shape[1] // num_kv_heads, value_spec.head_dim
     acc = torch.zeros((batch, num_kv_heads, 1, hg, head_dim), dtype=torch.float32, device=scores.device)
     num_splits = lse.shape[2]
     _value_fix_kernel[(batch, num_kv_heads, triton.cdiv(width, PAGES))](

@@ -81,7 +81,8 @@ from moekv.ops.triton.lowbit_decode_tc_parts import (channels, key_chunk, key_ou
                                                      prefetch_block, unpack, value_chunk,
                                                      value_outliers)
 from moekv.ops.triton.lowbit_decode_common import (CODES_SUBNORMAL, code_mode, decode_batch, decode_splits,
-                                                   launch_config, page_tensors, split_outputs, token_scale_zero)
+                                                   launch_config, page_tensors, split_outputs, supports,
+                                                   token_scale_zero)
 from moekv.ops.triton.split_k import combine_splits
 
 OUTLIERS_DOT = 1        # outlier corrections by exact 0/1-matrix tensor-core dots (fp16, or fp32 "ieee")
@@ -345,18 +346,6 @@ def _decode_tc_kernel(
     else:
         tl.store(out_ptr + q_row * stride_ot + head[:, None] * stride_oh + chan_v[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-
-
-def supports(key_spec, value_spec, head_dim: int) -> bool:
-    """Whether this kernel handles the format: keys channel axis or token axis with one group, values
-    token axis with one group, bits 4/3/2, head_dim 64 or 128, equal power-of-two pages >= 16."""
-    page_size = key_spec.page_size
-    return (page_size == value_spec.page_size and page_size >= 16 and page_size & (page_size - 1) == 0
-            and head_dim in (64, 128) and key_spec.head_dim == value_spec.head_dim == head_dim
-            and key_spec.bits in (2, 3, 4) and value_spec.bits in (2, 3, 4)
-            and (key_spec.axis == "channel" or key_spec.num_groups == 1)
-            and value_spec.axis == "token" and value_spec.num_groups == 1)
-
 
 
 def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,

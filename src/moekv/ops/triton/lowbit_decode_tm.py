@@ -64,10 +64,10 @@ from moekv.ops.triton.lowbit_decode_tm_parts import (add_values, channels, first
                                                      rows_view, scatter_keys, scratch_offsets,
                                                      unpack, value_outliers, widen)
 from moekv.ops.triton.lowbit_decode_common import (CODES_SUBNORMAL, code_mode, decode_batch, decode_splits,
-                                                   launch_config, page_tensors, split_outputs, token_scale_zero)
+                                                   launch_config, page_tensors, split_outputs, supports,
+                                                   token_scale_zero)
 from moekv.ops.triton.lowbit_decode_fix import fix_tiles, group_width, key_fixes, value_fixes
 from moekv.ops.triton.split_k import combine_splits
-
 
 
 @triton.jit
@@ -354,19 +354,6 @@ PASSES_MIN_PROGRAMS = 64
 PASSES_MAX_BYTES = 4 << 30      # "auto" keeps "scatter" when the passes' two fp32 tile buffers would exceed this
 
 
-def supports(key_spec, value_spec, head_dim: int) -> bool:
-    """Whether this kernel handles the format (the same formats as v5): keys channel axis or token axis
-    with one group, values token axis with one group, bits 4/3/2, head_dim 64 or 128, equal
-    power-of-two pages >= 16."""
-    page_size = key_spec.page_size
-    return (page_size == value_spec.page_size and page_size >= 16 and page_size & (page_size - 1) == 0
-            and head_dim in (64, 128) and key_spec.head_dim == value_spec.head_dim == head_dim
-            and key_spec.bits in (2, 3, 4) and value_spec.bits in (2, 3, 4)
-            and (key_spec.axis == "channel" or key_spec.num_groups == 1)
-            and value_spec.axis == "token" and value_spec.num_groups == 1)
-
-
-
 def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,
                                      value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
                                      staging_values: torch.Tensor, staging_slot_of_page: torch.Tensor, meta,
@@ -475,7 +462,7 @@ def paged_attention_lowbit_decode_tm(query: torch.Tensor, key: torch.Tensor, val
     if passes:
         fix = None
         if value_spec.outlier_capacity > 0:
-            fix = value_fixes(scores, lse, value_pages, value_spec, staging_slot_of_page, meta, group, head_dim)
+            fix = value_fixes(scores, lse, value_pages, value_spec, staging_slot_of_page, meta)
         combine_splits(partial, lse, out, fix)
     elif num_splits > 1:
         combine_splits(partial, lse, out)
