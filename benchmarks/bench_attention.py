@@ -30,9 +30,9 @@ import torch  # noqa: E402
 from timing import cuda_graph_ms  # noqa: E402  (benchmarks/timing.py)
 import torch.nn.functional as F  # noqa: E402
 
-from moekv.kvcache.base import AttentionMetadata
+from moekv.core.attention_metadata import AttentionMetadata
 from moekv.provenance import git_commit
-from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops.reference import lowbit as lowbit_reference
 from moekv.ops.reference.attention import paged_attention_full_precision as fp_reference
 from moekv.ops.triton import lowbit_attention, lowbit_quantize

@@ -51,7 +51,8 @@ from synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
 
 from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from moekv.engine.engine import Engine  # noqa: E402
-from moekv.kvcache import AttentionMetadata, KVCacheSpec, create_kv_cache  # noqa: E402
+from moekv.core.attention_metadata import AttentionMetadata  # noqa: E402
+from moekv.kvcache import KVCacheSpec, create_kv_cache  # noqa: E402
 from moekv.models.loader import build_random_model  # noqa: E402
 from moekv.models.registry import NAMED_SHAPES, named_arch  # noqa: E402
 from moekv.sampling import SamplingParams  # noqa: E402

@@ -195,7 +195,8 @@ def sync(device: torch.device) -> None:
 def decode(model, prompt: list[int], warmup: int, tokens: int, on_warm=None) -> dict:
     """Greedy batch-1 decode; seconds per step after `warmup` steps, and every generated token.
     `on_warm()` runs before the first timed step (e.g. to reset counters)."""
-    from moekv.kvcache.base import AttentionMetadata, KVCacheSpec
+    from moekv.core.attention_metadata import AttentionMetadata
+    from moekv.kvcache.base import KVCacheSpec
     from moekv.kvcache.formats.full_precision import FullPrecisionKVCache
     from moekv.kvcache.manager import KVCacheManager, pages_needed
 

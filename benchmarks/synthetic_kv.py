@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.engine.request import RequestStatus
+from moekv.core.request import RequestStatus
 from moekv.sampling import SamplingParams
 
 

@@ -112,7 +112,8 @@ def moekv_greedy(model, prompts: list[list[int]], max_new_tokens: int, page_size
     prefill_chunk is None) or its one decode token. Returns (generated tokens per prompt,
     logits per prompt [len(prompt) + max_new_tokens - 1, V] float32: one row for every token fed).
     """
-    from moekv.kvcache.base import AttentionMetadata, KVCacheSpec
+    from moekv.core.attention_metadata import AttentionMetadata
+    from moekv.kvcache.base import KVCacheSpec
     from moekv.kvcache.formats.full_precision import FullPrecisionKVCache
     from moekv.kvcache.manager import KVCacheManager, pages_needed
 

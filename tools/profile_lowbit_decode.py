@@ -29,7 +29,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention as ba  # noqa: E402
 
-from moekv.kvcache.formats.lowbit_layout import QuantSpec  # noqa: E402
+from moekv.core.lowbit_layout import QuantSpec  # noqa: E402
 from moekv.ops.triton import lowbit_decode_tc, lowbit_decode_tm  # noqa: E402
 
 KERNELS = {"tc": lowbit_decode_tc.paged_attention_lowbit_decode_tc, "tm": lowbit_decode_tm.paged_attention_lowbit_decode_tm}

@@ -224,7 +224,7 @@ def test_stop_string_at_the_start_of_a_long_token_text():
 
 
 def test_token_ids_slices_prompt_and_output():
-    from moekv.engine.request import Request
+    from moekv.core.request import Request
     from moekv.tokenizer import IncrementalDetokenizer
 
     request = Request("r", [1, 2, 3], SamplingParams(), IncrementalDetokenizer(None), output_token_ids=[4, 5])

@@ -6,7 +6,9 @@ import torch
 from moekv.config import CacheConfig
 from moekv.errors import ConfigError, KVCacheCorruptionError, OutOfKVCacheError
 from moekv.kvcache import KVCacheManager, accounting, create_kv_cache
-from moekv.kvcache.base import AttentionMetadata, KVCacheSpec, causal_attention_reference
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.kvcache.base import KVCacheSpec
+from moekv.ops.reference.attention import causal_attention_reference
 from moekv.kvcache.formats.lowbit import LowBitKVCache
 from moekv.ops.reference.lowbit import dequantize_pages, quantize_pages
 

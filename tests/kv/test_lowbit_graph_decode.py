@@ -13,7 +13,8 @@ import torch
 from moekv.config import CacheConfig
 from moekv.errors import KVCacheCorruptionError
 from moekv.kvcache import KVCacheManager
-from moekv.kvcache.base import AttentionMetadata, KVCacheSpec
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.kvcache.base import KVCacheSpec
 from moekv.kvcache.formats.lowbit import LowBitKVCache
 from moekv.kvcache.formats.lowbit_plan import DecodePlan
 from moekv.ops import dispatch

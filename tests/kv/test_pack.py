@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moekv.kvcache.formats.lowbit_pack import pack_codes, plane_offsets, unpack_codes, words_per_row
+from moekv.core.lowbit_pack import pack_codes, plane_offsets, unpack_codes, words_per_row
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

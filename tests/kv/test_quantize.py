@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moekv.kvcache import accounting
-from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops.reference.lowbit import dequantize_pages, quantize_pages, token_scale_zero
 
 

@@ -119,7 +119,8 @@ def test_bf16_greedy_tokens_match_resident(backend, num_slots):
 
 @torch.inference_mode()
 def greedy(model, prompt: list[int], steps: int):
-    from moekv.kvcache.base import AttentionMetadata, KVCacheSpec
+    from moekv.core.attention_metadata import AttentionMetadata
+    from moekv.kvcache.base import KVCacheSpec
     from moekv.kvcache.formats.full_precision import FullPrecisionKVCache
     from moekv.kvcache.manager import KVCacheManager, pages_needed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.base import AttentionMetadata
+from moekv.core.attention_metadata import AttentionMetadata
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moekv.kvcache.base import AttentionMetadata
-from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops.reference import lowbit as reference
 
 

@@ -99,7 +99,8 @@ def test_blocks_smaller_than_a_page(device):
 def _run_cache_steps(device, backend):
     """A LowBitKVCache (int3, pages of 16) through a prefill chunk, a second chunk and decode steps."""
     from moekv.config import CacheConfig
-    from moekv.kvcache.base import AttentionMetadata, KVCacheSpec
+    from moekv.core.attention_metadata import AttentionMetadata
+    from moekv.kvcache.base import KVCacheSpec
     from moekv.kvcache.formats.lowbit import LowBitKVCache
 
     dispatch.set_backend(backend)

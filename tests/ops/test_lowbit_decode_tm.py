@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.kvcache.formats.lowbit_pack import pack_codes, words_per_row
+from moekv.core.lowbit_pack import pack_codes, words_per_row
 from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
 from moekv.ops.triton.lowbit_decode_tm import paged_attention_lowbit_decode_tm as kernel
 from moekv.ops.triton.lowbit_decode_tm import supports

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops import dispatch
 from moekv.ops.reference import lowbit as reference
 from moekv.ops.triton.lowbit_quantize import quantize_pages

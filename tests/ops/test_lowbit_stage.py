@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekv.kvcache.formats.lowbit_layout import QuantSpec
+from moekv.core.lowbit_layout import QuantSpec
 from moekv.ops import dispatch
 from moekv.ops.reference import lowbit as reference
 from moekv.ops.triton import lowbit_quantize, lowbit_stage

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from moekv.engine.engine import Engine
-from moekv.engine.request import Request, RequestStatus
+from moekv.core.request import Request, RequestStatus
 from moekv.engine.step_recovery import StepRecovery
 from moekv.errors import InvalidRequestError, MoekvError
 from moekv.metrics import EngineStats, ServerMetrics

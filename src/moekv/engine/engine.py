@@ -16,7 +16,7 @@ import torch
 
 from moekv.config import EngineConfig, torch_dtype
 from moekv.engine.model_runner import ModelRunner, graph_pool_bytes, usable_rows
-from moekv.engine.request import Request, RequestOutput
+from moekv.core.request import Request, RequestOutput
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
 from moekv.sampling import SampleResult, SamplingParams, sample

@@ -37,7 +37,8 @@ from typing import ContextManager, Protocol
 
 import torch
 
-from moekv.kvcache.base import AttentionMetadata, KVCache
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.kvcache.base import KVCache
 from moekv.kvcache.manager import KVCacheManager
 from moekv.scheduler.output import SchedulerOutput
 

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 
 from moekv.engine.engine import Engine
-from moekv.engine.request import Request, RequestStatus
+from moekv.core.request import Request, RequestStatus
 
 logger = logging.getLogger("moekv.async_engine")
 

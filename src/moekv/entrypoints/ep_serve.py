@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from moekv.distributed.failure import collective_section, failed
 from moekv.distributed.lockstep import LockstepEngine
-from moekv.engine.request import Request, RequestOutput
+from moekv.core.request import Request, RequestOutput
 from moekv.sampling import SamplingParams
 
 

@@ -11,7 +11,8 @@ import torch
 
 from moekv.config import torch_dtype
 from moekv.kvcache import create_kv_cache
-from moekv.kvcache.base import AttentionMetadata, KVCache, KVCacheSpec
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.kvcache.base import KVCache, KVCacheSpec
 
 
 @dataclass

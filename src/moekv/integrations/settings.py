@@ -80,7 +80,7 @@ class LowBitCacheSettings:
         group plus an fp16 scale_base per page; outliers: 32 bits per slot (fp16 residual + 16-bit index) + a
         16-bit count. Counted by moekv.kvcache.accounting (imports torch)."""
         from moekv.kvcache.accounting import format_bits_per_value
-        from moekv.kvcache.formats.lowbit_layout import QuantSpec
+        from moekv.core.lowbit_layout import QuantSpec
 
         key_spec = QuantSpec(bits=self.bits, axis="channel", head_dim=head_dim, page_size=self.page_size,
                              outlier_capacity=QuantSpec.capacity_for(self.outlier_fraction, self.page_size, head_dim))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moekv.config import CacheConfig
-from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.core.lowbit_layout import PackedPages, QuantSpec
 
 KINDS = ("key", "value")
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from moekv.config import CacheConfig
-from moekv.kvcache.base import AttentionMetadata, KVCache, KVCacheSpec
+from moekv.kvcache.base import KVCache, KVCacheSpec
 from moekv.kvcache.block_pool import BlockPool
 from moekv.kvcache.manager import KVCacheManager
 
-__all__ = ["AttentionMetadata", "KVCache", "KVCacheSpec", "BlockPool", "KVCacheManager",
+__all__ = ["KVCache", "KVCacheSpec", "BlockPool", "KVCacheManager",
            "kv_cache_class", "create_kv_cache"]
 
 

@@ -7,7 +7,7 @@ of a key or value vector; numbers are averaged over keys and values.
 
 from __future__ import annotations
 
-from moekv.kvcache.formats.lowbit_layout import QuantSpec
+from moekv.core.lowbit_layout import QuantSpec
 
 
 def packed_bytes_breakdown(spec: QuantSpec, num_kv_heads: int = 1) -> dict[str, int]:

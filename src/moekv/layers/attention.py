@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from moekv.config import ArchConfig
-from moekv.kvcache.base import AttentionMetadata, KVCache
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.kvcache.base import KVCache
 from moekv.layers.linear import Linear
 from moekv.layers.norm import RMSNorm
 from moekv.layers.rotary import apply_rotary_qk

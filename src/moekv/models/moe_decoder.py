@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from moekv.config import ArchConfig
-from moekv.kvcache.base import AttentionMetadata, KVCache
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.kvcache.base import KVCache
 from moekv.layers.attention import Attention
 from moekv.layers.linear import Embedding, Linear
 from moekv.layers.moe import DenseMLP, MoEBlock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moekv.engine.request import Request
+from moekv.core.request import Request
 
 
 @dataclass

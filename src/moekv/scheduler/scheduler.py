@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 
 from moekv.config import SchedulerConfig
-from moekv.engine.request import Request, RequestStatus
+from moekv.core.request import Request, RequestStatus
 from moekv.kvcache.manager import KVCacheManager
 from moekv.scheduler.output import ScheduledChunk, SchedulerOutput
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from moekv.config import CacheConfig
-from moekv.kvcache.base import AttentionMetadata, KVCache, KVCacheSpec
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.kvcache.base import KVCache, KVCacheSpec
 from moekv.ops import dispatch
 
 

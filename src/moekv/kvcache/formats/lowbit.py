@@ -41,8 +41,9 @@ import torch
 from moekv.config import CacheConfig
 from moekv.errors import ConfigError, KVCacheCorruptionError
 from moekv.kvcache import accounting
-from moekv.kvcache.base import AttentionMetadata, KVCache, KVCacheSpec
-from moekv.kvcache.formats.lowbit_layout import PackedPages, QuantSpec
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.kvcache.base import KVCache, KVCacheSpec
+from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.kvcache.formats.lowbit_plan import DecodePlan, StagingSlots, StepPlan, build_decode_plan, build_plan
 from moekv.ops import dispatch
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moekv.errors import OutOfKVCacheError
-from moekv.kvcache.base import AttentionMetadata
+from moekv.core.attention_metadata import AttentionMetadata
 
 
 @dataclass

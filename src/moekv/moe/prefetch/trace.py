@@ -52,7 +52,8 @@ class RoutingTrace:
 def run_windows(model: nn.Module, token_ids: list[int], window: int, max_windows: int | None = None) -> int:
     """Prefill non-overlapping windows of `token_ids` as independent sequences (hooks see every
     token). Returns the number of tokens run."""
-    from moekv.kvcache.base import AttentionMetadata, KVCacheSpec
+    from moekv.core.attention_metadata import AttentionMetadata
+    from moekv.kvcache.base import KVCacheSpec
     from moekv.kvcache.formats.full_precision import FullPrecisionKVCache
     from moekv.kvcache.manager import KVCacheManager, pages_needed
 

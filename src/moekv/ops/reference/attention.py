@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.base import AttentionMetadata, causal_attention_reference
+from moekv.core.attention_metadata import AttentionMetadata
 
 
 def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
@@ -24,3 +24,24 @@ def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor,
             query[start:start + num_new], keys, values, context_len, scale).to(query.dtype)
         start += num_new
     return out
+
+
+def causal_attention_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                               context_len: int, scale: float) -> torch.Tensor:
+    """Attention of one sequence's new tokens over [cached context + new tokens], in fp32.
+
+    query [Q, Hq, D]; keys/values [L, Hkv, D] with L = context_len + Q -> [Q, Hq, D] (fp32).
+    New token i (absolute position context_len + i) sees keys 0 .. context_len + i.
+    """
+    num_q, num_heads, _ = query.shape
+    total, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    q = query.float().transpose(0, 1)                                    # [Hq, Q, D]
+    k = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)     # [Hq, L, D]
+    v = values.float().transpose(0, 1).repeat_interleave(group, dim=0)   # [Hq, L, D]
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale                  # [Hq, Q, L]
+    q_pos = torch.arange(num_q, device=query.device).unsqueeze(1) + context_len   # [Q, 1]
+    k_pos = torch.arange(total, device=query.device).unsqueeze(0)                 # [1, L]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).transpose(0, 1)                        # [Q, Hq, D]

@@ -1,16 +1,17 @@
 """Reference (pure PyTorch) low-bit KV ops: quantize pages, dequantize pages, paged attention.
 
 The oracle the Triton kernels are tested against; each kernel mirrors one of these signatures.
-Layout and formulas: kvcache/formats/lowbit_layout.py and docs/kv-format.md. All arithmetic is fp32.
+Layout and formulas: core/lowbit_layout.py and docs/kv-format.md. All arithmetic is fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.base import AttentionMetadata, causal_attention_reference
-from moekv.kvcache.formats.lowbit_layout import SCALE_CODE_STEPS, PackedPages, QuantSpec
-from moekv.kvcache.formats.lowbit_pack import pack_codes, unpack_codes
+from moekv.core.attention_metadata import AttentionMetadata
+from moekv.ops.reference.attention import causal_attention_reference
+from moekv.core.lowbit_layout import SCALE_CODE_STEPS, PackedPages, QuantSpec
+from moekv.core.lowbit_pack import pack_codes, unpack_codes
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0 ** -24         # smallest positive fp16 (subnormal): the floor of a channel scale

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.kvcache.base import AttentionMetadata
+from moekv.core.attention_metadata import AttentionMetadata
 from moekv.ops.triton.attention_decode import paged_decode_full_precision
 from moekv.ops.triton.attention_prefill import paged_prefill_full_precision
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.kvcache.formats.lowbit_layout import SCALE_CODE_STEPS, PackedPages
+from moekv.core.lowbit_layout import SCALE_CODE_STEPS, PackedPages
 from moekv.ops.triton.common import check_launchable
 
 FP16_MAX = 65504.0

@@ -5,11 +5,21 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from moekv.sampling import SamplingParams
-from moekv.tokenizer import IncrementalDetokenizer
+from moekv.core.sampling_params import SamplingParams
+
+
+class Detokenizer(Protocol):
+    """What a request needs of its detokenizer (moekv.tokenizer.IncrementalDetokenizer is one)."""
+
+    text: str
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the new text."""
+        ...
 
 
 class RequestStatus(enum.Enum):
@@ -27,7 +37,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

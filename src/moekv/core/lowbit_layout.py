@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from moekv.kvcache.formats.lowbit_pack import SUPPORTED_BITS, words_per_row
+from moekv.core.lowbit_pack import SUPPORTED_BITS, words_per_row
 
 AXES = ("channel", "token")
 SCALE_CODE_STEPS = 16          # token axis: scale codes step by 2 ** (1/16) (4.4%) below scale_base
