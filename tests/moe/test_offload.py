@@ -10,7 +10,7 @@ import torch
 
 from moekv.config import OffloadConfig
 from moekv.models.loader import build_random_model
-from moekv.moe.experts import LocalExperts
+from moekv.layers.experts import LocalExperts
 from moekv.moe.prefetch import ExpertOffload, ExpertPredictor, install_routing
 from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier
 from tests.hf_fixtures import moekv_greedy

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moekv.models.loader import build_random_model
-from moekv.moe.experts import LocalExperts
+from moekv.layers.experts import LocalExperts
 from moekv.moe.prefetch import ExpertOffload
 from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier
 from moekv.ops import dispatch

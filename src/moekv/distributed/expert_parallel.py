@@ -36,7 +36,7 @@ from moekv.distributed.failure import check_healthy
 from moekv.distributed.groups import ExpertParallelGroup
 from moekv.distributed.placement import ExpertPlacement
 from moekv.layers.linear import empty_parameter
-from moekv.moe.experts import Experts
+from moekv.layers.experts import Experts
 from moekv.ops import dispatch
 
 DISPATCH_MODES = ("auto", "all_to_all", "allgather")

@@ -192,7 +192,7 @@ class ModelRunner:
     # -- CUDA-graph set-up --------------------------------------------------------------------
     def graph_ineligibility(self, hooks_safe: bool = True) -> str | None:
         """Why decode steps of this model and cache cannot be captured (None: they can)."""
-        from moekv.moe.experts import Experts, LocalExperts
+        from moekv.layers.experts import Experts, LocalExperts
 
         if not getattr(type(self.kv_cache), "supports_graph_decode", False):
             return f"the {type(self.kv_cache).__name__} KV cache does not support graph decode"

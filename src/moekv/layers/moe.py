@@ -1,6 +1,6 @@
 """The feed-forward blocks: a gated dense MLP, and the routed MoE block (+ optional shared expert).
 
-MoE flow: router -> (weights, ids) -> `self.experts` (moe.experts.LocalExperts by default: stacked
+MoE flow: router -> (weights, ids) -> `self.experts` (layers.experts.LocalExperts by default: stacked
 weights through ops.dispatch.moe_experts; offloaded or expert-parallel variants are swapped in from
 outside) -> + sigmoid(shared_expert_gate(x)) * shared_expert(x) when the model has a shared expert.
 """
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekv.config import ArchConfig
+from moekv.layers.experts import Experts, LocalExperts
 from moekv.layers.linear import Linear
 from moekv.layers.router import Router
 from moekv.ops.reference.layers import count_expert_load
-from moekv.moe.experts import Experts, LocalExperts
 
 
 class DenseMLP(nn.Module):
@@ -34,7 +34,7 @@ class DenseMLP(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router + routed experts (+ optional shared expert). `experts` is replaceable (see moe.experts)."""
+    """Router + routed experts (+ optional shared expert). `experts` is replaceable (see layers.experts)."""
 
     def __init__(self, arch: ArchConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str):
         super().__init__()

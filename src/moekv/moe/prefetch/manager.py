@@ -20,7 +20,7 @@ import torch
 
 from moekv.config import parse_expert_cache_size
 from moekv.errors import ConfigError
-from moekv.moe.experts import LocalExperts
+from moekv.layers.experts import LocalExperts
 from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier, to_host
 from moekv.moe.prefetch.predictor import ExpertPredictor, moe_layer_ids
 from moekv.moe.prefetch.residency import PREDICTED, PREDICTED_FAR, CacheCounters

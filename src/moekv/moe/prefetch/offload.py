@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from moekv.moe.experts import Experts
+from moekv.layers.experts import Experts
 from moekv.moe.prefetch.compute import SlotExpertCompute
 from moekv.moe.prefetch.residency import NEEDED, UNPROTECTED, ExpertCache
 

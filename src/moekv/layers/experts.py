@@ -1,4 +1,8 @@
-"""The experts interface and the local (all experts on this device) implementation."""
+"""The experts seam of the MoE block (`Experts`) and its local, all-on-this-device implementation.
+
+Offloaded (moe.prefetch) and expert-parallel (distributed) variants subclass `Experts` and are swapped
+into `MoEBlock.experts` after the model is built.
+"""
 
 from __future__ import annotations
 
