@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from moekv import LLM, SamplingParams
-from tests.serve.subprocess_server import ServerProcess, bundled_model
+from tests.entrypoints.openai.subprocess_server import ServerProcess, bundled_model
 
 openai = pytest.importorskip("openai")
 MODEL = bundled_model()

@@ -1,17 +1,16 @@
 """AsyncEngine around a mock engine, without HTTP: deltas, validation, abort, failure isolation, a dead
-loop; plus the app's 503 and no-chat-template answers through an in-process ASGI transport."""
+loop (the app's answers through an in-process ASGI transport: tests/entrypoints/openai/test_server_asgi.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 from moekv.engine.async_engine import AsyncEngine, EngineDeadError
 from moekv.errors import InvalidRequestError
 from moekv.sampling import SamplingParams
-from tests.serve.helpers import make_app, make_engine, write_char_tokenizer
+from tests.entrypoints.openai.helpers import make_engine
 
 GREEDY = dict(temperature=0.0)
 
@@ -134,84 +133,3 @@ def test_a_dead_loop_ends_streams_and_refuses_new_requests():
     finish, errors = run(main())
     assert finish == {"r": "error"} and "scheduler bug" in errors["r"]
     assert not async_engine.is_alive and "scheduler bug" in async_engine.dead_reason
-
-
-def test_health_is_503_and_requests_are_503_when_the_loop_is_dead(tmp_path):
-    engine = make_engine(write_char_tokenizer(tmp_path / "tok"))
-    app, async_engine = make_app(engine)
-    async_engine.start()
-
-    async def main():
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            assert (await http.get("/health")).status_code == 200
-            engine.has_unfinished = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
-            for _ in range(100):
-                if not async_engine.is_alive:
-                    break
-                await asyncio.sleep(0.01)
-            health = await http.get("/health")
-            completion = await http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
-            return health, completion
-
-    health, completion = run(main())
-    assert health.status_code == 503 and "boom" in health.json()["error"]["message"]
-    assert completion.status_code == 503 and completion.json()["error"]["code"] == "engine_unavailable"
-
-
-def test_chat_without_a_template_is_400(tmp_path):
-    engine = make_engine(write_char_tokenizer(tmp_path / "tok", chat_template=None))
-    app, async_engine = make_app(engine)
-    async_engine.start()
-
-    async def main():
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            return await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]})
-
-    response = run(main())
-    async_engine.shutdown()
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert error["param"] == "messages" and "no chat template" in error["message"]
-
-
-def test_chat_template_override(tmp_path):
-    engine = make_engine(write_char_tokenizer(tmp_path / "tok", chat_template=None))
-    app, async_engine = make_app(engine, chat_template="{{ messages[0]['content'] }}|")
-    async_engine.start()
-
-    async def main():
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            return await http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "ab"}], "max_tokens": 2, "temperature": 0})
-
-    response = run(main())
-    async_engine.shutdown()
-    assert response.status_code == 200
-    body = response.json()
-    assert body["choices"][0]["message"]["content"] == "}~" and body["usage"]["prompt_tokens"] == 3
-
-
-def test_an_unexpected_exception_is_500_without_a_traceback(tmp_path):
-    engine = make_engine(write_char_tokenizer(tmp_path / "tok"))
-    app, async_engine = make_app(engine)
-    async_engine.start()
-
-    def broken_encode(*args, **kwargs):
-        raise RuntimeError("secret internals")
-
-    engine.tokenizer.encode = broken_encode
-
-    async def main():
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            return await http.post("/v1/completions", json={"prompt": "a"})
-
-    response = run(main())
-    async_engine.shutdown()
-    assert response.status_code == 500
-    assert response.json() == {"error": {"message": "internal server error", "type": "server_error", "param": None,
-                                         "code": "internal_error"}}
-    assert "secret" not in response.text and "Traceback" not in response.text

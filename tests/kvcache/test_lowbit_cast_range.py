@@ -15,7 +15,7 @@ from moekv.core.attention_metadata import AttentionMetadata
 from moekv.kvcache.base import KVCacheSpec
 from moekv.kvcache.formats.lowbit import LowBitKVCache
 from moekv.kvcache.formats.lowbit_plan import DecodePlan
-from tests.kv.test_lowbit_graph_decode import backend  # noqa: F401  (fixture: reference and Triton)
+from tests.kvcache.test_lowbit_graph_decode import backend  # noqa: F401  (fixture: reference and Triton)
 
 PAGE, HEADS, Q_HEADS, DIM, LAYERS, SCALE = 8, 2, 4, 32, 2, 0.18
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from moekv.datasets import bundled_model_dir
-from tests.serve.helpers import free_port, write_char_tokenizer
+from tests.entrypoints.openai.helpers import free_port, write_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

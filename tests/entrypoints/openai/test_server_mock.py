@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import API_KEY
-from tests.serve.helpers import read_metrics, wait_idle
+from tests.entrypoints.openai.conftest import API_KEY
+from tests.entrypoints.openai.helpers import read_metrics, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve.helpers import ThreadedServer, make_app, make_engine, write_char_tokenizer
+from tests.entrypoints.openai.helpers import ThreadedServer, make_app, make_engine, write_char_tokenizer
 
 API_KEY = "test-key"
 

@@ -19,8 +19,8 @@ import pytest
 from moekv.bench.serve import BenchConfig, run_benchmark
 from moekv.metrics import parse_metrics
 from moekv.tokenizer import Tokenizer
-from tests.serve.helpers import wait_idle
-from tests.serve.subprocess_server import ServerProcess, bundled_model, tiny_random_model
+from tests.entrypoints.openai.helpers import wait_idle
+from tests.entrypoints.openai.subprocess_server import ServerProcess, bundled_model, tiny_random_model
 
 KEY = "e2e-key"
 NAME = "tiny"

@@ -8,7 +8,7 @@ import collections
 import torch
 
 from moekv.ops import dispatch
-from tests.kv.test_lowbit_graph_decode import BUCKET, LAYERS, Pair
+from tests.kvcache.test_lowbit_graph_decode import BUCKET, LAYERS, Pair
 
 
 def test_prepared_decode_step_is_three_ops_a_layer(monkeypatch):
