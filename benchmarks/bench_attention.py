@@ -27,7 +27,7 @@ if "--dry" in sys.argv:                    # plumbing test on a CPU: Triton's in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from timing import cuda_graph_ms  # noqa: E402  (benchmarks/timing.py)
+from benchmarks.timing import cuda_graph_ms  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from moekv.core.attention_metadata import AttentionMetadata
@@ -453,8 +453,7 @@ def short_row(row) -> str:
 
 # ---------------------------------------------------------------- correctness at real shapes
 def run_check(log, sweep_configs: bool = True) -> bool:
-    from tests.ops.helpers import build_fp_case
-    from tests.ops.lowbit_cases import build_case
+    from moekv.testing.attention_cases import build_case, build_fp_case
     from moekv.ops.triton.attention import paged_attention_full_precision as fp_kernel
 
     ok = True

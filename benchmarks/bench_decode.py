@@ -45,9 +45,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_moe  # noqa: E402  (also turns on the interpreter for --tiny)
-from synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
+from benchmarks import bench_moe  # noqa: E402  (also turns on the interpreter for --tiny)
+from benchmarks.synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
 
 from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from moekv.engine.engine import Engine  # noqa: E402

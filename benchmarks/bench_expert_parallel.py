@@ -52,8 +52,6 @@ from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "src") not in sys.path:            # runs from a checkout without PYTHONPATH=src
-    sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -69,7 +67,7 @@ from moekv.distributed.sharding import build_random_model  # noqa: E402
 from moekv.entrypoints.ep_runner import initial_placements, make_runtime  # noqa: E402
 from moekv.models.registry import named_arch  # noqa: E402
 from moekv.provenance import git_commit  # noqa: E402
-from synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402  (benchmarks/synthetic_kv.py)
+from benchmarks.synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             expert_intermediate_size=128, max_position_embeddings=4096)

@@ -67,7 +67,7 @@ SWEEP_FMA = [dict(BLOCK_N=bn, BLOCK_K=256 * w, num_warps=w, UNROLL=u, SPLIT_K=1,
 def graph_ms(calls: list, reps: int = 20, trials: int = 7) -> float:
     """Median ms of one call, cycling over `calls` (each a different weight copy) in a CUDA graph of
     about `reps` calls (a whole number of cycles)."""
-    from timing import cuda_graph_ms  # benchmarks/timing.py
+    from benchmarks.timing import cuda_graph_ms
 
     cycle = itertools.cycle(calls)
     per_graph = max(reps // len(calls), 1) * len(calls)
@@ -227,7 +227,6 @@ def write_results(out_dir: Path, result: dict) -> tuple[Path, Path]:
 
 # ---------------------------------------------------------------- --static: sm_90 compile of the launches
 def static_report(shapes: dict, rows: list[int], dtype: torch.dtype) -> list[str]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tools.sass_stats import (capture_launch, compile_launch, histogram, programs_per_sm, resource_usage,
                                   sass)
     from moekv.ops.triton import skinny_gemm as sk

@@ -32,7 +32,7 @@ if "--tiny" in sys.argv:                     # the Triton paths on a CPU: the in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from timing import cuda_graph_ms  # noqa: E402  (benchmarks/timing.py)
+from benchmarks.timing import cuda_graph_ms  # noqa: E402
 
 from moekv.models.registry import NAMED_SHAPES  # noqa: E402
 from moekv.ops import dispatch  # noqa: E402

@@ -1,6 +1,6 @@
 """Shared GPU timing for the benchmarks: the median of CUDA-graph replays.
 
-Imported as `timing` (the benchmarks run as scripts, so their own folder is on sys.path).
+Imported as `benchmarks.timing` (run the benchmarks with `PYTHONPATH=src:.`: see benchmarks/__init__.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ LAYERS: list[set[str]] = [
     {"distributed"},      # process groups, exchange, placement, balancer, failure, sharding
     {"engine"},           # the step loop: schedule -> run -> sample
     {"entrypoints"},      # LLM, CLI generate, OpenAI server
-    {"eval", "integrations", "bench"},
+    {"eval", "integrations", "bench", "testing"},   # testing: case builders for tests and benchmarks
     {"cli"},
     {"__main__", "moekv"},  # `python -m moekv`; the package's lazy public API (moekv.LLM, ...)
 ]

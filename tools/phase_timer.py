@@ -1,17 +1,15 @@
 """Where a CUDA-graph decode step's wall time goes, per phase (host perf_counter marks around the engine's
 methods) against the graph replay (CUDA events), with synthetic KV (no prefill).
 
-    PYTHONPATH=src:benchmarks python3 tools/phase_timer.py --kv bf16,int3 --context 16384 --steps 64   # GPU
-    PYTHONPATH=src:benchmarks python3 tools/phase_timer.py --tiny --context 64 --steps 4              # CPU check
+    PYTHONPATH=src:. python3 tools/phase_timer.py --kv bf16,int3 --context 16384 --steps 64   # GPU
+    PYTHONPATH=src:. python3 tools/phase_timer.py --tiny --context 64 --steps 4              # CPU check
 """
-import argparse, collections, sys, time
-from pathlib import Path
+import argparse, collections, time
 
 import torch
 
-sys.path.insert(0, "benchmarks")
-import bench_decode  # noqa: E402
-from synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
+from benchmarks import bench_decode  # noqa: E402
+from benchmarks.synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
 from moekv.models.loader import build_random_model  # noqa: E402
 from moekv.models.registry import named_arch  # noqa: E402
 

@@ -19,15 +19,13 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 if "--dry" in sys.argv:                    # CPU plumbing check: the interpreter, set before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_attention as ba  # noqa: E402
+from benchmarks import bench_attention as ba  # noqa: E402
 
 from moekv.core.lowbit_layout import QuantSpec  # noqa: E402
 from moekv.ops.triton import lowbit_decode_tc, lowbit_decode_tm  # noqa: E402

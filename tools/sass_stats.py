@@ -187,7 +187,7 @@ def lowbit_tc_stats(bits: int, outliers_per_page: float = 39.0, dtype: str = "bf
     outlier_pre chunks count in the loop's own instructions, each once)."""
     import torch
     from moekv.ops.triton import lowbit_decode_tc as tc
-    from tests.ops.lowbit_cases import build_case
+    from moekv.testing.attention_cases import build_case
 
     torch_dtype = getattr(torch, dtype)
     case = build_case([300], [1], 8, 4, 128, bits, 128, dtype=torch_dtype, outlier_fraction=outlier_fraction, seed=0)
@@ -246,7 +246,5 @@ def _main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-    sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", p) for p in ("src", ".")]
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     _main()

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_attention  # noqa: E402
+from benchmarks import bench_attention
 
 
 def _row(batch, cfg, ms, err=1e-3, impl="tm", bits=3):

@@ -1,6 +1,6 @@
 """Expert-parallel generation under torchrun, for tests/distributed (one process per rank, gloo).
 
-    torchrun --standalone --nproc-per-node N tests/distributed/ep_worker.py SPEC.json OUT_DIR
+    PYTHONPATH=src:. torchrun --standalone --nproc-per-node N tests/distributed/ep_worker.py SPEC.json OUT_DIR
 
 SPEC = {"scenarios": [...]}; each scenario has a "name" and a "kind":
   "random": a tiny random Mixtral (helpers.tiny_arch(num_experts, top_k)), sharded after it is built;
@@ -30,8 +30,6 @@ import faulthandler
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

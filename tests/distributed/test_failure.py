@@ -84,7 +84,7 @@ def launch_failing(tmp_path: Path, scenario: dict, timeout: float = 240.0):
     out_dir = tmp_path / "out"
     out_dir.mkdir(exist_ok=True)
     torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "src"))), "CUDA_VISIBLE_DEVICES": "",
            "PYTHONWARNINGS": "ignore", "MOEKV_EP_EXIT_GRACE_S": "0.2"}
     began = time.monotonic()
     try:

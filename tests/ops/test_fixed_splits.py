@@ -13,8 +13,8 @@ from moekv.ops.reference.attention import paged_attention_full_precision as fp_r
 from moekv.ops.reference.lowbit import paged_attention_lowbit as lowbit_reference
 from moekv.ops.triton.attention import paged_attention_full_precision as fp_kernel
 from moekv.ops.triton.lowbit_attention import paged_attention_lowbit as lowbit_kernel
-from tests.ops.helpers import assert_close, build_fp_case
-from tests.ops.lowbit_cases import build_case
+from moekv.testing.attention_cases import build_case, build_fp_case
+from tests.ops.helpers import assert_close
 
 SCALE = 0.125
 

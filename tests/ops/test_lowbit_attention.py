@@ -8,8 +8,8 @@ import torch
 from moekv.ops import dispatch
 from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
 from moekv.ops.triton.lowbit_attention import paged_attention_lowbit as kernel
+from moekv.testing.attention_cases import build_case
 from tests.ops.helpers import assert_close
-from tests.ops.lowbit_cases import build_case
 
 SCALE = 0.125
 DECODE = dict(context_lens=[0, 1, 40, 100], query_lens=[1, 1, 1, 1])   # empty, tiny, ragged, several pages

@@ -8,8 +8,8 @@ import torch
 
 from moekv.ops import dispatch
 from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
+from moekv.testing.attention_cases import build_case
 from tests.ops.helpers import assert_close
-from tests.ops.lowbit_cases import build_case
 
 SCALE = 0.125
 

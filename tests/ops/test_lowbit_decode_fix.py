@@ -9,7 +9,7 @@ import torch
 
 from moekv.ops.reference import lowbit_decode_fix as ref
 from moekv.ops.triton import lowbit_decode_fix as fix
-from tests.ops.lowbit_cases import build_case, to_device
+from moekv.testing.attention_cases import build_case, to_device
 from tests.ops.test_lowbit_decode_tm import plant_outliers
 
 QK_SCALE = 0.125 * 1.4426950408889634

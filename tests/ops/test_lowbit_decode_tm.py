@@ -14,9 +14,9 @@ from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
 from moekv.ops.triton.lowbit_decode_tm import paged_attention_lowbit_decode_tm as kernel
 from moekv.ops.triton.lowbit_decode_tm import supports
 from moekv.ops.triton.lowbit_decode_tm_parts import channels, columns, load_words, row_tokens, unpack
+from moekv.testing.attention_cases import build_case, to_device
 from tests.ops.helpers import assert_close
 from tests.ops.interp_bounds import bounds_checked
-from tests.ops.lowbit_cases import build_case, to_device
 
 SCALE = 0.125
 DECODE = dict(context_lens=[0, 1, 40, 100], query_lens=[1, 1, 1, 1])   # empty, tiny, ragged, several pages
@@ -306,7 +306,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import moekv.ops.triton.lowbit_decode_tm as m
-from tests.ops.lowbit_cases import build_case
+from moekv.testing.attention_cases import build_case
 
 ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
 if not os.path.exists(ptxas):

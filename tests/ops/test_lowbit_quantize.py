@@ -15,7 +15,7 @@ from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops import dispatch
 from moekv.ops.reference import lowbit as reference
 from moekv.ops.triton.lowbit_quantize import quantize_pages
-from tests.ops.lowbit_cases import make_data
+from moekv.testing.attention_cases import make_data
 
 
 def compare(x: torch.Tensor, spec: QuantSpec) -> None:

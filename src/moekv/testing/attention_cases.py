@@ -1,5 +1,6 @@
-"""Builds low-bit cache states for kernel tests: pages quantized by the reference quantizer, the
-partly filled tail page of each sequence (and, if asked, its first pages) in fp staging pages."""
+"""Attention cases for kernel tests and benchmarks: full-precision pages (`build_fp_case`) and low-bit
+cache states (`build_case`): pages quantized by the reference quantizer, the partly filled tail page
+of each sequence (and, if asked, its first pages) in fp staging pages."""
 
 from __future__ import annotations
 
@@ -10,6 +11,27 @@ import torch
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops.reference import lowbit as reference
+
+
+def build_fp_case(context_lens: list[int], query_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
+                  page_size: int, dtype: torch.dtype, device: str, seed: int = 0, value_scale: float = 1.0,
+                  key_scale: float = 1.0):
+    """Random full-precision pages holding every sequence's context and new tokens, scattered over
+    a shuffled page pool. Returns (query [T, Hq, D], key_pages, value_pages, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_needed = [-(-(c + q) // page_size) for c, q in zip(context_lens, query_lens)]
+    num_pages = sum(pages_needed) + 2
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    tables, start = [], 0
+    for n in pages_needed:
+        tables.append(perm[start:start + n])
+        start += n
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    key_pages = (torch.randn(shape, generator=gen) * key_scale).to(dtype).to(device)
+    value_pages = (torch.randn(shape, generator=gen) * value_scale).to(dtype).to(device)
+    query = torch.randn((sum(query_lens), num_kv_heads * group, head_dim), generator=gen).to(dtype).to(device)
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, page_size, device)
+    return query, key_pages, value_pages, meta
 
 
 @dataclass

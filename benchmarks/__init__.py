@@ -1,0 +1,10 @@
+"""The benchmarks: `bench_*.py` scripts, each printing a table and writing JSON + markdown to results/.
+
+Run them from the repository root with the source and the root on the path, as scripts or as modules:
+
+    PYTHONPATH=src:. python benchmarks/bench_attention.py --dry
+    PYTHONPATH=src:. python -m benchmarks.bench_attention --dry
+
+They import each other as `benchmarks.<name>` (timing.py, synthetic_kv.py, bench_moe.py) and shared case
+builders from `moekv.testing`, never from tests/; nothing here edits sys.path.
+"""
