@@ -10,7 +10,7 @@ Timings: median of CUDA-graph replays; "cold" (the default) zeroes a 512 MiB buf
 call inside the graph so nothing is served from L2, and the flush alone is timed and subtracted.
 Achieved TB/s counts the bytes the kernel actually reads (codes, scales, zero points, the outlier
 slots up to each page's count, staging tail pages, block tables). Writes attention-bench.{json,md,png}
-(or attention-check.log with --check). Prints a table; asserts nothing about speed.
+(or logs/attention-check.log with --check). Prints a table; asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -692,7 +692,8 @@ def main(argv=None) -> int:
         return 2
     env = environment(sys.argv)
     if args.check:
-        with open(os.path.join(args.out, "attention-check.log"), "w") as f:
+        os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+        with open(os.path.join(args.out, "logs", "attention-check.log"), "w") as f:
             def log(line):
                 print(line, flush=True)
                 f.write(line + "\n")

@@ -243,7 +243,7 @@ def quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, bu
 
 
 # The fused per-layer ops (RMSNorm, add + RMSNorm, rotary, routing) are the CUDA default since their
-# H200 run of 2026-11-30 (benchmarks/results/layer-ops-h200.log): tests/ops/test_layer_kernels.py and
+# H200 run of 2026-11-30 (benchmarks/results/logs/layer-ops-h200.log): tests/ops/test_layer_kernels.py and
 # tests/models/test_model_cuda.py pass, rotary bit-equal in every dtype (launched without FMA
 # contraction, see ops.triton.rotary), whole models bit-identical to the torch ops in bf16 and within
 # 2.4e-7 of the logit scale in fp32. MOEKV_FUSED_LAYER_OPS=0 (or set_fused_layer_ops(False)) returns to
