@@ -361,8 +361,9 @@ def paged_attention_lowbit_decode_tc(query: torch.Tensor, key: torch.Tensor, val
       BLOCK_N [128, capped to the page]: low-bit tokens per step (a divisor of the page size, >= 16),
       STAGE_N [32]: staged fp tokens per step, SCAN [32]: block-table entries scanned per step,
       BLOCK_C [16]: outlier slots per step (>= 16),
-      (defaults: the fastest measured on the H200, benchmarks/results/attention-bench.md of 2026-11-30:
-      int3 B=32 L=16k 0.99 ms vs 1.26 ms with magic codes, no preload, no L2 prefetch)
+      (defaults: the fastest measured on the H200, the v5.1 run of 2026-11-30 in
+      docs/attention-kernels.md, "Superseded result files": int3 B=32 L=16k 0.99 ms vs 1.26 ms with magic codes,
+      no preload, no L2 prefetch)
       codes ["subnormal"] | "magic": fp16 codes as (code | 0x6400) - 1024, or the code's bits read as an
           fp16 subnormal (code * 2^-24; ~1 instruction per value less; needs tensor cores that keep
           fp16 subnormal inputs -- the tests check it),
