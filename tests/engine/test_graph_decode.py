@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moekv import LLM, SamplingParams
-from moekv.engine.model_runner import graph_buckets
+from moekv.engine.graph_buckets import graph_buckets
 from moekv.kvcache.formats.lowbit import LowBitKVCache
 from moekv.ops import dispatch
 from moekv.paths import default_model_dir
@@ -292,7 +292,7 @@ def test_agreed_bucket_and_idle_steps_keep_tokens():
 
 
 def test_first_cause_names_the_first_error_and_respects_from_none():
-    from moekv.engine.model_runner import _first_cause
+    from moekv.engine.cuda_graphs import _first_cause
 
     def capture():
         try:

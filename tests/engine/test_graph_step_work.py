@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moekv import LLM, SamplingParams
-from moekv.engine.model_runner import usable_rows
+from moekv.engine.step_result import usable_rows
 from moekv.paths import default_model_dir
 
 PAGE = 16
@@ -197,12 +197,20 @@ def test_non_finite_kv_in_a_graph_step_ends_only_that_request():
 def test_graph_pool_estimate_counts_the_outlier_passes():
     """With a low-bit cache the estimate adds the v6 kernel's two fp32 outlier-pass buffers of the largest
     bucket: 2 x bucket x Hkv x (max_model_len + 128) x HG x 4 bytes (HG = GQA group 2 -> 2)."""
-    from moekv.config import ArchConfig
-    from moekv.engine.model_runner import graph_buckets, graph_pool_bytes
+    from moekv.config import ArchConfig, CacheConfig
+    from moekv.engine.graph_buckets import graph_buckets, graph_pool_bytes
+    from moekv.kvcache import KVCacheSpec, kv_cache_class
 
     arch = ArchConfig(architecture="mixtral", vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, num_experts=4, top_k=2, expert_intermediate_size=16,
                       norm_topk_prob=True, max_position_embeddings=4096)
-    plain = graph_pool_bytes(arch, 8, torch.bfloat16)
-    lowbit = graph_pool_bytes(arch, 8, torch.bfloat16, max_model_len=4096, lowbit=True)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype=torch.bfloat16)
+
+    def workspace(kv_cache_dtype: str) -> int:
+        return kv_cache_class(kv_cache_dtype).graph_workspace_bytes(
+            spec, CacheConfig(kv_cache_dtype=kv_cache_dtype), arch.num_heads, graph_buckets(8)[-1], 4096)
+
+    assert workspace("bf16") == 0
+    plain = graph_pool_bytes(arch, 8, torch.bfloat16, workspace("bf16"))
+    lowbit = graph_pool_bytes(arch, 8, torch.bfloat16, workspace("int3"))
     assert lowbit - plain == 2 * graph_buckets(8)[-1] * 2 * (4096 + 128) * 2 * 4

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 from moekv.config import EngineConfig, torch_dtype
-from moekv.engine.model_runner import ModelRunner, graph_pool_bytes, usable_rows
 from moekv.core.request import Request, RequestOutput
+from moekv.engine.graph_buckets import graph_buckets, graph_pool_bytes
+from moekv.engine.model_runner import ModelRunner
+from moekv.engine.step_result import usable_rows
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
 from moekv.sampling import SampleResult, SamplingParams, sample
@@ -155,8 +157,10 @@ class Engine:
             budget = int(total * config.memory_fraction) - torch.cuda.memory_allocated(self.device) \
                 - _CUDA_ACTIVATION_RESERVE
             if self._wants_cuda_graphs():     # the shared graph pool: every bucket's logits + intermediates
-                budget -= graph_pool_bytes(self.arch, self.config.scheduler.max_num_seqs, self.model_dtype,
-                                           self.max_model_len, config.kv_cache_dtype in ("int4", "int3", "int2"))
+                max_num_seqs = self.config.scheduler.max_num_seqs
+                workspace = format_class.graph_workspace_bytes(spec, config, self.arch.num_heads,
+                                                               graph_buckets(max_num_seqs)[-1], self.max_model_len)
+                budget -= graph_pool_bytes(self.arch, max_num_seqs, self.model_dtype, workspace)
         else:
             budget = config.cpu_cache_bytes
         num_pages = min(wanted, (budget - format_class.fixed_bytes(spec, config)) // page_bytes)

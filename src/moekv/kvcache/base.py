@@ -59,6 +59,14 @@ class KVCache(ABC):
         """Device bytes that do not scale with the number of pages (e.g. a staging pool)."""
         return 0
 
+    @classmethod
+    def graph_workspace_bytes(cls, spec: KVCacheSpec, config: CacheConfig, num_query_heads: int,
+                              max_batch: int, max_model_len: int) -> int:
+        """Device bytes the format's decode kernels allocate inside the CUDA-graph memory pool for a
+        decode step of up to `max_batch` sequences of up to `max_model_len` tokens (the engine subtracts
+        them from the KV budget before the cache exists)."""
+        return 0
+
     # -- the model-facing call ----------------------------------------------------------------
     @abstractmethod
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,6 +81,12 @@ class KVCache(ABC):
     def reserve_graph_decode(self, max_batch: int) -> None:
         """Called once before any CUDA graph is captured: allocate every persistent device buffer a
         decode step of up to `max_batch` sequences needs, so captured kernels keep valid pointers."""
+
+    def graph_decode_splits(self, batch: int, max_model_len: int) -> int | None:
+        """The split-K split count a CUDA-graph decode bucket of `batch` sequences sets as its
+        `AttentionMetadata.fixed_num_splits` (host-side, from the bucket size and max_model_len only).
+        Every format with `supports_graph_decode` must say."""
+        raise NotImplementedError(f"{type(self).__name__} does not plan graph decode splits")
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Host bookkeeping before the step's forward (per-step write plans, slot assignments). It

@@ -31,6 +31,11 @@ class FullPrecisionKVCache(KVCache):
         element = torch.empty((), dtype=spec.dtype).element_size()
         return 2 * spec.num_layers * spec.page_size * spec.num_kv_heads * spec.head_dim * element
 
+    def graph_decode_splits(self, batch: int, max_model_len: int) -> int | None:
+        from moekv.ops.triton.split_k import plan_splits   # host-side planning only (no kernel launch)
+
+        return plan_splits(batch, self.spec.num_kv_heads, max_model_len, 64, self.device)[0]
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
         """Scatter the new tokens' keys/values [T, Hkv, D] to their slots."""
         flat_keys = self.key_pages[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
