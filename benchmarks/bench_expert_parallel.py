@@ -61,10 +61,10 @@ from moekv.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, 
 from moekv.distributed.expert_parallel import ExpertParallelExperts  # noqa: E402
 from moekv.distributed.failure import report_failure  # noqa: E402
 from moekv.distributed.groups import init_expert_parallel, shutdown  # noqa: E402
-from moekv.distributed.lockstep import LockstepEngine  # noqa: E402
 from moekv.distributed.placement import ExpertPlacement  # noqa: E402
 from moekv.distributed.sharding import build_random_model  # noqa: E402
-from moekv.entrypoints.ep_runner import initial_placements, make_runtime  # noqa: E402
+from moekv.engine.factory import initial_placements, make_runtime  # noqa: E402
+from moekv.engine.lockstep import LockstepEngine  # noqa: E402
 from moekv.models.registry import named_arch  # noqa: E402
 from moekv.provenance import git_commit  # noqa: E402
 from benchmarks.synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402

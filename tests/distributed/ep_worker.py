@@ -14,7 +14,7 @@ SPEC = {"scenarios": [...]}; each scenario has a "name" and a "kind":
             "arch": ArchConfig overrides (the GPU kernels want head_dim >= 16).
   "llm":    LLM(model, expert_parallel_size=N, **kwargs).generate(prompts) (the offline API path);
             with "rebalance", then LLM.rebalance() and generate again.
-  "serve":  entrypoints.ep_serve without HTTP: rank 0 adds requests to a LeaderEngine and steps it.
+  "serve":  engine.leader without HTTP: rank 0 adds requests to a LeaderEngine and steps it.
   "exchange": one MoE layer's all-gather exchange against the single-device experts, and its launching
             ops per layer (tests/distributed/exchange_checks.py).
   "fail":   like "random" (or "serve" with "serve": true), but rank "fail_rank" raises inside its
@@ -41,9 +41,9 @@ from tests.distributed.helpers import engine_config, prompts_and_params, tiny_ar
 
 
 def run_random(spec: dict, world: int) -> dict:
-    from moekv.distributed.lockstep import LockstepEngine
     from moekv.distributed.sharding import shard_experts
-    from moekv.entrypoints.ep_runner import generate_lockstep, initial_placements, make_runtime
+    from moekv.engine.factory import initial_placements, make_runtime
+    from moekv.engine.lockstep import LockstepEngine
     from moekv.models.loader import build_random_model
 
     from dataclasses import replace
@@ -67,7 +67,7 @@ def run_random(spec: dict, world: int) -> dict:
     if "fake_capture" in spec:
         fake_capture(engine.runner, group.rank, spec["fake_capture"].get("fail_rank"))
     prompts, params = prompts_and_params()
-    result = {"tokens": _tokens(generate_lockstep(engine, prompts, params)),
+    result = {"tokens": _tokens(engine.generate(prompts, params)),
               "placement": {str(k): v.to_dict() for k, v in engine.placements().items()},
               "exchange_calls": dict(runtime.exchange_calls),
               "local_slots": {str(e.layer_idx): e.w_gate_up.shape[0] for e in runtime.layers},
@@ -79,7 +79,7 @@ def run_random(spec: dict, world: int) -> dict:
         result["rebalance"] = [{"layer": r.layer, "before": r.imbalance_before, "after": r.imbalance_after,
                                 "moved": r.experts_moved} for r in reports]
         result["placement_after"] = {str(k): v.to_dict() for k, v in engine.placements().items()}
-        result["tokens_after"] = _tokens(generate_lockstep(engine, prompts, params))
+        result["tokens_after"] = _tokens(engine.generate(prompts, params))
     runner = engine.runner
     result["rank_stats"] = {"graph_steps": runner.graph_steps, "idle_steps": runner.idle_steps,
                             "replays": runner.graph_replays, "captures": runner.captures,
@@ -177,11 +177,11 @@ def run_llm(spec: dict, world: int) -> dict:
 
 def run_serve(spec: dict, world: int) -> dict:
     """The serving machinery without HTTP: rank 0 drives a LeaderEngine, the others follower_loop."""
-    from moekv.entrypoints.ep_serve import serve_rank
+    from moekv.engine.factory import build_serving_engine
     from moekv.entrypoints.llm import make_engine_config
 
     config = make_engine_config(spec["model"], device="cpu", expert_parallel_size=world)
-    leader = serve_rank(config)
+    leader = build_serving_engine(config)
     tokens = None
     if leader is not None:
         params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
@@ -222,9 +222,9 @@ def inject_failure(runtime, rank: int, spec: dict) -> None:
 def run_fail(spec: dict, world: int) -> dict:
     import time
 
-    from moekv.distributed.lockstep import LockstepEngine
     from moekv.distributed.sharding import shard_experts
-    from moekv.entrypoints.ep_runner import generate_lockstep, initial_placements, make_runtime
+    from moekv.engine.factory import initial_placements, make_runtime
+    from moekv.engine.lockstep import LockstepEngine
     from moekv.models.loader import build_random_model
 
     arch = tiny_arch(5)
@@ -240,7 +240,7 @@ def run_fail(spec: dict, world: int) -> dict:
     print(f"rank {group.rank}: generating", flush=True)
     try:
         if spec.get("serve"):
-            from moekv.entrypoints.ep_serve import LeaderEngine, follower_loop
+            from moekv.engine.leader import LeaderEngine, follower_loop
 
             if group.rank == 0:
                 leader = LeaderEngine(engine)
@@ -252,7 +252,7 @@ def run_fail(spec: dict, world: int) -> dict:
             else:
                 follower_loop(engine)
         else:
-            generate_lockstep(engine, prompts, params)
+            engine.generate(prompts, params)
     except RuntimeError as exc:
         if spec.get("swallow") and "injected failure" in str(exc):
             print(f"rank {group.rank}: caught {exc!r}; staying alive", flush=True)

@@ -54,7 +54,7 @@ def run_exchange(spec: dict, world: int) -> dict:
 
 def _run_exchange(spec: dict, world: int) -> dict:
     from moekv.distributed.sharding import moe_blocks, shard_experts
-    from moekv.entrypoints.ep_runner import initial_placements, make_runtime
+    from moekv.engine.factory import initial_placements, make_runtime
     from moekv.models.loader import build_random_model
 
     arch = replace(tiny_arch(spec["num_experts"], spec.get("top_k", 2)), **spec.get("arch", {}))

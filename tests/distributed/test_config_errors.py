@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moekv.config import ParallelConfig
-from moekv.entrypoints.ep_runner import initial_placements
+from moekv.engine.factory import initial_placements
 from moekv.errors import ConfigError
 from tests.distributed.helpers import tiny_arch
 

@@ -108,7 +108,7 @@ def test_rank_that_fails_and_stays_alive_stops_the_others(tmp_path):
 
 
 def test_follower_that_raises_stops_the_serving_leader(tmp_path):
-    """ep_serve: a follower's step raises (uncaught: the process ends); the leader stops too, with the error."""
+    """engine.leader: a follower's step raises (uncaught: the process ends); the leader stops too, with the error."""
     code, output, seconds = launch_failing(tmp_path, dict(name="serve_fail", kind="fail", fail_rank=1, fail_after=3,
                                                           serve=True))
     assert code != 0, output

@@ -1,4 +1,4 @@
-"""The CUDA-graph decode path (engine/model_runner.py): per-bucket static buffers, padding rows, fixed
+"""The CUDA-graph decode path (engine/cuda_graphs.py, engine/graph_buckets.py): per-bucket static buffers, padding rows, fixed
 split-K, begin/end step hooks.
 
 On the CPU the static-buffer code runs eagerly (`enable_graphs(capture=False)`), which is exactly what a

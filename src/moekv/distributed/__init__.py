@@ -6,8 +6,7 @@
     expert_parallel.py ExpertParallelExperts (the `Experts` seam) and the per-rank runtime
     exchange.py        token dispatch / combine: all-to-all or all-gather + reduce-scatter, one interface
     sharding.py        shard a built model's experts, random local-only models, rebalance (weight moves)
-    lockstep.py        LockstepEngine: data-parallel attention, all ranks step together
 
-Entry points: entrypoints/ep_runner.py (offline API, `moekv generate`) and entrypoints/ep_serve.py
-(rank-side machinery for `moekv serve`). See docs/expert-parallel.md.
+Communication only: the engines that use it (LockstepEngine, LeaderEngine) and the factory that builds
+them are in engine/ (engine/lockstep.py, engine/leader.py, engine/factory.py). See docs/expert-parallel.md.
 """

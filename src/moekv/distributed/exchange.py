@@ -26,15 +26,12 @@ order of the additions may differ, so the last bit may).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from moekv.ops import dispatch
-
-if TYPE_CHECKING:
-    from moekv.distributed.expert_parallel import ExpertParallelExperts
 
 # newer torch names them *_single (the *_tensor spellings warn); older releases have only the latter.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,13 +53,29 @@ def combine(slot_outputs: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     return out.to(slot_outputs.dtype)
 
 
+class ExchangeExperts(Protocol):
+    """What an exchange needs of one MoE layer's expert-parallel experts (distributed.expert_parallel's
+    ExpertParallelExperts implements it; the exchange does not import it, so the two files form no cycle)."""
+
+    runtime: Any                    # ExpertParallelRuntime: rank, world size, groups
+    placement: Any                  # ExpertPlacement of this layer
+    slot_rank: torch.Tensor         # [slots] rank of each global slot
+    w_gate_up: torch.Tensor         # [local slots, 2I, H]: this rank's experts
+
+    def physical_ids(self, topk_ids: torch.Tensor, token_index, source_rank) -> torch.Tensor: ...
+    def routing_table(self) -> tuple[torch.Tensor, int, int]: ...
+    def compute(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor: ...
+    def compute_weighted(self, rows: torch.Tensor, local_ids: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor: ...
+
+
 class TokenExchange(ABC):
     """Dispatch -> local experts -> combine for one MoE layer on one rank (a collective call)."""
 
     name: str
 
     @abstractmethod
-    def __call__(self, experts: "ExpertParallelExperts", hidden: torch.Tensor, topk_ids: torch.Tensor,
+    def __call__(self, experts: ExchangeExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, token_counts: list[int] | None,
                  row_valid: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype.

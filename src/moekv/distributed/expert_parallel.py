@@ -8,11 +8,11 @@ so the model code stays single-device. Per layer:
 
 `ExpertParallelRuntime` is the state the MoE layers of one model share on one rank: the process
 groups, the dispatch choice, this step's per-rank token counts (one control collective per step,
-see distributed.lockstep) and the communication timer. Every MoE layer is a collective call:
+see engine.lockstep) and the communication timer. Every MoE layer is a collective call:
 all ranks run the same layers in the same order each step, a rank without tokens with 0 rows.
 
 CUDA-graph decode steps: the runtime is the model runner's `step_coordinator`
-(engine.model_runner.StepCoordinator). With each step's token counts every rank also sends the
+(engine.cuda_graphs.StepCoordinator). With each step's token counts every rank also sends the
 batch its runner could replay (`graph_batch`); when every rank's step is decode-only (or empty) and
 the largest batch is within the all-gather range, all ranks run the same bucket (`graph_bucket`,
 `agree_graph_bucket`), a rank without sequences with padding rows only. Inside such a step's
@@ -191,7 +191,7 @@ class ExpertParallelRuntime:
         self.step_token_counts = None
         self.graph_bucket = None
 
-    # -- CUDA-graph steps (engine.model_runner.StepCoordinator) ------------------------------------
+    # -- CUDA-graph steps (engine.cuda_graphs.StepCoordinator) -------------------------------------
     def graph_limit(self) -> int:
         """The largest per-rank batch a graph step may have (0: none): its exchange must be the all-gather,
         and its bucket one of the runner's (the last bucket is max_num_seqs, which every rank must share)."""

@@ -1,7 +1,9 @@
 """The engine loop: `step()` = schedule -> run -> sample -> postprocess.
 
 The engine owns the model, the KV cache and its manager, the scheduler and the requests. It is
-synchronous and single-threaded; `engine.async_engine` wraps it for the server.
+synchronous and single-threaded; `engine.async_engine` wraps it for the server. This is the
+single-process member of the engine family; `engine.factory.build_engine` picks it or, under expert
+parallelism, `engine.lockstep.LockstepEngine` (one per rank; `engine.leader.LeaderEngine` serves HTTP).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 
 from moekv.config import EngineConfig, torch_dtype
 from moekv.core.request import Request, RequestOutput
+from moekv.engine.batch import GenerationOutput, run_batch
 from moekv.engine.graph_buckets import graph_buckets, graph_pool_bytes
 from moekv.engine.model_runner import ModelRunner
 from moekv.engine.step_result import usable_rows
-from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError
+from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError, NotAvailableError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
 from moekv.sampling import SampleResult, SamplingParams, sample
 from moekv.scheduler.scheduler import Scheduler
@@ -31,6 +34,9 @@ _CUDA_ACTIVATION_RESERVE = 2 << 30   # bytes kept free for activations when sizi
 
 
 class Engine:
+    rank = 0                 # this process's place among the engine's ranks (expert parallelism: LockstepEngine)
+    world_size = 1
+
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
                  tokenizer: Tokenizer | None = None):
         """Build from a checkpoint folder (`config.model.model`), or around a given model object
@@ -237,6 +243,17 @@ class Engine:
         if request is not None and request.status.is_finished:
             del self.requests[request_id]
 
+    def generate(self, prompts: list, sampling_params: list) -> list[GenerationOutput]:
+        """Run one batch of prompts to completion (all validated first: a bad one queues nothing)."""
+        return run_batch(self, prompts, sampling_params)
+
+    def rebalance(self, min_gain: float = 0.0):
+        """Expert placement exists only under expert parallelism (LockstepEngine)."""
+        raise NotAvailableError("rebalance() needs expert_parallel_size > 1")
+
+    def stop_followers(self) -> None:
+        """When the server shuts down: one process has no other ranks to stop (see LeaderEngine)."""
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -280,7 +297,9 @@ class Engine:
                 outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row], now))
         return outputs
 
-    def _append_token(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:
+    def record_token(self, request: Request, token: int, logprobs, now: float) -> None:
+        """Append one generated token to a request: times, logprobs, counter, incremental detokenizer (the
+        leader of expert-parallel serving records its remote requests' tokens through it too)."""
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
@@ -288,9 +307,12 @@ class Engine:
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
         self.counters["generation_tokens"] += 1
+        request.detokenizer.add(token)
+
+    def _append_token(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:
         params = request.params
         text_before = len(request.detokenizer.text)
-        request.detokenizer.add(token)
+        self.record_token(request, token, logprobs, now)
         if not params.ignore_eos and token in self.eos_token_ids:
             self._finish(request, "stop")
         elif token in params.stop_token_ids:

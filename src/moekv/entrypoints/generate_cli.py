@@ -63,10 +63,9 @@ def run(args: argparse.Namespace) -> int:
             print("error: --chat needs a tokenizer", file=sys.stderr)
             return 2
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    if getattr(engine, "is_lockstep", False) and engine.rank != 0:   # expert parallel: rank 0 runs the prompt,
-        from moekv.entrypoints.ep_runner import follow                # the others join its steps
-
-        follow(engine)
+    if engine.rank != 0:                   # expert parallel: rank 0 runs the prompt, the others join its steps
+        while engine.has_unfinished():     # collective: every rank leaves together
+            engine.step()
         return 0
     request_id = engine.add_request(prompt, params)
     request = engine.requests[request_id]

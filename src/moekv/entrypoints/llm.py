@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 from moekv.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, OffloadConfig, ParallelConfig,
                            SchedulerConfig)
-from moekv.engine.engine import Engine
-from moekv.errors import InvalidRequestError, NotAvailableError
+from moekv.engine.batch import CompletionOutput, GenerationOutput, add_all_or_none, collect_outputs
+from moekv.engine.factory import build_engine
+from moekv.errors import InvalidRequestError
 from moekv.sampling import SamplingParams
 
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class GenerationOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(o.finish_reason is not None for o in self.outputs)
+__all__ = ["LLM", "CompletionOutput", "GenerationOutput", "add_all_or_none", "collect_outputs",
+           "make_engine_config"]
 
 
 class LLM:
@@ -48,12 +30,7 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, **kwargs):
         config = make_engine_config(model, dtype, kv_cache_dtype, device, max_model_len, seed, **kwargs)
-        if config.parallel.expert_parallel_size > 1:      # one process per rank under torchrun: ep_runner
-            from moekv.entrypoints.ep_runner import build_engine
-
-            self.engine = build_engine(config)
-        else:
-            self.engine = Engine(config)
+        self.engine = build_engine(config)    # expert parallel: this rank's LockstepEngine (under torchrun)
 
     @property
     def tokenizer(self):
@@ -80,64 +57,14 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts",
                                       param="sampling_params")
-        engine = self.engine
-        if getattr(engine, "is_lockstep", False):   # expert parallel: this rank's share, lockstep, all-gather
-            from moekv.entrypoints.ep_runner import generate_lockstep
-
-            return generate_lockstep(engine, prompts, sampling_params)
-        request_ids = add_all_or_none(engine, prompts, sampling_params)
-        pending = set(request_ids)
-        try:
-            while pending:
-                for out in engine.step():
-                    if out.finished:
-                        pending.discard(out.request_id)
-                if pending and not engine.has_unfinished():
-                    raise RuntimeError("engine stopped with requests pending")  # a bug, not a user error
-        except BaseException:   # an error or Ctrl-C: leave no request behind to run in the next call
-            for request_id in request_ids:
-                engine.abort(request_id)
-                engine.release(request_id)
-            raise
-        return collect_outputs(engine, prompts, request_ids)
+        # one process: a continuously batched run; expert parallel: this rank's share, lockstep, all-gather
+        return self.engine.generate(prompts, sampling_params)
 
     def rebalance(self):
         """Expert parallelism only, and collective (every rank calls it between generate calls):
         re-place experts from the load recorded since the last rebalance and move their weights.
         Returns one distributed.sharding.LayerRebalance per MoE layer."""
-        if not getattr(self.engine, "is_lockstep", False):
-            raise NotAvailableError("rebalance() needs expert_parallel_size > 1")
-        return self.engine.rebalance()
-
-
-def add_all_or_none(engine: Engine, prompts: list, sampling_params: list) -> list[str]:
-    """Queue every prompt, or none: if one is invalid, the ones already queued are taken back."""
-    request_ids: list[str] = []
-    try:
-        for prompt, params in zip(prompts, sampling_params):
-            request_ids.append(engine.add_request(prompt, params))
-    except Exception:
-        for request_id in request_ids:
-            engine.abort(request_id)
-            engine.release(request_id)
-        raise
-    return request_ids
-
-
-def collect_outputs(engine: Engine, prompts: list, request_ids: list[str]) -> list[GenerationOutput]:
-    """The finished requests as GenerationOutputs in prompt order (and released from the engine)."""
-    results = []
-    for prompt, request_id in zip(prompts, request_ids):
-        request = engine.requests[request_id]
-        results.append(GenerationOutput(
-            request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, request.output_text, list(request.output_token_ids),
-                                      request.finish_reason,
-                                      list(request.output_logprobs) if request.params.logprobs is not None
-                                      else None)]))
-        engine.release(request_id)
-    return results
+        return self.engine.rebalance()      # NotAvailableError on one process
 
 
 def make_engine_config(model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",

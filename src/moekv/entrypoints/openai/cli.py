@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from moekv.engine.async_engine import AsyncEngine
-    from moekv.engine.engine import Engine
+    from moekv.engine.factory import build_serving_engine
     from moekv.entrypoints.llm import make_engine_config
     from moekv.entrypoints.openai.server import build_app
     from moekv.entrypoints.openai.serving import ServerConfig
@@ -100,15 +100,9 @@ def run(args: argparse.Namespace) -> int:
                      num_redundant_experts=args.num_redundant_experts, expert_dispatch=args.expert_dispatch)
     config = make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
                                 args.seed, **extra)
-    leader = None
-    if config.parallel.expert_parallel_size > 1:
-        from moekv.entrypoints.ep_serve import serve_rank
-
-        engine = leader = serve_rank(config)     # ranks > 0 step with rank 0 inside, until it stops them
-        if leader is None:
-            return 0
-    else:
-        engine = Engine(config)
+    engine = build_serving_engine(config)   # expert parallel: rank 0's LeaderEngine; ranks > 0 step with it
+    if engine is None:                      # inside, until it stops them
+        return 0
     capacity = engine.kv_manager.capacity_tokens
     logger.info("KV cache capacity: %d tokens (%s); max concurrency at max_model_len=%d: %.2f requests",
                 capacity, engine.cache_config.kv_cache_dtype, engine.max_model_len, capacity / engine.max_model_len)
@@ -127,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        if leader is not None:
-            leader.stop_followers()
+        engine.stop_followers()             # expert parallel: ranks > 0 leave their loop (else a no-op)
     return 0 if server.started else 1
 
 

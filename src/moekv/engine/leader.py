@@ -8,7 +8,7 @@ Rank 0 runs the server; its AsyncEngine drives a `LeaderEngine`, which behaves l
 
 1. the leader broadcasts a `StepCommand`: the requests it assigned to each rank since the last
    step (token ids, sampling params; the least-busy rank gets each new request) and aborts;
-2. every rank adds / aborts its own, then all run one lockstep step (distributed.lockstep);
+2. every rank adds / aborts its own, then all run one lockstep step (engine/lockstep.py);
 3. the followers gather their step's RequestOutputs to the leader, which mirrors them into
    Request objects (`requests`), so the server streams remote requests exactly like local ones.
 
@@ -16,10 +16,13 @@ The leader validates and tokenizes every prompt itself (errors reach the client 
 is sent). Scheduler and KV statistics a server reads from the engine (num_running, kv usage, ...)
 are rank 0's own; token counters include the other ranks' requests. Wiring (in entrypoints/openai/cli.py):
 
-    engine = serve_rank(config)        # LeaderEngine on rank 0; ranks > 0 serve steps until shutdown
+    engine = build_serving_engine(config)   # LeaderEngine on rank 0; ranks > 0 serve steps until shutdown
     if engine is None:
         return 0
     ... AsyncEngine(engine, ...) as for a plain Engine; on shutdown: engine.stop_followers()
+
+(engine.factory.build_serving_engine wraps rank 0's LockstepEngine in a LeaderEngine and runs
+`follower_loop` on the other ranks.)
 
 Failures: an exception on any rank inside the step protocol (the leader's step, a follower's loop)
 is reported to every rank (distributed.failure); the others end at once with its error (under
@@ -35,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from moekv.distributed.failure import collective_section, failed
-from moekv.distributed.lockstep import LockstepEngine
 from moekv.core.request import Request, RequestOutput
+from moekv.distributed.failure import collective_section, failed
+from moekv.engine.lockstep import LockstepEngine
 from moekv.sampling import SamplingParams
 
 
@@ -142,14 +145,9 @@ class LeaderEngine:
         if request is None or (request.status.is_finished and request.finish_reason == "abort"):
             return False                         # released, or aborted here before the rank heard of it
         if out.new_token_ids and request.first_token_time is None:
-            request.first_token_time = now
             self.engine.counters["prompt_tokens"] += request.num_prompt_tokens
-        for token in out.new_token_ids:
-            request.output_token_ids.append(token)
-            request.detokenizer.add(token)
-        self.engine.counters["generation_tokens"] += len(out.new_token_ids)
-        if out.new_logprobs:
-            request.output_logprobs.extend(out.new_logprobs)
+        for token, logprobs in zip(out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids)):
+            self.engine.record_token(request, token, logprobs, now)     # what the owning rank's engine did
         request.last_token_time = now
         if out.finished:
             if out.text != request.detokenizer.text:
@@ -188,14 +186,3 @@ def follower_loop(engine: LockstepEngine) -> None:
                 if out.finished:
                     engine.release(out.request_id)
             dist.gather_object(outputs, None, dst=0, group=group)
-
-
-def serve_rank(config) -> LeaderEngine | None:
-    """Build this rank's engine; rank 0 gets a LeaderEngine back, other ranks serve steps until stop."""
-    from moekv.entrypoints.ep_runner import build_engine
-
-    engine = build_engine(config)
-    if engine.rank == 0:
-        return LeaderEngine(engine)
-    follower_loop(engine)
-    return None

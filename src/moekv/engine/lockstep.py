@@ -17,6 +17,11 @@ sequences with padding rows only (`ModelRunner.execute_idle`), so the collective
 graphs match. A rebalance rewrites the placement tables the graphs read, so it drops them on every
 rank at the same point (recaptured on next use).
 
+`generate` runs the offline API's batch: every rank validates every prompt (a bad prompt raises on all
+ranks alike), rank r keeps prompts r, r + N, r + 2N, ..., the ranks step in lockstep until no rank has
+work, and the outputs are all-gathered so every rank returns the full list in prompt order. Built by
+engine.factory.build_engine; for serving, rank 0's engine is driven by a LeaderEngine (engine/leader.py).
+
 A forward that stops early on one rank (non-finite KV detected after the last attention layer)
 first catches up on the remaining MoE collectives, then recovers as the base engine does. Any other
 exception inside a step cannot be caught up on (the others may be inside any collective of it): it
@@ -29,6 +34,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from moekv.config import EngineConfig
 from moekv.distributed import groups
@@ -36,6 +42,7 @@ from moekv.distributed.failure import collective_section
 from moekv.distributed.expert_parallel import ExpertParallelRuntime
 from moekv.distributed.placement import ExpertPlacement
 from moekv.distributed.sharding import LayerRebalance, rebalance
+from moekv.engine.batch import GenerationOutput, add_all_or_none, collect_outputs
 from moekv.engine.engine import Engine
 from moekv.scheduler.scheduler import Scheduler
 from moekv.scheduler.output import SchedulerOutput
@@ -61,8 +68,6 @@ class LockstepScheduler(Scheduler):
 
 class LockstepEngine(Engine):
     """An Engine whose steps run in lockstep with the other ranks' (see the module docstring)."""
-
-    is_lockstep = True
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer, runtime: ExpertParallelRuntime):
         super().__init__(config, model=model, tokenizer=tokenizer)
@@ -112,6 +117,24 @@ class LockstepEngine(Engine):
     def _recover_from_corruption(self, sched, exc):
         self.runtime.join_remaining_layers()                # the forward stopped early: catch up first
         return super()._recover_from_corruption(sched, exc)
+
+    # -- batches ----------------------------------------------------------------------------
+    def generate(self, prompts: list, sampling_params: list) -> list[GenerationOutput]:
+        """The offline batch under expert parallelism (see the module docstring); every rank gets every output."""
+        request_ids = add_all_or_none(self, prompts, sampling_params)
+        mine = list(range(self.rank, len(prompts), self.world_size))
+        for index, request_id in enumerate(request_ids):
+            if index % self.world_size != self.rank:
+                self.abort(request_id)
+                self.release(request_id)
+        while self.has_unfinished():                  # collective: all ranks leave the loop together
+            self.step()
+        gathered: list = [None] * self.world_size
+        with collective_section("gathering the outputs"):
+            local = collect_outputs(self, [prompts[i] for i in mine], [request_ids[i] for i in mine])
+            dist.all_gather_object(gathered, list(zip(mine, local)), group=self.runtime.group.cpu_group)
+        ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
+        return [output for _, output in ordered]
 
     # -- load balancing -----------------------------------------------------------------------
     def rebalance(self, min_gain: float = 0.0) -> list[LayerRebalance]:
