@@ -41,18 +41,10 @@ LAYERS: list[set[str]] = [
 
 # Edges that break the layer order today, each removed by another helper's part of issue 18.
 # Delete an entry when its edge is gone (the test fails on a stale entry, so the list only shrinks).
-OPEN_LAYER_EDGES: dict[tuple[str, str], str] = {
-    # helper "engine": LockstepEngine moves from distributed/lockstep.py into engine/
-    ("moekv.distributed.lockstep", "moekv.engine.engine"): "engine",
-}
+OPEN_LAYER_EDGES: dict[tuple[str, str], str] = {}
 
 # File-level cycles open today, each removed by another helper's part (same rule as above).
-OPEN_FILE_CYCLES: dict[frozenset[str], str] = {
-    # helper "engine": entrypoints/llm.py <-> entrypoints/ep_runner.py
-    frozenset({"moekv.entrypoints.llm", "moekv.entrypoints.ep_runner"}): "engine",
-    # helper "engine": distributed/exchange.py <-> distributed/expert_parallel.py
-    frozenset({"moekv.distributed.exchange", "moekv.distributed.expert_parallel"}): "engine",
-}
+OPEN_FILE_CYCLES: dict[frozenset[str], str] = {}
 
 
 def _module_name(path: pathlib.Path) -> str:
