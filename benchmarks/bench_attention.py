@@ -35,8 +35,9 @@ from moekv.provenance import git_commit
 from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops.reference import lowbit as lowbit_reference
 from moekv.ops.reference.attention import paged_attention_full_precision as fp_reference
-from moekv.ops.triton import lowbit_attention, lowbit_quantize
-from moekv.ops.triton.attention_decode import paged_decode_full_precision
+from moekv.ops.triton.lowbit import attention as lowbit_attention
+from moekv.ops.triton.lowbit import quantize as lowbit_quantize
+from moekv.ops.triton.attention.decode import paged_decode_full_precision
 
 HQ, HKV, D = 32, 8, 128
 SCALE = 1.0 / math.sqrt(D)
@@ -56,16 +57,16 @@ DIAGNOSTICS = {"no outliers": dict(outliers=False), "no key codes": dict(skip="k
 # "v4" is the first kernel (lowbit_attention, decode and prefill; configs passed as config=...); the
 # decode-only kernels take their launch overrides as keyword arguments.
 LOWBIT_IMPLS = {
-    "v4": ("moekv.ops.triton.lowbit_attention", "paged_attention_lowbit", [dict(num_warps=4)]),
+    "v4": ("moekv.ops.triton.lowbit.attention", "paged_attention_lowbit", [dict(num_warps=4)]),
     # tc: the default first; then preloaded outlier chunks, L2 prefetch of the next block, subnormal codes,
     # three programs per SM, and the v5 layout (spread / perm off) -- docs/attention-kernels.md, "v5 launch variants"
-    "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc",
+    "tc": ("moekv.ops.triton.lowbit.decode_tc", "paged_attention_lowbit_decode_tc",
            [{}, dict(outlier_pre=3), dict(outlier_pre=3, l2_prefetch=True),
             dict(outlier_pre=3, l2_prefetch=True, codes="subnormal"),
             dict(outlier_pre=3, l2_prefetch=True, maxnreg=168, waves=4),
             dict(spread=False, perm=False)]),
     # tm (v6): tokens as the MMA M dimension, the code tile fed to wgmma from registers
-    "tm": ("moekv.ops.triton.lowbit_decode_tm", "paged_attention_lowbit_decode_tm",
+    "tm": ("moekv.ops.triton.lowbit.decode_tm", "paged_attention_lowbit_decode_tm",
            [{}, dict(codes="subnormal"), dict(codes="subnormal", BLOCK_N=64), dict(codes="subnormal", maxnreg=168),
             dict(gather_p=False)]),
 }
@@ -454,7 +455,7 @@ def short_row(row) -> str:
 # ---------------------------------------------------------------- correctness at real shapes
 def run_check(log, sweep_configs: bool = True) -> bool:
     from moekv.testing.attention_cases import build_case, build_fp_case
-    from moekv.ops.triton.attention import paged_attention_full_precision as fp_kernel
+    from moekv.ops.triton.attention.full_precision import paged_attention_full_precision as fp_kernel
 
     ok = True
 
@@ -535,7 +536,8 @@ def run_check(log, sweep_configs: bool = True) -> bool:
 def dump_kernels(out_dir: str, log) -> None:
     """Registers, spills and shared memory of every kernel variant this process compiled, plus the
     TTGIR of the first low-bit attention and full-precision decode kernels (to read their layouts)."""
-    from moekv.ops.triton import attention_decode, attention_prefill
+    from moekv.ops.triton.attention import decode as attention_decode
+    from moekv.ops.triton.attention import prefill as attention_prefill
     written = set()
     for name, fn in [("lowbit_attention", lowbit_attention._lowbit_attention_kernel),
                      ("fp_decode", attention_decode._fp_decode_kernel),

@@ -1,4 +1,4 @@
-"""Decode-size dense projections: moekv's skinny GEMM (ops.triton.skinny_gemm) vs torch F.linear (cuBLAS)
+"""Decode-size dense projections: moekv's skinny GEMM (ops.triton.layer.skinny_gemm) vs torch F.linear (cuBLAS)
 on Mixtral-8x7B's shapes, x [M, K] @ W[N, K]^T in bf16 for M = 1, 2, 4, 8, 16.
 
     MOEKV_COMMIT=<sha> PYTHONPATH=src:. python benchmarks/bench_gemv.py --out /root/out/gemv
@@ -97,7 +97,7 @@ def read_bandwidth(device: torch.device) -> tuple[float | None, float | None]:
 # ---------------------------------------------------------------- one shape
 def bench_shape(name: str, K: int, N: int, rows: list[int], dtype: torch.dtype, device: torch.device,
                 read_tbps: float | None, sweep: bool) -> list[dict]:
-    from moekv.ops.triton import skinny_gemm as sk
+    from moekv.ops.triton.layer import skinny_gemm as sk
 
     gen = torch.Generator(device=device).manual_seed(0)
     weight_bytes = N * K * dtype.itemsize
@@ -229,7 +229,7 @@ def write_results(out_dir: Path, result: dict) -> tuple[Path, Path]:
 def static_report(shapes: dict, rows: list[int], dtype: torch.dtype) -> list[str]:
     from tools.sass_stats import (capture_launch, compile_launch, histogram, programs_per_sm, resource_usage,
                                   sass)
-    from moekv.ops.triton import skinny_gemm as sk
+    from moekv.ops.triton.layer import skinny_gemm as sk
 
     gpu_modes = {"rounding_modes": lambda d, dev: (d == torch.float32, False)}     # as on CUDA
     lines = ["| shape | M | variant | grid | config | regs | spill B | shared B | programs/SM | "

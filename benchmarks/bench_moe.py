@@ -161,7 +161,8 @@ def hf_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, implementation: st
 
 def implementations(w_gate_up, w_down, num_tokens: int) -> dict:
     """name -> fn(hidden, ids, weights) for every implementation that applies at this token count."""
-    from moekv.ops.triton import moe_decode, moe_grouped
+    from moekv.ops.triton.moe import decode as moe_decode
+    from moekv.ops.triton.moe import grouped as moe_grouped
 
     def moekv(hidden, ids, weights):
         return dispatch.moe_experts(hidden, w_gate_up, w_down, ids, weights)

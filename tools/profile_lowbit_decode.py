@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from benchmarks import bench_attention as ba  # noqa: E402
 
 from moekv.core.lowbit_layout import QuantSpec  # noqa: E402
-from moekv.ops.triton import lowbit_decode_tc, lowbit_decode_tm  # noqa: E402
+from moekv.ops.triton.lowbit import decode_tc as lowbit_decode_tc  # noqa: E402
+from moekv.ops.triton.lowbit import decode_tm as lowbit_decode_tm  # noqa: E402
 
 KERNELS = {"tc": lowbit_decode_tc.paged_attention_lowbit_decode_tc, "tm": lowbit_decode_tm.paged_attention_lowbit_decode_tm}
 

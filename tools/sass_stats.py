@@ -186,7 +186,7 @@ def lowbit_tc_stats(bits: int, outliers_per_page: float = 39.0, dtype: str = "bf
     BLOCK_C) passes of each outlier loop (keys, values) per block and page-head (the preloaded
     outlier_pre chunks count in the loop's own instructions, each once)."""
     import torch
-    from moekv.ops.triton import lowbit_decode_tc as tc
+    from moekv.ops.triton.lowbit import decode_tc as tc
     from moekv.testing.attention_cases import build_case
 
     torch_dtype = getattr(torch, dtype)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Tune the launch configurations of the fused MoE kernels for one expert shape on this GPU.
 
-Writes (merging with an existing file) src/moekv/ops/triton/moe_configs/
-E={E},H={H},I={I},dtype={dtype},device={GPU name}.json -- the table ops.triton.moe_configs reads.
+Writes (merging with an existing file) src/moekv/ops/triton/moe/configs/
+E={E},H={H},I={I},dtype={dtype},device={GPU name}.json -- the table ops.triton.moe.configs reads.
 
 For every token count T of --tokens:
   * decode path (T <= 64): coordinate descent -- the gate_up launch alone over (BLOCK_N, BLOCK_K) at
@@ -47,8 +47,10 @@ import triton  # noqa: E402
 
 from moekv.models.registry import NAMED_SHAPES  # noqa: E402
 from moekv.ops.reference.moe import moe_experts_reference  # noqa: E402
-from moekv.ops.triton import moe_configs, moe_decode, moe_grouped  # noqa: E402
-from moekv.ops.triton.moe_align import moe_align  # noqa: E402
+from moekv.ops.triton.moe import configs as moe_configs  # noqa: E402
+from moekv.ops.triton.moe import decode as moe_decode  # noqa: E402
+from moekv.ops.triton.moe import grouped as moe_grouped  # noqa: E402
+from moekv.ops.triton.moe.align import moe_align  # noqa: E402
 from moekv.provenance import git_commit  # noqa: E402
 
 FULL_SPACE = {

@@ -254,7 +254,7 @@ def test_prepared_decode_attention_reads_nothing_from_the_host(backend, monkeypa
         from moekv.ops.reference import lowbit as reference
         guard.exempt(reference, "quantize_staged_pages")
     else:
-        from moekv.ops.triton import lowbit_quantize
+        from moekv.ops.triton.lowbit import quantize as lowbit_quantize
         guard.exempt(lowbit_quantize, "_launch")       # the launch itself (the interpreter copies to the host)
     original = cache.attention
 

@@ -79,7 +79,7 @@ def test_launch_configuration_follows_the_resident_shape(monkeypatch):
     config files do) must not change the offloaded result. fp32, where a different split order
     shows in the output bits (in bf16 the output rounding hides it most of the time)."""
     pytest.importorskip("triton")
-    from moekv.ops.triton import moe_decode
+    from moekv.ops.triton.moe import decode as moe_decode
 
     def split_by_experts(num_tokens, top_k, num_experts, hidden, inter, block_n, block_k):
         return 1 if num_experts == NUM_EXPERTS else 2    # inter 512, BLOCK_K 128: (c0+c1)+(c2+c3) vs ((c0+c1)+c2)+c3

@@ -7,8 +7,8 @@ import torch
 
 from moekv.ops import dispatch
 from moekv.ops.reference.attention import paged_attention_full_precision as reference
-from moekv.ops.triton.attention import paged_attention_full_precision as kernel
-from moekv.ops.triton.attention_decode import paged_decode_full_precision
+from moekv.ops.triton.attention.full_precision import paged_attention_full_precision as kernel
+from moekv.ops.triton.attention.decode import paged_decode_full_precision
 from moekv.testing.attention_cases import build_fp_case
 from tests.ops.helpers import assert_close
 

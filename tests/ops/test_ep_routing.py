@@ -1,4 +1,4 @@
-"""The expert-parallel exchange's routing step: ops.triton.ep_routing against ops.reference.ep_routing
+"""The expert-parallel exchange's routing step: ops.triton.moe.ep_routing against ops.reference.ep_routing
 (interpreter on CPU, compiled on CUDA). Integer lookups and a select: results must be identical."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from moekv.ops import dispatch
 from moekv.ops.reference.ep_routing import ep_local_routing as reference
-from moekv.ops.triton import ep_routing
+from moekv.ops.triton.moe import ep_routing
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

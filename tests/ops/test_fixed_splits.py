@@ -11,8 +11,8 @@ import torch
 
 from moekv.ops.reference.attention import paged_attention_full_precision as fp_reference
 from moekv.ops.reference.lowbit import paged_attention_lowbit as lowbit_reference
-from moekv.ops.triton.attention import paged_attention_full_precision as fp_kernel
-from moekv.ops.triton.lowbit_attention import paged_attention_lowbit as lowbit_kernel
+from moekv.ops.triton.attention.full_precision import paged_attention_full_precision as fp_kernel
+from moekv.ops.triton.lowbit.attention import paged_attention_lowbit as lowbit_kernel
 from moekv.testing.attention_cases import build_case, build_fp_case
 from tests.ops.helpers import assert_close
 

@@ -1,14 +1,14 @@
-"""The fused per-layer kernels (ops.triton.norm / rotary / routing) against ops.reference.layers:
+"""The fused per-layer kernels (ops.triton.layer.norm / rotary / routing) against ops.reference.layers:
 RMSNorm with and without the residual add, rotary of q and k in one launch, and top-k routing with the
 expert-load count. Then a whole tiny model with only these four ops on Triton against the reference.
 
 On CPU the kernels run under Triton's interpreter (bf16 rounding emulated bit for bit, see
-ops.triton.norm.round_to); on CUDA they run compiled. What each comparison can demand there:
-  rotary   bit-equal on both: elementwise, launched without FMA contraction (ops.triton.rotary).
+ops.triton.layer.norm.round_to); on CUDA they run compiled. What each comparison can demand there:
+  rotary   bit-equal on both: elementwise, launched without FMA contraction (ops.triton.layer.rotary).
   RMSNorm  the residual sum bit-equal; the output within a few ulps of its dtype (the fp32 sum of
-           squares and the rsqrt cannot take torch's order / approximation, ops.triton.norm).
+           squares and the rsqrt cannot take torch's order / approximation, ops.triton.layer.norm).
   routing  weights within a few fp32 ulps (the sum of the exponentials' order); ids equal except
-           where the reference's probabilities tie within 1e-6 (ops.triton.routing).
+           where the reference's probabilities tie within 1e-6 (ops.triton.layer.routing).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from moekv.ops import dispatch
 from moekv.ops.reference import layers as ref
-from moekv.ops.triton import norm, rotary, routing
+from moekv.ops.triton.layer import norm, rotary, routing
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _SIGNIFICAND_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
@@ -142,7 +142,7 @@ def test_rotary_qk_matches_reference(device, dtype, num_tokens, hq, hkv, head_di
 
 # -- routing ----------------------------------------------------------------------------------------
 
-# Weights: softmax in fp32 with torch's exp and correctly rounded divisions (ops.triton.routing); only
+# Weights: softmax in fp32 with torch's exp and correctly rounded divisions (ops.triton.layer.routing); only
 # the order of the sum of the E exponentials differs (a few ulps), and renormalisation's sum of k
 # values: 4e-6 relative (~32 fp32 ulps) bounds it with room. A wrong softmax or renormalisation is off
 # by orders of magnitude more.

@@ -7,7 +7,7 @@ import torch
 
 from moekv.ops import dispatch
 from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
-from moekv.ops.triton.lowbit_attention import paged_attention_lowbit as kernel
+from moekv.ops.triton.lowbit.attention import paged_attention_lowbit as kernel
 from moekv.testing.attention_cases import build_case
 from tests.ops.helpers import assert_close
 

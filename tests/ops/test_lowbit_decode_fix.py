@@ -1,4 +1,4 @@
-"""The outlier-correction passes of the token-major decode kernel (ops.triton.lowbit_decode_fix) vs their
+"""The outlier-correction passes of the token-major decode kernel (ops.triton.lowbit.decode_fix) vs their
 references (ops.reference.lowbit_decode_fix); the whole decode with them is in test_lowbit_decode_tm.py
 (outliers="passes")."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moekv.ops.reference import lowbit_decode_fix as ref
-from moekv.ops.triton import lowbit_decode_fix as fix
+from moekv.ops.triton.lowbit import decode_fix as fix
 from moekv.testing.attention_cases import build_case, to_device
 from tests.ops.test_lowbit_decode_tm import plant_outliers
 

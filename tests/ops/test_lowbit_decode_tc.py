@@ -1,4 +1,4 @@
-"""Tensor-core low-bit decode kernel (ops.triton.lowbit_decode_tc) vs the PyTorch reference."""
+"""Tensor-core low-bit decode kernel (ops.triton.lowbit.decode_tc) vs the PyTorch reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
-from moekv.ops.triton.lowbit_decode_tc import paged_attention_lowbit_decode_tc as kernel
-from moekv.ops.triton.lowbit_decode_tc import supports
+from moekv.ops.triton.lowbit.decode_tc import paged_attention_lowbit_decode_tc as kernel
+from moekv.ops.triton.lowbit.decode_tc import supports
 from moekv.testing.attention_cases import build_case
 from tests.ops.helpers import assert_close
 

@@ -1,4 +1,4 @@
-"""Token-major low-bit decode kernel (ops.triton.lowbit_decode_tm, v6) vs the PyTorch reference."""
+"""Token-major low-bit decode kernel (ops.triton.lowbit.decode_tm, v6) vs the PyTorch reference."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import triton.language as tl
 
 from moekv.core.lowbit_pack import pack_codes, words_per_row
 from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
-from moekv.ops.triton.lowbit_decode_tm import paged_attention_lowbit_decode_tm as kernel
-from moekv.ops.triton.lowbit_decode_tm import supports
-from moekv.ops.triton.lowbit_decode_tm_parts import channels, columns, load_words, row_tokens, unpack
+from moekv.ops.triton.lowbit.decode_tm import paged_attention_lowbit_decode_tm as kernel
+from moekv.ops.triton.lowbit.decode_tm import supports
+from moekv.ops.triton.lowbit.decode_tm_parts import channels, columns, load_words, row_tokens, unpack
 from moekv.testing.attention_cases import build_case, to_device
 from tests.ops.helpers import assert_close
 from tests.ops.interp_bounds import bounds_checked
@@ -305,7 +305,7 @@ import json, os, re, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import moekv.ops.triton.lowbit_decode_tm as m
+import moekv.ops.triton.lowbit.decode_tm as m
 from moekv.testing.attention_cases import build_case
 
 ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
@@ -387,7 +387,7 @@ def test_passes_groups_not_a_power_of_two(device, group):
 def test_auto_takes_passes_on_large_grids(device, monkeypatch):
     """outliers="auto": "scatter" below PASSES_MIN_PROGRAMS (sequence, kv head) pairs, "passes" from there on
     (seen by whether the key pass runs); both match the reference."""
-    import moekv.ops.triton.lowbit_decode_tm as tm
+    import moekv.ops.triton.lowbit.decode_tm as tm
 
     runs = []
     key_fixes = tm.key_fixes

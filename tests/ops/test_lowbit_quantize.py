@@ -2,7 +2,7 @@
 
 Channel axis: bit-exact (codes, fp16 scales/zeros, outlier residuals/indices/counts). Token axis:
 bit-exact here too, but the kernel's scale codes come from log2/exp2 whose last-ulp rounding may
-differ on a GPU, so there the check is one scale step (see ops/triton/lowbit_quantize.py).
+differ on a GPU, so there the check is one scale step (see ops/triton/lowbit/quantize.py).
 The oracle always runs on the CPU: torch's CUDA division by a scalar is not IEEE-exact.
 """
 
@@ -14,7 +14,7 @@ import torch
 from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops import dispatch
 from moekv.ops.reference import lowbit as reference
-from moekv.ops.triton.lowbit_quantize import quantize_pages
+from moekv.ops.triton.lowbit.quantize import quantize_pages
 from moekv.testing.attention_cases import make_data
 
 

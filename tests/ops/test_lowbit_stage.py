@@ -1,4 +1,4 @@
-"""The decode step's staging write (ops.triton.lowbit_stage) against the reference: finiteness flags,
+"""The decode step's staging write (ops.triton.lowbit.stage) against the reference: finiteness flags,
 zeroed rows, staging rows and the returned copies; plus the counted staged quantizer (statistics added
 to int64 counters by the kernel) against the reference's counts."""
 
@@ -10,7 +10,8 @@ import torch
 from moekv.core.lowbit_layout import QuantSpec
 from moekv.ops import dispatch
 from moekv.ops.reference import lowbit as reference
-from moekv.ops.triton import lowbit_quantize, lowbit_stage
+from moekv.ops.triton.lowbit import quantize as lowbit_quantize
+from moekv.ops.triton.lowbit import stage as lowbit_stage
 from tests.ops.test_quantize_staged import HEADS, SLOTS, clone, junk_pages, spiky
 
 PAGE = 16

@@ -16,8 +16,10 @@ import torch
 from moekv.ops import dispatch
 from moekv.ops.reference.moe import (moe_activation_reference, moe_align_reference, moe_experts_reference,
                                      padded_capacity)
-from moekv.ops.triton import moe_configs, moe_decode, moe_grouped
-from moekv.ops.triton.moe_align import moe_align
+from moekv.ops.triton.moe import configs as moe_configs
+from moekv.ops.triton.moe import decode as moe_decode
+from moekv.ops.triton.moe import grouped as moe_grouped
+from moekv.ops.triton.moe.align import moe_align
 from tests.ops.helpers import assert_close
 
 # the interpreter's numpy warns when silu's exp overflows for very negative inputs (the result, 0, is right)

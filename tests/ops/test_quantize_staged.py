@@ -13,7 +13,7 @@ import torch
 from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.ops import dispatch
 from moekv.ops.reference import lowbit as reference
-from moekv.ops.triton import lowbit_quantize
+from moekv.ops.triton.lowbit import quantize as lowbit_quantize
 from moekv.testing.attention_cases import make_data
 
 NUM_PAGES, SLOTS, HEADS = 7, 5, 2

@@ -1,4 +1,4 @@
-"""The skinny (decode-size) GEMM, ops.triton.skinny_gemm, against ops.reference.skinny_gemm, and its
+"""The skinny (decode-size) GEMM, ops.triton.layer.skinny_gemm, against ops.reference.skinny_gemm, and its
 dispatch (dispatch.skinny_linear, layers.linear.Linear).
 
 On CPU the kernels run under Triton's interpreter (bf16 rounding emulated on the bits, fp32 dots for
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from moekv.ops import dispatch
 from moekv.ops.reference.skinny_gemm import skinny_gemm as reference
-from moekv.ops.triton import skinny_gemm as sk
+from moekv.ops.triton.layer import skinny_gemm as sk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _SIGNIFICAND_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}

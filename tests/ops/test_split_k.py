@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.ops.triton.split_k import combine_splits, combine_splits_torch, plan_splits
+from moekv.ops.triton.attention.split_k import combine_splits, combine_splits_torch, plan_splits
 
 
 def test_combine_matches_torch(device):

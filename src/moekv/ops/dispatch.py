@@ -23,8 +23,8 @@ _warned: set[str] = set()
 # DEFAULT_LOWBIT_DECODE; "v4" keeps the general kernel (lowbit_attention) for decode as well.
 # Measured side by side on the H200 by benchmarks/bench_attention.py (docs/attention-kernels.md).
 _LOWBIT_DECODE_KERNELS = {
-    "tc": ("moekv.ops.triton.lowbit_decode_tc", "paged_attention_lowbit_decode_tc"),     # v5.1
-    "tm": ("moekv.ops.triton.lowbit_decode_tm", "paged_attention_lowbit_decode_tm"),     # v6, token-major
+    "tc": ("moekv.ops.triton.lowbit.decode_tc", "paged_attention_lowbit_decode_tc"),     # v5.1
+    "tm": ("moekv.ops.triton.lowbit.decode_tm", "paged_attention_lowbit_decode_tm"),     # v6, token-major
     "v4": None,
 }
 DEFAULT_LOWBIT_DECODE = "tm"          # v6: all its tests pass on the H200; faster than v5.1 at every shape
@@ -99,9 +99,9 @@ def _lowbit_decode_kernel(name: str, key_spec, value_spec, head_dim: int):
 
 
 def paged_attention_full_precision(query, key_pages, value_pages, meta, scale):
-    """See ops.reference.attention.paged_attention_full_precision (Triton: ops.triton.attention)."""
+    """See ops.reference.attention.paged_attention_full_precision (Triton: ops.triton.attention.full_precision)."""
     if use_triton("paged_attention_full_precision", query):
-        from moekv.ops.triton.attention import paged_attention_full_precision as kernel
+        from moekv.ops.triton.attention.full_precision import paged_attention_full_precision as kernel
 
         return kernel(query, key_pages, value_pages, meta, scale)
     from moekv.ops.reference.attention import paged_attention_full_precision as reference
@@ -111,9 +111,9 @@ def paged_attention_full_precision(query, key_pages, value_pages, meta, scale):
 
 def paged_attention_lowbit(query, key, value, key_pages, value_pages, key_spec, value_spec,
                            staging_keys, staging_values, staging_slot_of_page, meta, scale):
-    """See ops.reference.lowbit.paged_attention_lowbit (Triton: ops.triton.lowbit_attention)."""
+    """See ops.reference.lowbit.paged_attention_lowbit (Triton: ops.triton.lowbit.attention)."""
     if use_triton("paged_attention_lowbit", query):
-        from moekv.ops.triton import lowbit_attention
+        from moekv.ops.triton.lowbit import attention as lowbit_attention
 
         decode = lowbit_decode_kernel(key_spec, value_spec, query.shape[-1]) if meta.is_decode else None
         if decode is not None and query.shape[0] == meta.num_seqs:
@@ -133,9 +133,9 @@ def paged_attention_lowbit(query, key, value, key_pages, value_pages, key_spec, 
 
 
 def quantize_pages(x, spec):
-    """See ops.reference.lowbit.quantize_pages (Triton: ops.triton.lowbit_quantize)."""
+    """See ops.reference.lowbit.quantize_pages (Triton: ops.triton.lowbit.quantize)."""
     if use_triton("quantize_pages", x):
-        from moekv.ops.triton import lowbit_quantize
+        from moekv.ops.triton.lowbit import quantize as lowbit_quantize
 
         if lowbit_quantize.supports(spec):
             return lowbit_quantize.quantize_pages(x, spec)
@@ -148,9 +148,9 @@ def quantize_pages(x, spec):
 
 
 def quantize_staged_pages(staging, slots, pages, spec, out):
-    """See ops.reference.lowbit.quantize_staged_pages (Triton: ops.triton.lowbit_quantize)."""
+    """See ops.reference.lowbit.quantize_staged_pages (Triton: ops.triton.lowbit.quantize)."""
     if use_triton("quantize_staged_pages", staging):
-        from moekv.ops.triton import lowbit_quantize
+        from moekv.ops.triton.lowbit import quantize as lowbit_quantize
 
         if lowbit_quantize.supports(spec):
             return lowbit_quantize.quantize_staged_pages(staging, slots, pages, spec, out)
@@ -170,12 +170,13 @@ def _warn_once(key: str, message: str) -> None:
 
 def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=None):
     """See ops.reference.moe.moe_experts_reference. Triton: T <= the decode limit of this shape and GPU
-    (tuned crossover in ops/triton/moe_configs, default 16 tokens) runs ops.triton.moe_decode (no
-    sort, weights read once per step), larger T ops.triton.moe_grouped (device align + grouped GEMM).
+    (tuned crossover in ops/triton/moe/configs, default 16 tokens) runs ops.triton.moe.decode (no
+    sort, weights read once per step), larger T ops.triton.moe.grouped (device align + grouped GEMM).
     out_dtype: the output's dtype (None: hidden's); torch.float32 returns the fp32 weighted sum unrounded."""
     if use_triton("moe_experts", hidden):
-        from moekv.ops.triton import moe_decode, moe_grouped
-        from moekv.ops.triton.moe_configs import decode_max_tokens
+        from moekv.ops.triton.moe import decode as moe_decode
+        from moekv.ops.triton.moe import grouped as moe_grouped
+        from moekv.ops.triton.moe.configs import decode_max_tokens
 
         num_experts, two_inter, hidden_size = w_gate_up.shape
         limit = min(decode_max_tokens(num_experts, hidden_size, two_inter // 2, hidden.dtype, hidden.device),
@@ -188,9 +189,9 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
 
 
 def ep_local_routing(table, codes, weights, top_k):
-    """See ops.reference.ep_routing (Triton: ops.triton.ep_routing, one launch instead of five)."""
+    """See ops.reference.ep_routing (Triton: ops.triton.moe.ep_routing, one launch instead of five)."""
     if use_triton("ep_local_routing", codes):
-        from moekv.ops.triton import ep_routing
+        from moekv.ops.triton.moe import ep_routing
 
         if ep_routing.supports(codes, top_k):
             return ep_routing.ep_local_routing(table, codes, weights, top_k)
@@ -202,9 +203,9 @@ def ep_local_routing(table, codes, weights, top_k):
 
 
 def moe_align(topk_ids, num_experts, block_m):
-    """See ops.reference.moe.moe_align_reference (Triton: ops.triton.moe_align)."""
+    """See ops.reference.moe.moe_align_reference (Triton: ops.triton.moe.align)."""
     if use_triton("moe_align", topk_ids):
-        from moekv.ops.triton.moe_align import moe_align as kernel
+        from moekv.ops.triton.moe.align import moe_align as kernel
 
         return kernel(topk_ids, num_experts, block_m)
     from moekv.ops.reference.moe import moe_align_reference as reference
@@ -213,9 +214,9 @@ def moe_align(topk_ids, num_experts, block_m):
 
 
 def stage_decode_tokens(key, value, staging_keys, staging_values, stage_rows, flags, key_out, value_out):
-    """See ops.reference.lowbit.stage_decode_tokens (Triton: ops.triton.lowbit_stage)."""
+    """See ops.reference.lowbit.stage_decode_tokens (Triton: ops.triton.lowbit.stage)."""
     if use_triton("stage_decode_tokens", key):
-        from moekv.ops.triton.lowbit_stage import stage_decode_tokens as kernel
+        from moekv.ops.triton.lowbit.stage import stage_decode_tokens as kernel
 
         return kernel(key, value, staging_keys, staging_values, stage_rows, flags, key_out, value_out)
     from moekv.ops.reference.lowbit import stage_decode_tokens as reference
@@ -225,9 +226,9 @@ def stage_decode_tokens(key, value, staging_keys, staging_values, stage_rows, fl
 
 def quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, budget_index, outliers_index,
                                   qualifying_index, pages_index=-1):
-    """See ops.reference.lowbit.quantize_staged_pages_counted (Triton: ops.triton.lowbit_quantize)."""
+    """See ops.reference.lowbit.quantize_staged_pages_counted (Triton: ops.triton.lowbit.quantize)."""
     if use_triton("quantize_staged_pages", staging):
-        from moekv.ops.triton import lowbit_quantize
+        from moekv.ops.triton.lowbit import quantize as lowbit_quantize
 
         if lowbit_quantize.supports(spec):
             return lowbit_quantize.quantize_staged_pages_counted(staging, slots, pages, spec, out, counters,
@@ -245,7 +246,7 @@ def quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, bu
 # The fused per-layer ops (RMSNorm, add + RMSNorm, rotary, routing) are the CUDA default since their
 # H200 run of 2026-11-30 (benchmarks/results/logs/layer-ops-h200.log): tests/ops/test_layer_kernels.py and
 # tests/models/test_model_cuda.py pass, rotary bit-equal in every dtype (launched without FMA
-# contraction, see ops.triton.rotary), whole models bit-identical to the torch ops in bf16 and within
+# contraction, see ops.triton.layer.rotary), whole models bit-identical to the torch ops in bf16 and within
 # 2.4e-7 of the logit scale in fp32. MOEKV_FUSED_LAYER_OPS=0 (or set_fused_layer_ops(False)) returns to
 # the torch ops; a forced backend ("triton" / "reference") applies to them as to every op.
 _fused_layer_ops = os.environ.get("MOEKV_FUSED_LAYER_OPS", "1") != "0"
@@ -264,9 +265,9 @@ def _layer_op_triton(op: str, tensor: torch.Tensor) -> bool:
 
 
 def rms_norm(x, weight, eps):
-    """See ops.reference.layers.rms_norm (Triton: ops.triton.norm, one row per program)."""
+    """See ops.reference.layers.rms_norm (Triton: ops.triton.layer.norm, one row per program)."""
     if _layer_op_triton("rms_norm", x):
-        from moekv.ops.triton import norm
+        from moekv.ops.triton.layer import norm
 
         if norm.supports(x, weight):
             return norm.rms_norm(x, weight, eps)
@@ -278,9 +279,9 @@ def rms_norm(x, weight, eps):
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    """See ops.reference.layers.fused_add_rms_norm -> (normed, residual + x) (Triton: ops.triton.norm)."""
+    """See ops.reference.layers.fused_add_rms_norm -> (normed, residual + x) (Triton: ops.triton.layer.norm)."""
     if _layer_op_triton("fused_add_rms_norm", x):
-        from moekv.ops.triton import norm
+        from moekv.ops.triton.layer import norm
 
         if norm.supports(x, weight, residual):
             return norm.fused_add_rms_norm(x, residual, weight, eps)
@@ -292,9 +293,9 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 
 def apply_rotary_qk(query, key, cos, sin):
-    """See ops.reference.layers.apply_rotary_qk (Triton: ops.triton.rotary, q and k in one launch)."""
+    """See ops.reference.layers.apply_rotary_qk (Triton: ops.triton.layer.rotary, q and k in one launch)."""
     if _layer_op_triton("apply_rotary_qk", query):
-        from moekv.ops.triton import rotary
+        from moekv.ops.triton.layer import rotary
 
         if rotary.supports(query, key, cos, sin):
             return rotary.apply_rotary_qk(query, key, cos, sin)
@@ -306,10 +307,10 @@ def apply_rotary_qk(query, key, cos, sin):
 
 
 def route_topk(logits, top_k, renormalize, expert_load=None, token_valid=None):
-    """See ops.reference.layers.route_topk (Triton: ops.triton.routing: softmax, top-k, renormalisation
+    """See ops.reference.layers.route_topk (Triton: ops.triton.layer.routing: softmax, top-k, renormalisation
     and the expert-load count in one launch; ties go to the lowest expert index)."""
     if _layer_op_triton("route_topk", logits):
-        from moekv.ops.triton import routing
+        from moekv.ops.triton.layer import routing
 
         if routing.supports(logits, top_k, expert_load):
             return routing.route_topk(logits, top_k, renormalize, expert_load, token_valid)
@@ -322,9 +323,9 @@ def route_topk(logits, top_k, renormalize, expert_load=None, token_valid=None):
 
 def quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out, value_out,
                                counters, key_counters, value_counters):
-    """See ops.reference.lowbit.quantize_staged_kv_counted (Triton: ops.triton.lowbit_quantize, one launch)."""
+    """See ops.reference.lowbit.quantize_staged_kv_counted (Triton: ops.triton.lowbit.quantize, one launch)."""
     if use_triton("quantize_staged_pages", staging_keys):
-        from moekv.ops.triton import lowbit_quantize
+        from moekv.ops.triton.lowbit import quantize as lowbit_quantize
 
         if lowbit_quantize.supports(key_spec) and lowbit_quantize.supports(value_spec):
             return lowbit_quantize.quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_spec,
@@ -336,7 +337,7 @@ def quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_s
 
 
 # Skinny GEMM for the dense projections at decode sizes: the weight-streaming kernel of
-# ops.triton.skinny_gemm instead of cuBLAS. OPT-IN (default off): alone, its "fma" variant at one row takes
+# ops.triton.layer.skinny_gemm instead of cuBLAS. OPT-IN (default off): alone, its "fma" variant at one row takes
 # 0.32-0.96x of cuBLAS's time on all six Mixtral-8x7B projections (qkv 0.84x, o 0.80x, lm_head 0.96x, router
 # 0.32x; benchmarks/results/gemv-h200.md); from M = 2 the "dot" variant is not faster than cuBLAS. The one
 # end-to-end batch-1 decode run with it (no gain: graph replay 8.56 vs 8.52 ms) went through the "dot"
@@ -373,13 +374,13 @@ def skinny_gemm_max_rows() -> int:
 
 def skinny_linear(x, weight, bias=None):
     """F.linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]. With the skinny GEMM on and
-    1 <= M <= its row limit on CUDA, fp16 / bf16, shapes ops.triton.skinny_gemm.supports: that kernel (fp32 sums,
+    1 <= M <= its row limit on CUDA, fp16 / bf16, shapes ops.triton.layer.skinny_gemm.supports: that kernel (fp32 sums,
     bias in fp32, one rounding: see ops.reference.skinny_gemm for how close to cuBLAS). Decided from
     shapes, dtypes and devices only: no host reads, CUDA-graph safe."""
     if (_skinny_gemm and _backend != "reference" and x.dim() == 2 and 1 <= x.shape[0] <= _skinny_rows
             and x.dtype in (torch.float16, torch.bfloat16) and (x.is_cuda or _backend == "triton")
             and triton_available()):
-        from moekv.ops.triton import skinny_gemm
+        from moekv.ops.triton.layer import skinny_gemm
 
         if skinny_gemm.supports(x, weight, bias):
             return skinny_gemm.skinny_gemm(x, weight, bias)

@@ -32,7 +32,7 @@ class FullPrecisionKVCache(KVCache):
         return 2 * spec.num_layers * spec.page_size * spec.num_kv_heads * spec.head_dim * element
 
     def graph_decode_splits(self, batch: int, max_model_len: int) -> int | None:
-        from moekv.ops.triton.split_k import plan_splits   # host-side planning only (no kernel launch)
+        from moekv.ops.triton.attention.split_k import plan_splits   # host-side planning only (no kernel launch)
 
         return plan_splits(batch, self.spec.num_kv_heads, max_model_len, 64, self.device)[0]
 

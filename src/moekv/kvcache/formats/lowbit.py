@@ -142,14 +142,14 @@ class LowBitKVCache(KVCache):
     def graph_workspace_bytes(cls, spec: KVCacheSpec, config: CacheConfig, num_query_heads: int,
                               max_batch: int, max_model_len: int) -> int:
         """The v6 decode kernel's outlier-pass buffers of the largest bucket: two fp32 tiles of the GQA
-        group's width per token of max_model_len (ops/triton/lowbit_decode_fix.py)."""
-        from moekv.ops.triton.lowbit_decode_fix import group_width
+        group's width per token of max_model_len (ops/triton/lowbit/decode_fix.py)."""
+        from moekv.ops.triton.lowbit.decode_fix import group_width
 
         width = group_width(max(num_query_heads // max(spec.num_kv_heads, 1), 1))
         return 2 * max_batch * spec.num_kv_heads * (max_model_len + 128) * width * 4
 
     def graph_decode_splits(self, batch: int, max_model_len: int) -> int | None:
-        from moekv.ops.triton.split_k import plan_splits   # host-side planning only (no kernel launch)
+        from moekv.ops.triton.attention.split_k import plan_splits   # host-side planning only (no kernel launch)
 
         return plan_splits(batch, self.spec.num_kv_heads, max_model_len, 64, self.device)[0]
 

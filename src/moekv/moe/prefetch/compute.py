@@ -25,7 +25,7 @@ Paths (the same choice as `ops.dispatch.moe_experts` for the resident shape):
     reference  per-expert F.linear, outputs in the model dtype, fp32 weighted index_add
     decode     Triton (T <= decode limit): act, down partials [split, T*k, H] fp32, combine
     grouped    Triton: align, act, down outputs [T*k, H] in the model dtype, combine
-The Triton paths call the launch pieces of ops.triton.moe_decode / moe_grouped (the same
+The Triton paths call the launch pieces of ops.triton.moe.decode / moe_grouped (the same
 functions and kernels `moe_experts_decode` / `moe_experts_grouped` use).
 """
 
@@ -61,8 +61,8 @@ class SlotExpertCompute:
         self.inter = inter
         self.path = "reference"
         if num_tokens > 0 and dispatch.use_triton("moe_experts", hidden):
-            from moekv.ops.triton import moe_decode
-            from moekv.ops.triton.moe_configs import decode_max_tokens
+            from moekv.ops.triton.moe import decode as moe_decode
+            from moekv.ops.triton.moe.configs import decode_max_tokens
 
             limit = min(decode_max_tokens(num_experts, hidden_size, inter, hidden.dtype, hidden.device),
                         moe_decode.MAX_DECODE_TOKENS)
@@ -83,8 +83,8 @@ class SlotExpertCompute:
         elif self.path == "decode":
             import triton
 
-            from moekv.ops.triton import moe_decode
-            from moekv.ops.triton.moe_configs import get_config
+            from moekv.ops.triton.moe import decode as moe_decode
+            from moekv.ops.triton.moe.configs import get_config
 
             cfg = get_config("decode", num_experts, hidden_size, inter, num_tokens, hidden.dtype, device)
             self.config = {part: dict(cfg[part]) for part in ("gate_up", "down")}
@@ -97,7 +97,7 @@ class SlotExpertCompute:
             self.buffer = torch.empty((down["SPLIT_K"], num_rows, hidden_size), dtype=torch.float32,
                                       device=device)                                   # [split, T*k, H]
         else:
-            from moekv.ops.triton.moe_configs import get_config
+            from moekv.ops.triton.moe.configs import get_config
 
             cfg = get_config("grouped", num_experts, hidden_size, inter, num_tokens, hidden.dtype, device,
                              self.top_k)
@@ -149,7 +149,7 @@ class SlotExpertCompute:
             self.buffer[start:start + count] = F.linear(act, w_down[slot])             # [n, H]
 
     def _decode(self, w_gate_up, w_down, slot_ids, partial) -> None:
-        from moekv.ops.triton import moe_decode
+        from moekv.ops.triton.moe import decode as moe_decode
 
         hidden = self.hidden
         num_tokens, hidden_size = hidden.shape
@@ -163,9 +163,9 @@ class SlotExpertCompute:
 
     def _grouped(self, w_gate_up, w_down, slot_ids, expert_out) -> None:
         from moekv.ops.reference.moe import padded_capacity
-        from moekv.ops.triton import moe_grouped
-        from moekv.ops.triton.moe_align import moe_align
-        from moekv.ops.triton.moe_decode import upcast_dots
+        from moekv.ops.triton.moe import grouped as moe_grouped
+        from moekv.ops.triton.moe.align import moe_align
+        from moekv.ops.triton.moe.decode import upcast_dots
 
         hidden = self.hidden
         num_tokens, hidden_size = hidden.shape
@@ -196,7 +196,7 @@ class SlotExpertCompute:
             out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
             out.index_add_(0, tokens, weighted)
             return out.to(hidden.dtype)
-        from moekv.ops.triton.moe_decode import combine
+        from moekv.ops.triton.moe.decode import combine
 
         partial = self.buffer if self.path == "decode" else self.buffer.unsqueeze(0)
         return combine(partial, self.topk_weights, torch.empty_like(hidden))           # [T, H]

@@ -1,5 +1,5 @@
 """Reference for the expert-parallel all-gather exchange's routing step (the Triton twin is
-ops.triton.ep_routing): gathered routing codes -> this rank's local expert slots and weights.
+ops.triton.moe.ep_routing): gathered routing codes -> this rank's local expert slots and weights.
 
 table [C] int64: local slot of each routing code on this rank, -1 where another rank holds it
 (distributed.expert_parallel.ExpertParallelExperts.routing_table; entry 0 is 0, the floor column).

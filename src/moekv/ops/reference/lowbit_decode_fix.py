@@ -1,5 +1,5 @@
 """References of the outlier-correction passes of the token-major decode kernel
-(ops/triton/lowbit_decode_fix.py): same signatures, plain torch, one (sequence, kv head, page) at a time.
+(ops/triton/lowbit/decode_fix.py): same signatures, plain torch, one (sequence, kv head, page) at a time.
 Only the tiles the kernels define are written (low-bit page-heads of the context with outliers); the rest of
 `fixes` is left as it was. The value corrections come back as [B, Hkv, 1, HG, D] (one chunk)."""
 

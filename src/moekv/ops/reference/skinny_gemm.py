@@ -1,6 +1,6 @@
 """Reference of the skinny (decode-size) GEMM: out [M, N] = x [M, K] @ weight[N, K]^T (+ bias).
 
-The oracle for ops.triton.skinny_gemm. Rounding follows torch's F.linear on CUDA for 16-bit inputs
+The oracle for ops.triton.layer.skinny_gemm. Rounding follows torch's F.linear on CUDA for 16-bit inputs
 (cuBLAS / cuBLASLt: products and sums in fp32, the bias added in fp32 in the epilogue, one rounding to
 the activation dtype at the end; exception, measured on an H200 with torch 2.11: at M = 1 in bf16 it
 rounds x w^T to bf16 before adding the bias, so it is up to one ulp of the product off): here the fp32 matmul of the widened operands (16-bit products are

@@ -11,7 +11,7 @@ are unpacked once for the whole group. Per page (BLOCK_N = page_size tokens):
   values, token axis (one group): sum_t p_t v_t = (p_t S_t) . code + sum_t p_t Z_t  -- the per-token
       scale folds into the probabilities.
   other axes / groupings: scales applied after the dot, or (token groups) dequantized in registers.
-  outliers: sparse corrections, BLOCK_C at a time, up to each page's count (lowbit_unpack).
+  outliers: sparse corrections, BLOCK_C at a time, up to each page's count (lowbit.unpack).
   staging pages (staging_slot_of_page[page] >= 0): read as full-precision rows.
 
 16-bit queries: the low-bit dots run in fp16 whatever the model dtype, on normalised operands so
@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, online_softmax_step, pow2
-from moekv.ops.triton.lowbit_unpack import (CODES_FP16_CVT, CODES_FP16_MAGIC, CODES_FP32, code_operand,
+from moekv.ops.triton.lowbit.unpack import (UNPACK_FP16_CVT, UNPACK_FP16_MAGIC, UNPACK_FP32, code_operand,
                                             key_outlier_scores, token_scale_zero, unpack_codes, value_outlier_output)
-from moekv.ops.triton.split_k import combine_splits, plan_splits
+from moekv.ops.triton.attention.split_k import combine_splits, plan_splits
 
 # How keys / values of a page enter the dots (K_MODE, V_MODE):
 FOLD_CHANNEL = 0    # per-channel scale/zero [D] per page: folded into q (keys) or applied after p.V (values)
@@ -48,7 +48,7 @@ DEQUANT_TOKEN = 2   # per-token groups (G > 1): dequantized in registers
 def _page_operand(codes_ptr, scale_ptr, zero_ptr, base_ptr, page_head, offs_n, n_valid, offs_d,
                   MODE: tl.constexpr, BITS: tl.constexpr, WORDS: tl.constexpr, GROUPS: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  CODE_MODE: tl.constexpr, GATHER: tl.constexpr):
+                  UNPACK_MODE: tl.constexpr, GATHER: tl.constexpr):
     """Rows offs_n [BLOCK_N] of one page of one head as a [BLOCK_N, BLOCK_D] dot operand (codes,
     or for DEQUANT_TOKEN the dequantized values) and, token axis, per row S / scale_base, Z and scale_base."""
     rows = codes_ptr + page_head * (PAGE_SIZE * WORDS) + offs_n * WORDS
@@ -57,14 +57,14 @@ def _page_operand(codes_ptr, scale_ptr, zero_ptr, base_ptr, page_head, offs_n, n
     zero = relative
     base = 1.0
     if MODE == 0:
-        operand = code_operand(codes, CODE_MODE)
+        operand = code_operand(codes, UNPACK_MODE)
     else:
         base = tl.load(base_ptr + page_head).to(tl.float32)
         token_rows = page_head * (PAGE_SIZE * GROUPS) + offs_n * GROUPS
         if MODE == 1:
             relative, _, zero = token_scale_zero(tl.load(scale_ptr + token_rows, mask=n_valid, other=0),
                                                  tl.load(zero_ptr + token_rows, mask=n_valid, other=0), base, BITS)
-            operand = code_operand(codes, CODE_MODE)
+            operand = code_operand(codes, UNPACK_MODE)
         else:
             group_of = token_rows[:, None] + offs_d[None, :] // (HEAD_DIM // GROUPS)   # [N, BLOCK_D]
             mask = n_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -72,7 +72,7 @@ def _page_operand(codes_ptr, scale_ptr, zero_ptr, base_ptr, page_head, offs_n, n
                                                           tl.load(zero_ptr + group_of, mask=mask, other=0), base,
                                                           BITS)
             operand = codes.to(tl.float32) * group_scale + group_zero
-            if CODE_MODE != 0:
+            if UNPACK_MODE != 0:
                 operand = operand.to(tl.float16)
     return operand, relative, zero, base
 
@@ -93,7 +93,7 @@ def _lowbit_attention_kernel(
     K_CAP: tl.constexpr,
     V_MODE: tl.constexpr, V_BITS: tl.constexpr, V_WORDS: tl.constexpr, V_GROUPS: tl.constexpr,
     V_CAP: tl.constexpr,
-    HALF: tl.constexpr, UPCAST: tl.constexpr, CODE_MODE: tl.constexpr, PRECISION: tl.constexpr,
+    HALF: tl.constexpr, UPCAST: tl.constexpr, UNPACK_MODE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_C: tl.constexpr, SPLIT: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP: tl.constexpr, GATHER_P: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
 ):
@@ -107,7 +107,7 @@ def _lowbit_attention_kernel(
         return
     context_len = tl.load(context_lens + seq)
     half_dtype = q_ptr.dtype.element_ty
-    if CODE_MODE == 0:
+    if UNPACK_MODE == 0:
         low_dtype = tl.float32
     else:
         low_dtype = tl.float16
@@ -160,7 +160,7 @@ def _lowbit_attention_kernel(
         else:
             k_op, k_rel, k_z, k_b = _page_operand(k_codes, k_scale, k_zero, k_base, page_head, in_page, n_valid,
                                                   offs_d, K_MODE, K_BITS, K_WORDS, K_GROUPS, PAGE_SIZE, HEAD_DIM,
-                                                  BLOCK_N, BLOCK_D, CODE_MODE, GATHER)
+                                                  BLOCK_N, BLOCK_D, UNPACK_MODE, GATHER)
             if K_MODE == 0:
                 k_scale_ch = tl.load(k_scale + page_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0).to(tl.float32)
                 k_zero_ch = tl.load(k_zero + page_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0).to(tl.float32)
@@ -192,7 +192,7 @@ def _lowbit_attention_kernel(
         else:
             v_op, v_rel, v_z, v_b = _page_operand(v_codes, v_scale, v_zero, v_base, page_head, in_page, n_valid,
                                                   offs_d, V_MODE, V_BITS, V_WORDS, V_GROUPS, PAGE_SIZE, HEAD_DIM,
-                                                  BLOCK_N, BLOCK_D, CODE_MODE, GATHER)
+                                                  BLOCK_N, BLOCK_D, UNPACK_MODE, GATHER)
             if V_MODE == 1:
                 ps_op = (p * v_rel[None, :]).to(low_dtype)               # p * S_t / scale_base <= 1
                 pv = mma(ps_op, v_op, UPCAST) * v_b + tl.sum(p * v_z[None, :], axis=1)[:, None]
@@ -275,11 +275,11 @@ def _format_args(pages, spec, prefix: str) -> tuple[list[torch.Tensor], dict]:
     return tensors, consts
 
 
-def code_mode(half: bool, unpack: str = "magic") -> int:
+def unpack_mode(half: bool, unpack: str = "magic") -> int:
     """How codes become dot operands: fp16 (magic OR-and-subtract, or convert) for 16-bit queries, else fp32."""
     if not half:
-        return CODES_FP32
-    return CODES_FP16_CVT if unpack == "cvt" else CODES_FP16_MAGIC
+        return UNPACK_FP32
+    return UNPACK_FP16_CVT if unpack == "cvt" else UNPACK_FP16_MAGIC
 
 
 def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages, value_pages,
@@ -347,7 +347,7 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
         *out_strides, meta.block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim, 32),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_NEW=16, **key_consts, **value_consts,
-        HALF=half, UPCAST=upcast, CODE_MODE=code_mode(half, cfg["unpack"]),
+        HALF=half, UPCAST=upcast, UNPACK_MODE=unpack_mode(half, cfg["unpack"]),
         PRECISION="tf32x3" if query.is_cuda else "ieee", BLOCK_C=cfg["BLOCK_C"], SPLIT=num_splits > 1,
         GATHER=cfg["gather"], BLOCK_N=min(cfg["BLOCK_N"], page_size),
         SKIP={None: 0, "keys": 1, "values": 2, "both": 3}[cfg["skip"]], GATHER_P=cfg["gather_p"],

@@ -3,13 +3,13 @@
 Same contract as ops.reference.moe.moe_experts_reference. Launches (no host synchronisation; the
 grids are sized from shapes alone, blocks past num_padded exit at once):
 
-1. align (ops.triton.moe_align): token-slots sorted by expert and padded to BLOCK_M per expert.
+1. align (ops.triton.moe.align): token-slots sorted by expert and padded to BLOCK_M per expert.
 2. gate_up: one program per (BLOCK_M rows of the aligned layout, BLOCK_N of I). The rows gather their
    tokens' hidden states, tl.dot against the expert's gate and up rows (two fp32 accumulators), and the
    epilogue writes act = silu(gate) * up per slot ([T*k, I], model dtype).
 3. down: one program per (BLOCK_M rows, BLOCK_N of H): act rows @ W_down^T, per slot, model dtype
    (as the reference rounds each expert's output).
-4. combine (ops.triton.moe_decode.combine): out[t] = sum_j w[t, j] * y[t*k + j] in fp32, fixed order.
+4. combine (ops.triton.moe.decode.combine): out[t] = sum_j w[t, j] * y[t*k + j] in fp32, fixed order.
 
 Program ids are swizzled in groups of GROUP_M row blocks so that consecutive programs share weight
 tiles in L2 (row blocks of one expert are adjacent in the aligned layout).
@@ -23,9 +23,9 @@ import triton.language as tl
 
 from moekv.ops.reference.moe import padded_capacity
 from moekv.ops.triton.common import check_launchable, mma
-from moekv.ops.triton.moe_align import moe_align
-from moekv.ops.triton.moe_configs import get_config
-from moekv.ops.triton.moe_decode import combine, gate_up_tile, moe_shapes, upcast_dots
+from moekv.ops.triton.moe.align import moe_align
+from moekv.ops.triton.moe.configs import get_config
+from moekv.ops.triton.moe.decode import combine, gate_up_tile, moe_shapes, upcast_dots
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.split_k import plan_splits
+from moekv.ops.triton.attention.split_k import plan_splits
 
 CODES_FP32 = 0          # fp32 queries: fp32 operands, exact fp32 dots
 CODES_MAGIC = 1         # fp16 (code | 0x6400) - 1024

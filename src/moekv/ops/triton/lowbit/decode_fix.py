@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import pow2
-from moekv.ops.triton.lowbit_decode_tm_parts import outlier_slots
+from moekv.ops.triton.lowbit.decode_tm_parts import outlier_slots
 
 PAGES_PER_PROGRAM = 4       # pages per program of both passes
 

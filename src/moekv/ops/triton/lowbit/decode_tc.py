@@ -77,13 +77,13 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, online_softmax_step, pow2
-from moekv.ops.triton.lowbit_decode_tc_parts import (channels, key_chunk, key_outliers, load_words, outlier_slots,
+from moekv.ops.triton.lowbit.decode_tc_parts import (channels, key_chunk, key_outliers, load_words, outlier_slots,
                                                      prefetch_block, unpack, value_chunk,
                                                      value_outliers)
-from moekv.ops.triton.lowbit_decode_common import (CODES_SUBNORMAL, code_mode, decode_batch, decode_splits,
+from moekv.ops.triton.lowbit.decode_common import (CODES_SUBNORMAL, code_mode, decode_batch, decode_splits,
                                                    launch_config, page_tensors, split_outputs, supports,
                                                    token_scale_zero)
-from moekv.ops.triton.split_k import combine_splits
+from moekv.ops.triton.attention.split_k import combine_splits
 
 OUTLIERS_DOT = 1        # outlier corrections by exact 0/1-matrix tensor-core dots (fp16, or fp32 "ieee")
 OUTLIERS_ELEMENTWISE = 2

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import check_launchable
-from moekv.ops.triton.norm import round_to
+from moekv.ops.triton.layer.norm import round_to
 
 
 @triton.jit

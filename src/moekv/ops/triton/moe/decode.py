@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import check_launchable, mma
-from moekv.ops.triton.moe_configs import get_config
+from moekv.ops.triton.moe.configs import get_config
 
 MAX_DECODE_TOKENS = 64     # BLOCK_T = next power of two >= T; beyond this the grouped path is better
 

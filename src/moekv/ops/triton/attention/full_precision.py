@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from moekv.core.attention_metadata import AttentionMetadata
-from moekv.ops.triton.attention_decode import paged_decode_full_precision
-from moekv.ops.triton.attention_prefill import paged_prefill_full_precision
+from moekv.ops.triton.attention.decode import paged_decode_full_precision
+from moekv.ops.triton.attention.prefill import paged_prefill_full_precision
 
 
 def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,

@@ -8,10 +8,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# How codes become a dot operand (CODE_MODE):
-CODES_FP32 = 0          # int -> fp32 (exact path: fp32 / mixed dtypes)
-CODES_FP16_MAGIC = 1    # (code | 0x6400) read as fp16 = 1024 + code, minus 1024: no int->float convert
-CODES_FP16_CVT = 2      # int -> fp16 by a plain convert (kept for comparison in the benchmark)
+# How codes become a dot operand (UNPACK_MODE). Not the decode kernels' CODES_* modes (lowbit.decode_common):
+# the same numbers mean other conversions there.
+UNPACK_FP32 = 0          # int -> fp32 (exact path: fp32 / mixed dtypes)
+UNPACK_FP16_MAGIC = 1    # (code | 0x6400) read as fp16 = 1024 + code, minus 1024: no int->float convert
+UNPACK_FP16_CVT = 2      # int -> fp16 by a plain convert (kept for comparison in the benchmark)
 
 
 @triton.jit
@@ -57,16 +58,16 @@ def _plane(row_ptrs, row_mask, FIRST_WORD: tl.constexpr, WIDTH: tl.constexpr, HE
 
 
 @triton.jit
-def code_operand(codes, CODE_MODE: tl.constexpr):
+def code_operand(codes, UNPACK_MODE: tl.constexpr):
     """int32 codes -> a dot operand holding the codes exactly (fp16 for the 16-bit modes).
 
     The magic mode ORs the code into the mantissa of 1024.0 (fp16 0x6400) and subtracts 1024 in fp16,
     which is exact. (Keeping the +1024 and taking it out through row sums after the dot was tried
     first: the tensor cores' fp32 accumulation then loses ~1e-3 relative on int2 values.)
     """
-    if CODE_MODE == 1:
+    if UNPACK_MODE == 1:                    # UNPACK_FP16_MAGIC
         return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    elif CODE_MODE == 2:
+    elif UNPACK_MODE == 2:                  # UNPACK_FP16_CVT
         return codes.to(tl.float16)
     else:
         return codes.to(tl.float32)

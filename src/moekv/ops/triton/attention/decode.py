@@ -22,7 +22,7 @@ import triton.language as tl
 
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
 
-from moekv.ops.triton.split_k import combine_splits, plan_splits
+from moekv.ops.triton.attention.split_k import combine_splits, plan_splits
 
 
 

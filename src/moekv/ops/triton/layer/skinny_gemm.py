@@ -19,7 +19,7 @@ built around streaming `weight` at the copy bandwidth:
 
 Two variants:
   "dot"  tl.dot on [16, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles (tensor cores; the padded rows cost no
-         bandwidth -- as ops.triton.moe_decode, which streams its experts at 4.2 TB/s on an H200);
+         bandwidth -- as ops.triton.moe.decode, which streams its experts at 4.2 TB/s on an H200);
          every M <= 16 shares one binary. The default from M = 2.
   "fma"  M == 1 only: a GEMV on CUDA cores, fp32 products accumulated elementwise in a
          [BLOCK_N, BLOCK_K] register tile and reduced once at the end (no shared memory). The default at
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import check_launchable, mma
-from moekv.ops.triton.norm import round_to
+from moekv.ops.triton.layer.norm import round_to
 
 MAX_ROWS = 16                   # M <= this (BLOCK_M of the dot variant)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

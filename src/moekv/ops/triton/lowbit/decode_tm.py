@@ -59,15 +59,15 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, pow2
-from moekv.ops.triton.lowbit_decode_tm_parts import (add_values, channels, first_slots, key_outliers, load_words,
+from moekv.ops.triton.lowbit.decode_tm_parts import (add_values, channels, first_slots, key_outliers, load_words,
                                                      narrow, outlier_slots, pick_values, row_tokens, rows_unview,
                                                      rows_view, scatter_keys, scratch_offsets,
                                                      unpack, value_outliers, widen)
-from moekv.ops.triton.lowbit_decode_common import (CODES_SUBNORMAL, code_mode, decode_batch, decode_splits,
+from moekv.ops.triton.lowbit.decode_common import (CODES_SUBNORMAL, code_mode, decode_batch, decode_splits,
                                                    launch_config, page_tensors, split_outputs, supports,
                                                    token_scale_zero)
-from moekv.ops.triton.lowbit_decode_fix import fix_tiles, group_width, key_fixes, value_fixes
-from moekv.ops.triton.split_k import combine_splits
+from moekv.ops.triton.lowbit.decode_fix import fix_tiles, group_width, key_fixes, value_fixes
+from moekv.ops.triton.attention.split_k import combine_splits
 
 
 @triton.jit
