@@ -526,8 +526,10 @@ def main(argv=None) -> int:
         shape = {"num_experts": arch.num_experts, "hidden_size": arch.hidden_size,
                  "expert_intermediate_size": arch.expert_intermediate_size, "top_k": arch.top_k}
         if args.tiny:
+            from dataclasses import replace
+
             from moekv.ops import dispatch
-            dispatch.set_backend("triton")
+            dispatch.install(replace(dispatch.kernel_config(), backend="triton"))
         result["moe_layer"] = bench_moe.bench_layer(shape, moe_tokens, dtype, device, bench_moe.Timer(device),
                                                     copy_tbps, tiny=args.tiny, weights=weights)
     result["targets"] = targets(result)

@@ -19,6 +19,7 @@ nothing about speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
     shape = tiny_shape() if args.tiny else NAMED_SHAPES[args.model]
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.tiny:
-        dispatch.set_backend("triton")             # the kernels, not the reference, behind "moekv"
+        dispatch.install(dataclasses.replace(dispatch.kernel_config(), backend="triton"))   # the kernels behind "moekv"
     env = environment(["benchmarks/bench_moe.py", *argv], device)
     copy_tbps = copy_bandwidth(device)
     print(f"{env['gpu']}: copy bandwidth {copy_tbps or float('nan'):.2f} TB/s; E={shape['num_experts']} "

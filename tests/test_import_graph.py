@@ -22,7 +22,7 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "moekv"
 
 LAYERS: list[set[str]] = [
-    {"errors", "paths"},                                        # leaves: typed errors, file locations
+    {"errors", "paths", "envs"},                                # leaves: typed errors, file locations, env reader
     {"config", "core", "tokenizer", "provenance", "datasets", "metrics"},   # config + plain records
     {"ops"},              # kernels: reference/ (PyTorch) and triton/, one dispatch point
     {"kvcache"},          # pages, block tables, page formats (calls ops)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moekv import envs
 from moekv.errors import ConfigError
 
 # Spellings a user may give for a KV cache dtype -> canonical name.
@@ -276,6 +277,43 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels `ops.dispatch` runs; the engine installs it (`ops.dispatch.install`).
+
+    `from_env()` (the EngineConfig default) applies the MOEKV_* overrides (see `envs.py`) to these
+    defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_SKINNY_GEMM.
+    """
+
+    SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
+
+    backend: str = "auto"               # auto (Triton on CUDA, the reference elsewhere) | reference | triton
+                                        # (forced everywhere, CPU tensors through Triton's interpreter)
+    lowbit_decode: str = "auto"         # the low-bit decode-only kernel: auto (ops.dispatch.DEFAULT_LOWBIT_DECODE)
+                                        # or a name of ops.dispatch.LOWBIT_DECODE_KERNELS (checked there)
+    fused_layer_ops: bool = True        # the fused per-layer Triton ops (norm, rotary, routing) on CUDA under
+                                        # "auto" (the default since their H200 run, see ops.dispatch)
+    skinny_gemm_rows: int = 0           # the opt-in skinny GEMM for linear layers of 1..N rows (N <= 16); 0: off
+                                        # (no end-to-end gain measured, see ops.dispatch); MOEKV_SKINNY_GEMM=auto: 1, =1: 16
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "reference", "triton"):
+            raise ConfigError(f"kernel backend must be auto, reference or triton, got {self.backend!r}")
+        if not isinstance(self.lowbit_decode, str) or not self.lowbit_decode:
+            raise ConfigError(f"lowbit_decode must be a kernel name or auto, got {self.lowbit_decode!r}")
+        if not isinstance(self.fused_layer_ops, bool):
+            raise ConfigError(f"fused_layer_ops must be True or False, got {self.fused_layer_ops!r}")
+        if (not isinstance(self.skinny_gemm_rows, int) or isinstance(self.skinny_gemm_rows, bool)
+                or not 0 <= self.skinny_gemm_rows <= self.SKINNY_GEMM_MAX_ROWS):
+            raise ConfigError(f"skinny_gemm_rows must be in 0..{self.SKINNY_GEMM_MAX_ROWS} (0: off), "
+                              f"got {self.skinny_gemm_rows!r}")
+
+    @classmethod
+    def from_env(cls, **fields: Any) -> "KernelConfig":
+        """`fields` (else the defaults) with the environment's overrides applied."""
+        return cls(**{**fields, **envs.kernel_overrides()})
+
+
 EVICTION_POLICIES = ("lru", "lfu")
 _CACHE_SIZE_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -358,3 +396,4 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig.from_env)

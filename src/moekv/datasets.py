@@ -19,11 +19,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from moekv import envs
+
 VALIDATION_FRACTION = 0.1            # the last 10% of the characters are validation text
 SLICE_BYTES = 64 * 1024              # the committed slice: first <= 64 kB of the validation split, cut at a line end
 MODEL_DIRNAME = "tiny-shakespeare-moe"
 SLICE_FILENAME = "validation_slice.txt"
-CORPUS_ENV = "MOEKV_TRAIN_TEXT"
+CORPUS_ENV = "MOEKV_TRAIN_TEXT"   # read by envs.train_text
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]   # src/moekv/datasets.py -> repo root (in a source checkout)
 
@@ -43,7 +45,7 @@ def make_slice(validation: str, max_bytes: int = SLICE_BYTES) -> str:
 
 def default_corpus_path() -> Path:
     """Where the training corpus is expected: ``$MOEKV_TRAIN_TEXT`` or ``<repo>/../shared/data/tinyshakespeare.txt``."""
-    env = os.environ.get(CORPUS_ENV)
+    env = envs.train_text()
     if env:
         return Path(env)
     return _REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -56,7 +58,7 @@ def bundled_model_dir() -> Path:
     ``models/`` folder); set ``MOEKV_MODEL_DIR`` to point at a copy.
     """
     candidates = []
-    env = os.environ.get("MOEKV_MODEL_DIR")
+    env = envs.model_dir()
     if env:
         candidates.append(Path(env))
     candidates.append(_REPO_ROOT / "models" / MODEL_DIRNAME)

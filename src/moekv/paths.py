@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from moekv import envs
 
 BUNDLED_MODEL_NAME = "tiny-shakespeare-moe"
 
 
 def default_model_dir() -> str:
     """The bundled tiny trained checkpoint; MOEKV_DEFAULT_MODEL overrides it."""
-    override = os.environ.get("MOEKV_DEFAULT_MODEL")
+    override = envs.default_model()
     if override:
         return override
     return str(Path(__file__).resolve().parents[2] / "models" / BUNDLED_MODEL_NAME)

@@ -7,9 +7,10 @@ a GPU command should start with `MOEKV_COMMIT=<sha>` taken from the machine that
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
+
+from moekv import envs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ def _git(*args: str, cwd: Path) -> str | None:
 def git_commit(short: bool = True, dirty_paths: list[str] | None = None, cwd: Path | str | None = None) -> str | None:
     """The commit (short or full), "+uncommitted" appended when the tree differs (only under
     `dirty_paths` when given); `MOEKV_COMMIT` when set; None outside a git checkout."""
-    override = os.environ.get("MOEKV_COMMIT")
+    override = envs.commit()
     if override:
         return override
     where = Path(cwd) if cwd is not None else REPO

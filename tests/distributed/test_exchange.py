@@ -102,9 +102,7 @@ def test_rank_shares_sum_to_one_device_with_the_triton_kernels(tokens):
     w_down = (0.2 * torch.randn(experts, hidden_size, inter, generator=generator)).to(dtype).to(device)
     rows = torch.randn(tokens, hidden_size + 8, generator=generator).to(dtype).to(device)[:, :hidden_size]
     weights, ids = route_topk(torch.randn(tokens, experts, generator=generator).to(device), 2, True)
-    previous = dispatch.get_backend()
-    dispatch.set_backend("triton")
-    try:
+    with dispatch.override(backend="triton"):
         want = dispatch.moe_experts(rows.contiguous(), w_gate_up, w_down, ids, weights)          # [T, H] bf16
         want_fp32 = dispatch.moe_experts(rows.contiguous(), w_gate_up, w_down, ids, weights, out_dtype=torch.float32)
         total = torch.zeros(tokens, hidden_size, dtype=torch.float32, device=device)
@@ -118,8 +116,6 @@ def test_rank_shares_sum_to_one_device_with_the_triton_kernels(tokens):
                                          torch.where(mine, weights, 0.0), out_dtype=torch.float32)
             assert share.dtype == torch.float32
             total += share
-    finally:
-        dispatch.set_backend(previous)
     assert torch.equal(total, want_fp32)
     if device == "cuda":
         assert torch.equal(total.to(dtype), want)

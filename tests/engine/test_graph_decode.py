@@ -104,9 +104,7 @@ def test_static_forward_does_no_host_sync(monkeypatch):
     .cpu()/torch.tensor/bool() inside the forward, and the tokens match the eager Triton path."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    previous = dispatch.get_backend()
-    dispatch.set_backend("triton")
-    try:
+    with dispatch.override(backend="triton"):
         prompts, max_tokens = [[5, 17, 33, 9, 100, 3, 44], [7], [12, 13, 14]], [3, 4, 2]
         expected, _ = _generate(False, "fp32", "fp32", page_size=4, prompts=prompts, max_tokens=max_tokens,
                                 max_num_seqs=4, device=device)
@@ -120,8 +118,6 @@ def test_static_forward_does_no_host_sync(monkeypatch):
                                       for n in max_tokens])
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert calls and all(b.meta.fixed_num_splits == 3 for b in runner._buckets.values())
-    finally:
-        dispatch.set_backend(previous)
 
 
 def test_falls_back_to_eager_for_offloaded_experts():

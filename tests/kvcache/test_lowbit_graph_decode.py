@@ -30,12 +30,8 @@ def backend(request):
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton backend on CPU tensors needs the interpreter (set without CUDA)")
-    previous = dispatch.get_backend()
-    dispatch.set_backend(request.param)
-    try:
+    with dispatch.override(backend=request.param):
         yield request.param
-    finally:
-        dispatch.set_backend(previous)
 
 
 class Pair:

@@ -1,5 +1,5 @@
 """The same model on a CUDA device: fp32 matches transformers (on the CPU), bf16 stays close -- with the
-torch per-layer ops (the CUDA default) and with the fused Triton ones (ops.dispatch.set_fused_layer_ops)."""
+torch per-layer ops (the CUDA default) and with the fused Triton ones (KernelConfig.fused_layer_ops, ops.dispatch.override)."""
 
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ PROMPTS = [[5, 6, 7, 8, 9], [11], [3, 4, 10, 20, 30, 40, 50, 60, 70]]
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-layer-ops", "fused-layer-ops"])
 def test_cuda_matches_transformers(tmp_path, monkeypatch, family, overrides, fused):
     torch.backends.cuda.matmul.allow_tf32 = False
-    monkeypatch.setattr(dispatch, "_fused_layer_ops", fused)
-    path, hf_model = make_checkpoint(tmp_path, family, **overrides)
-    model = load_model(path, device="cuda")
-    assert model.device.type == "cuda" and model.expert_load.device.type == "cuda"
-    generated, logits = moekv_greedy(model, PROMPTS, 5)
-    for prompt, tokens, moekv_logits in zip(PROMPTS, generated, logits):
-        assert_logits_close(moekv_logits, hf_logits(hf_model, prompt + tokens[:-1]))
-        assert tokens == hf_greedy(hf_model, prompt, 5)
-    bf16 = load_model(path, dtype=torch.bfloat16, device="cuda")
-    bf16_tokens, bf16_logits = moekv_greedy(bf16, PROMPTS, 5)
-    hf_bf16 = copy.deepcopy(hf_model).to(device="cuda", dtype=torch.bfloat16)
-    for prompt, tokens, moekv_logits in zip(PROMPTS, bf16_tokens, bf16_logits):
-        assert_half_close(moekv_logits, hf_model, hf_bf16, prompt + tokens[:-1])
+    with dispatch.override(fused_layer_ops=fused):
+        path, hf_model = make_checkpoint(tmp_path, family, **overrides)
+        model = load_model(path, device="cuda")
+        assert model.device.type == "cuda" and model.expert_load.device.type == "cuda"
+        generated, logits = moekv_greedy(model, PROMPTS, 5)
+        for prompt, tokens, moekv_logits in zip(PROMPTS, generated, logits):
+            assert_logits_close(moekv_logits, hf_logits(hf_model, prompt + tokens[:-1]))
+            assert tokens == hf_greedy(hf_model, prompt, 5)
+        bf16 = load_model(path, dtype=torch.bfloat16, device="cuda")
+        bf16_tokens, bf16_logits = moekv_greedy(bf16, PROMPTS, 5)
+        hf_bf16 = copy.deepcopy(hf_model).to(device="cuda", dtype=torch.bfloat16)
+        for prompt, tokens, moekv_logits in zip(PROMPTS, bf16_tokens, bf16_logits):
+            assert_half_close(moekv_logits, hf_model, hf_bf16, prompt + tokens[:-1])

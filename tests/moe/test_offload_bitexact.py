@@ -30,12 +30,8 @@ NUM_EXPERTS, HIDDEN, INTER = 8, 32, 64
 def backend(request):
     if request.param == "triton":
         pytest.importorskip("triton")
-    previous = dispatch.get_backend()
-    dispatch.set_backend(request.param)
-    try:
+    with dispatch.override(backend=request.param):
         yield request.param
-    finally:
-        dispatch.set_backend(previous)
 
 
 def local_experts(dtype=torch.bfloat16, seed=0, inter=INTER):
@@ -84,9 +80,7 @@ def test_launch_configuration_follows_the_resident_shape(monkeypatch):
     def split_by_experts(num_tokens, top_k, num_experts, hidden, inter, block_n, block_k):
         return 1 if num_experts == NUM_EXPERTS else 2    # inter 512, BLOCK_K 128: (c0+c1)+(c2+c3) vs ((c0+c1)+c2)+c3
     monkeypatch.setattr(moe_decode, "default_split_k", split_by_experts)
-    previous = dispatch.get_backend()
-    dispatch.set_backend("triton")
-    try:
+    with dispatch.override(backend="triton"):
         local = local_experts(torch.float32, seed=3, inter=512)
         generator = torch.Generator().manual_seed(4)
         hidden = torch.randn(4, HIDDEN, generator=generator).to(DEVICE) * 4
@@ -97,8 +91,6 @@ def test_launch_configuration_follows_the_resident_shape(monkeypatch):
         assert not torch.equal(two_splits, expected)      # the split order is visible in this setup
         for num_slots in (4, 6):                          # the kernel alone would pick 2 splits for these
             assert torch.equal(offloaded_from(local, num_slots)(hidden, topk_ids, topk_weights), expected)
-    finally:
-        dispatch.set_backend(previous)
 
 
 @pytest.mark.parametrize("num_slots", [2, 4])

@@ -21,10 +21,6 @@ def triton_backend():
     """Force the Triton path of moekv.ops.dispatch for one test."""
     from moekv.ops import dispatch
 
-    previous = dispatch.get_backend()
-    dispatch.set_backend("triton")
-    try:
+    with dispatch.override(backend="triton"):
         yield
-    finally:
-        dispatch.set_backend(previous)
 

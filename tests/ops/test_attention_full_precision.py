@@ -55,5 +55,5 @@ def test_prefill_page_size_larger_than_block(device):
 def test_dispatch_switch(device, triton_backend):
     case = build_fp_case([9, 0], [1, 1], 2, 4, 64, 16, torch.float32, device, seed=5)
     out = dispatch.paged_attention_full_precision(*case, SCALE)
-    dispatch.set_backend("reference")
-    assert_close(out, dispatch.paged_attention_full_precision(*case, SCALE), torch.float32)
+    with dispatch.override(backend="reference"):
+        assert_close(out, dispatch.paged_attention_full_precision(*case, SCALE), torch.float32)

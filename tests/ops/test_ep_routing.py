@@ -56,8 +56,7 @@ def test_dispatch_falls_back_beyond_one_program(monkeypatch):
     table = table_for(16, 2, 0.5, gen)
     codes, weights = gathered(64, 2, 16, gen)
     monkeypatch.setattr(ep_routing, "MAX_ELEMENTS", 8)
-    monkeypatch.setattr(dispatch, "_backend", "triton")
-    with pytest.warns(RuntimeWarning, match="no Triton EP routing"):
+    with dispatch.override(backend="triton"), pytest.warns(RuntimeWarning, match="no Triton EP routing"):
         ids, w = dispatch.ep_local_routing(table, codes, weights, 2)
     want_ids, want_w = reference(table, codes, weights, 2)
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)

@@ -220,13 +220,9 @@ def test_dispatch_runs_the_reference_on_cpu_under_auto():
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
     x, w = torch.randn(2, 8), torch.randn(8)
-    previous = dispatch.get_backend()
-    dispatch.set_backend("auto")
-    try:
+    with dispatch.override(backend="auto"):
         assert not dispatch.use_triton("rms_norm", x)
         assert torch.equal(dispatch.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
-    finally:
-        dispatch.set_backend(previous)
 
 
 def test_dispatch_forced_triton_matches_reference(device, triton_backend):
@@ -257,11 +253,11 @@ def _greedy_with_ops(model, prompts, fused: bool, monkeypatch):
     from tests.hf_fixtures import moekv_greedy
 
     with monkeypatch.context() as patch:
-        patch.setattr(dispatch, "_backend", "reference")
         patch.setattr(dispatch, "_layer_op_triton", lambda op, tensor: fused and op in LAYER_OPS)
-        model.reset_expert_load()
-        tokens, logits = moekv_greedy(model, prompts, 3)
-        return tokens, logits, model.expert_load.clone()
+        with dispatch.override(backend="reference"):
+            model.reset_expert_load()
+            tokens, logits = moekv_greedy(model, prompts, 3)
+            return tokens, logits, model.expert_load.clone()
 
 
 def _logit_error(prompts, tokens_a, logits_a, tokens_b, logits_b):

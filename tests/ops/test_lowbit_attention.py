@@ -75,8 +75,8 @@ def test_prefill_chunks(device, dtype, bits):
 def test_dispatch_switch(device, triton_backend):
     case = build_case([40, 9], [1, 1], 2, 4, 64, 3, 16, seed=8, device=device)
     out = dispatch.paged_attention_lowbit(*case.args(), SCALE)
-    dispatch.set_backend("reference")
-    assert_close(out, dispatch.paged_attention_lowbit(*case.args(), SCALE), torch.float32)
+    with dispatch.override(backend="reference"):
+        assert_close(out, dispatch.paged_attention_lowbit(*case.args(), SCALE), torch.float32)
 
 
 def test_convert_unpack_variant(device):
@@ -103,27 +103,23 @@ def _run_cache_steps(device, backend):
     from moekv.kvcache.base import KVCacheSpec
     from moekv.kvcache.formats.lowbit import LowBitKVCache
 
-    dispatch.set_backend(backend)
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
     cache = LowBitKVCache(spec, 16, device, CacheConfig(kv_cache_dtype="int3", page_size=16, num_pages=16))
     gen = torch.Generator().manual_seed(11)
     tables, lengths, outs = [[3, 7, 1, 12], [5, 9]], [0, 0], []
-    for step_lens in ([30, 5], [9, 12], [1, 1], [1, 1]):
-        meta = AttentionMetadata.build(step_lens, lengths, tables, 16, device)
-        total = sum(step_lens)
-        q, k, v = (torch.randn(total, heads, 64, generator=gen).to(device) for heads in (8, 2, 2))
-        outs.append(cache.attention(0, q, k, v, meta, SCALE))
-        lengths = [n + s for n, s in zip(lengths, step_lens)]
+    with dispatch.override(backend=backend):
+        for step_lens in ([30, 5], [9, 12], [1, 1], [1, 1]):
+            meta = AttentionMetadata.build(step_lens, lengths, tables, 16, device)
+            total = sum(step_lens)
+            q, k, v = (torch.randn(total, heads, 64, generator=gen).to(device) for heads in (8, 2, 2))
+            outs.append(cache.attention(0, q, k, v, meta, SCALE))
+            lengths = [n + s for n, s in zip(lengths, step_lens)]
     return outs
 
 
 def test_cache_end_to_end(device):
     # the cache calls dispatch for attention and for page quantization: both paths, step by step
-    previous = dispatch.get_backend()
-    try:
-        kernel_outs = _run_cache_steps(device, "triton")
-        reference_outs = _run_cache_steps(device, "reference")
-    finally:
-        dispatch.set_backend(previous)
+    kernel_outs = _run_cache_steps(device, "triton")
+    reference_outs = _run_cache_steps(device, "reference")
     for got, want in zip(kernel_outs, reference_outs):
         assert_close(got, want, torch.float32)

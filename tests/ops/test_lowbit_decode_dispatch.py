@@ -3,9 +3,12 @@ otherwise; every choice agrees with the reference."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+from moekv.config import KernelConfig
 from moekv.ops import dispatch
 from moekv.ops.reference.lowbit import paged_attention_lowbit as reference
 from moekv.testing.attention_cases import build_case
@@ -16,9 +19,9 @@ SCALE = 0.125
 
 @pytest.fixture
 def decode_kernel():
-    previous = dispatch._lowbit_decode
-    yield dispatch.set_lowbit_decode
-    dispatch.set_lowbit_decode(previous)
+    """decode_kernel(name): KernelConfig.lowbit_decode = name for the rest of the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda name: stack.enter_context(dispatch.override(lowbit_decode=name))
 
 
 @pytest.mark.parametrize("name", ["tc", "v4", "auto"])
@@ -39,16 +42,19 @@ def test_prefill_uses_the_general_kernel(device, triton_backend, decode_kernel):
 
 def test_unknown_choice_is_rejected():
     with pytest.raises(ValueError, match="low-bit decode kernel"):
-        dispatch.set_lowbit_decode("fast")
+        with dispatch.override(lowbit_decode="fast"):
+            pass
+    with pytest.raises(ValueError, match="low-bit decode kernel"):
+        dispatch.install(KernelConfig(lowbit_decode="fast"))
+    assert dispatch.kernel_config().lowbit_decode != "fast"
 
 
 def test_fused_layer_ops_switch_under_auto(monkeypatch):
-    monkeypatch.setattr(dispatch, "_backend", "auto")
     monkeypatch.setattr(dispatch, "use_triton", lambda op, tensor, has_triton=True: True)   # as on a GPU
     x = torch.ones(2, 4)
-    monkeypatch.setattr(dispatch, "_fused_layer_ops", False)
-    assert not dispatch._layer_op_triton("rms_norm", x)
-    dispatch.set_fused_layer_ops(True)
-    assert dispatch._layer_op_triton("route_topk", x)
-    monkeypatch.setattr(dispatch, "_backend", "reference")
-    assert not dispatch._layer_op_triton("route_topk", x)
+    with dispatch.override(backend="auto", fused_layer_ops=False):
+        assert not dispatch._layer_op_triton("rms_norm", x)
+    with dispatch.override(backend="auto", fused_layer_ops=True):
+        assert dispatch._layer_op_triton("route_topk", x)
+    with dispatch.override(backend="reference", fused_layer_ops=True):
+        assert not dispatch._layer_op_triton("route_topk", x)

@@ -101,10 +101,10 @@ def test_stage_dispatch(device, triton_backend):
     key[0, 0, 0] = float("nan")
     rows = torch.tensor([1, PAGE], dtype=torch.int32, device=device)
     got = run(dispatch.stage_decode_tokens, key, value, staging_keys, staging_values, rows, flags)
-    dispatch.set_backend("reference")
-    want = run(dispatch.stage_decode_tokens, key, value, staging_keys, staging_values, rows, flags)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    with dispatch.override(backend="reference"):
+        want = run(dispatch.stage_decode_tokens, key, value, staging_keys, staging_values, rows, flags)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("bits,axis,capacity", [(3, "channel", 21), (2, "token", 10), (4, "channel", 0)])
@@ -163,11 +163,7 @@ def test_one_launch_key_value_quantizer_matches_reference(device, key_axis):
     # the dispatch (reference backend: two counted calls) agrees too
     again = [clone(junk_pages(spec, device, seed)) for seed, spec in ((3, key_spec), (4, value_spec))]
     counters = torch.zeros(7, dtype=torch.int64, device=device)
-    previous = dispatch.get_backend()
-    dispatch.set_backend("reference")
-    try:
+    with dispatch.override(backend="reference"):
         dispatch.quantize_staged_kv_counted(staging_keys, staging_values, slots.to(device), pages.to(device), key_spec,
                                             value_spec, *again, counters, *indices)
-    finally:
-        dispatch.set_backend(previous)
     assert torch.equal(counters.cpu(), want_counters)

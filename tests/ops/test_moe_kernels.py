@@ -168,12 +168,12 @@ def test_dispatch_picks_decode_then_grouped(device, monkeypatch, triton_backend)
 
 
 def test_dispatch_reference_backend(device, monkeypatch):
-    monkeypatch.setattr(dispatch, "_backend", "reference")
     inputs, expected = moe_case(3, 2, 4, 32, 16, torch.float32, device)
-    assert_close(dispatch.moe_experts(*inputs), expected, torch.float32)
-    ids = inputs[3]
-    for got, want in zip(dispatch.moe_align(ids, 4, 16), moe_align_reference(ids, 4, 16)):
-        assert torch.equal(got, want)
+    with dispatch.override(backend="reference"):
+        assert_close(dispatch.moe_experts(*inputs), expected, torch.float32)
+        ids = inputs[3]
+        for got, want in zip(dispatch.moe_align(ids, 4, 16), moe_align_reference(ids, 4, 16)):
+            assert torch.equal(got, want)
 
 
 def test_tuned_config_lookup(tmp_path, monkeypatch):

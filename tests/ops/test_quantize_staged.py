@@ -109,10 +109,10 @@ def test_staged_int32_indices_and_dispatch(device, triton_backend):
     slots = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
     got = junk_pages(spec, device, 2)
     got_q = dispatch.quantize_staged_pages(staging, slots, pages, spec, got)
-    dispatch.set_backend("reference")
-    want = junk_pages(spec, device, 2)
-    want_q = dispatch.quantize_staged_pages(staging, slots, pages, spec, want)
-    assert torch.equal(got_q, want_q)
-    if device == "cpu":
-        for name, t in want.tensors().items():
-            assert torch.equal(got.tensors()[name], t), name
+    with dispatch.override(backend="reference"):
+        want = junk_pages(spec, device, 2)
+        want_q = dispatch.quantize_staged_pages(staging, slots, pages, spec, want)
+        assert torch.equal(got_q, want_q)
+        if device == "cpu":
+            for name, t in want.tensors().items():
+                assert torch.equal(got.tensors()[name], t), name

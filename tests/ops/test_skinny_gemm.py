@@ -173,15 +173,8 @@ def kernel_calls(monkeypatch):
 
 @pytest.fixture
 def skinny_on():
-    previous_backend, previous = dispatch.get_backend(), dispatch.skinny_gemm_enabled()
-    rows = dispatch.skinny_gemm_max_rows()
-    dispatch.set_backend("triton")                        # CPU tensors take the interpreted kernel
-    dispatch.set_skinny_gemm(True)
-    try:
+    with dispatch.override(backend="triton", skinny_gemm_rows=16):   # CPU tensors take the interpreted kernel
         yield
-    finally:
-        dispatch.set_skinny_gemm(previous, rows)
-        dispatch.set_backend(previous_backend)
 
 
 def _linear(K, N, bias, dtype, device, seed=0):
@@ -212,36 +205,31 @@ def test_env_flag_is_opt_in():
     assert _env_flag("auto") == "True 1"
     assert _env_flag("1") == "True 16"
     assert _env_flag("0").startswith("False")
-    assert _env_flag("yes").startswith("error: ValueError")
+    assert _env_flag("yes").startswith("error: moekv.errors.ConfigError: MOEKV_SKINNY_GEMM")   # a ValueError
 
 
 def test_one_row_limit(device, kernel_calls, skinny_on):
-    dispatch.set_skinny_gemm(True, max_rows=1)
+    from moekv.config import KernelConfig
+
     layer = _linear(64, 40, True, torch.float16, device)
     gen = torch.Generator().manual_seed(5)
     x1, x2 = _rand((1, 64), torch.float16, device, gen), _rand((2, 64), torch.float16, device, gen)
-    assert_matches(layer(x1), x1, layer.weight, layer.bias)
-    assert torch.equal(layer(x2), F.linear(x2, layer.weight, layer.bias))
+    with dispatch.override(skinny_gemm_rows=1):
+        assert_matches(layer(x1), x1, layer.weight, layer.bias)
+        assert torch.equal(layer(x2), F.linear(x2, layer.weight, layer.bias))
     assert kernel_calls == [(1, 64)]
-    with pytest.raises(ValueError, match="max_rows"):
-        dispatch.set_skinny_gemm(True, max_rows=17)
+    with pytest.raises(ValueError, match="skinny_gemm_rows"):
+        KernelConfig(skinny_gemm_rows=17)
 
 
 def test_off_is_f_linear(device, kernel_calls):
     """Off (the default in this process unless MOEKV_SKINNY_GEMM is set): skinny_linear and Linear are
     F.linear, bit for bit, even with the Triton backend forced."""
-    previous_backend, previous = dispatch.get_backend(), dispatch.skinny_gemm_enabled()
-    rows = dispatch.skinny_gemm_max_rows()
-    dispatch.set_skinny_gemm(False)
-    dispatch.set_backend("triton")
-    try:
+    with dispatch.override(skinny_gemm_rows=0, backend="triton"):
         layer = _linear(64, 48, True, torch.bfloat16, device)
         x = _rand((3, 64), torch.bfloat16, device, torch.Generator().manual_seed(1))
         assert torch.equal(dispatch.skinny_linear(x, layer.weight, layer.bias), F.linear(x, layer.weight, layer.bias))
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    finally:
-        dispatch.set_skinny_gemm(previous, rows)
-        dispatch.set_backend(previous_backend)
     assert kernel_calls == []
 
 
@@ -268,29 +256,29 @@ def test_on_but_reference_or_cpu_auto_is_f_linear(kernel_calls, skinny_on):
     layer = _linear(32, 24, False, torch.bfloat16, "cpu")
     x = _rand((2, 32), torch.bfloat16, "cpu", torch.Generator().manual_seed(4))
     for backend in ("reference", "auto"):                 # auto on CPU tensors: no kernel
-        dispatch.set_backend(backend)
-        assert torch.equal(layer(x), F.linear(x, layer.weight))
+        with dispatch.override(backend=backend):
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
     assert kernel_calls == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture(skinny_on):
-    dispatch.set_backend("auto")
-    layer = _linear(4096, 1024, True, torch.bfloat16, "cuda")
-    x = torch.randn(4, 4096, dtype=torch.bfloat16, device="cuda")
-    eager = layer(x)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(x)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, layer(x)) and not torch.equal(static_out, eager)
+    with dispatch.override(backend="auto"):
+        layer = _linear(4096, 1024, True, torch.bfloat16, "cuda")
+        x = torch.randn(4, 4096, dtype=torch.bfloat16, device="cuda")
+        eager = layer(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = layer(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, layer(x)) and not torch.equal(static_out, eager)
 
 
 def test_default_variant_by_rows(device, monkeypatch):

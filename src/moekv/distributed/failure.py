@@ -30,6 +30,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
+from moekv import envs
 from moekv.errors import MoekvError
 
 PEER_FAILED_EXIT = 75            # exit status of a rank ended because another rank failed
@@ -39,13 +40,6 @@ _MAX_MESSAGE = 8000              # characters of a traceback kept in the store
 
 class ExpertParallelError(MoekvError):
     """The expert-parallel group cannot go on: a rank failed (this one or another)."""
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 def describe(exc: BaseException, where: str | None = None) -> str:
@@ -67,7 +61,7 @@ def _flush() -> None:
 
 def exit_on_peer_failure(rank: int, message: str) -> None:
     """Default reaction to another rank's failure: say why, then end this process now."""
-    grace = _env_float("MOEKV_EP_EXIT_GRACE_S", 1.0)      # let the failed rank print its own traceback first
+    grace = envs.ep_exit_grace_s(1.0)      # let the failed rank print its own traceback first
     indented = "\n".join("    " + line for line in message.splitlines())
     sys.stderr.write(f"\n[moekv] rank {rank}: stopping because another expert-parallel rank failed "
                      f"(exit status {PEER_FAILED_EXIT}); its error:\n{indented}\n")
@@ -83,9 +77,9 @@ class FailureMonitor:
     def __init__(self, store, rank: int, poll_s: float | None = None, on_peer_failure=exit_on_peer_failure):
         self.store = store
         self.rank = rank
-        self.poll_s = poll_s if poll_s is not None else _env_float("MOEKV_EP_POLL_S", 0.2)
+        self.poll_s = poll_s if poll_s is not None else envs.ep_poll_s(0.2)
         # a restarted torchrun attempt must not see the flag of the attempt before
-        self.key = f"{_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.key = f"{_KEY}/{envs.torchrun_restart_count()}"
         self.on_peer_failure = on_peer_failure
         self.failure: str | None = None          # the first failure this process knows of
         self.failed_here = False                 # this rank reported a failure of its own

@@ -34,10 +34,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moekv import envs
 from moekv.distributed import failure
 from moekv.errors import ConfigError
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 CONTROL_TIMEOUT = timedelta(days=7)   # an idle server's followers wait on the control group this long
 DEVICE_TIMEOUT = timedelta(minutes=10)   # torch's NCCL default, made explicit
 
@@ -45,13 +45,9 @@ DEVICE_TIMEOUT = timedelta(minutes=10)   # torch's NCCL default, made explicit
 def device_timeout(timeout: timedelta | float | None = None) -> timedelta:
     """The device group's timeout: `timeout` (seconds or timedelta), else MOEKV_EP_TIMEOUT_S, else 10 min."""
     if timeout is None:
-        env = os.environ.get("MOEKV_EP_TIMEOUT_S")
-        if not env:
+        timeout = envs.ep_timeout_s()
+        if timeout is None:
             return DEVICE_TIMEOUT
-        try:
-            timeout = float(env)
-        except ValueError:
-            raise ConfigError(f"MOEKV_EP_TIMEOUT_S must be a number of seconds, got {env!r}") from None
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     if timeout.total_seconds() <= 0:
@@ -81,7 +77,7 @@ class ExpertParallelGroup:
 
 
 def launched_by_torchrun() -> bool:
-    return all(name in os.environ for name in TORCHRUN_VARS)
+    return not envs.torchrun_missing()
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
@@ -105,12 +101,12 @@ def init_expert_parallel(size: int, device: str = "auto", timeout: timedelta | f
         if not launched_by_torchrun():
             raise ConfigError(f"expert_parallel_size={size} runs one process per rank: launch with "
                               f"`torchrun --nproc-per-node {size} ...` (the environment has no "
-                              f"{'/'.join(n for n in TORCHRUN_VARS if n not in os.environ)})")
-        world_size = int(os.environ["WORLD_SIZE"])
+                              f"{'/'.join(envs.torchrun_missing())})")
+        world_size = envs.torchrun_int("WORLD_SIZE")
         if world_size != size:
             raise ConfigError(f"expert_parallel_size={size} but torchrun started {world_size} processes; "
                               f"use --nproc-per-node {size} (times the number of nodes)")
-        local_rank = int(os.environ["LOCAL_RANK"])
+        local_rank = envs.torchrun_int("LOCAL_RANK")
         target = resolve_device(device, local_rank)
         if target.type == "cuda":
             if local_rank >= torch.cuda.device_count():
@@ -124,7 +120,7 @@ def init_expert_parallel(size: int, device: str = "auto", timeout: timedelta | f
     world_size = dist.get_world_size()
     if world_size != size:
         raise ConfigError(f"expert_parallel_size={size} but the process group has {world_size} ranks")
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    local_rank = envs.torchrun_int("LOCAL_RANK", dist.get_rank())
     target = resolve_device(device, local_rank)
     if target.type == "cuda":
         torch.cuda.set_device(target)

@@ -24,6 +24,7 @@ from moekv.engine.model_runner import ModelRunner
 from moekv.engine.step_result import usable_rows
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError, NotAvailableError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
+from moekv.ops import dispatch
 from moekv.sampling import SampleResult, SamplingParams, sample
 from moekv.scheduler.scheduler import Scheduler
 from moekv.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -43,6 +44,7 @@ class Engine:
         (tests, random-weight benchmarks); `tokenizer=None` then means token-id prompts only."""
         self.config = config
         self.device = torch.device(config.device.resolved)
+        dispatch.install(config.kernels)          # this engine's kernel switches (KernelConfig)
         model_dir = Path(config.model.model)
         if model is None:
             from moekv.models.loader import load_model

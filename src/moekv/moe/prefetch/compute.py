@@ -25,8 +25,9 @@ Paths (the same choice as `ops.dispatch.moe_experts` for the resident shape):
     reference  per-expert F.linear, outputs in the model dtype, fp32 weighted index_add
     decode     Triton (T <= decode limit): act, down partials [split, T*k, H] fp32, combine
     grouped    Triton: align, act, down outputs [T*k, H] in the model dtype, combine
-The Triton paths call the launch pieces of ops.triton.moe.decode / moe_grouped (the same
-functions and kernels `moe_experts_decode` / `moe_experts_grouped` use).
+The path is `ops.dispatch.moe_experts_path` for the resident shape; the Triton paths are
+`ops.dispatch.moe_expert_passes` (ops/triton/moe/passes.py: the launch pieces of ops.triton.moe.decode /
+moe.grouped, the same functions and kernels `moe_experts_decode` / `moe_experts_grouped` use).
 """
 
 from __future__ import annotations
@@ -59,17 +60,10 @@ class SlotExpertCompute:
         num_tokens, hidden_size = hidden.shape
         self.top_k = topk_ids.shape[1]
         self.inter = inter
-        self.path = "reference"
-        if num_tokens > 0 and dispatch.use_triton("moe_experts", hidden):
-            from moekv.ops.triton.moe import decode as moe_decode
-            from moekv.ops.triton.moe.configs import decode_max_tokens
-
-            limit = min(decode_max_tokens(num_experts, hidden_size, inter, hidden.dtype, hidden.device),
-                        moe_decode.MAX_DECODE_TOKENS)
-            self.path = "decode" if num_tokens <= limit else "grouped"
-        num_rows = num_tokens * self.top_k
-        device = hidden.device
+        # the same choice as ops.dispatch.moe_experts makes for the resident shape (E experts)
+        self.path = dispatch.moe_experts_path(hidden, num_experts, inter) if num_tokens > 0 else "reference"
         if self.path == "reference":
+            num_rows = num_tokens * self.top_k
             flat_ids = topk_ids.reshape(-1)                                            # [T*k]
             self.order = torch.argsort(flat_ids, stable=True)                          # [T*k] slots by expert
             if counts is None:
@@ -79,30 +73,10 @@ class SlotExpertCompute:
                 starts.append(total)
                 total += int(count)
             self.segments = {e: (starts[e], int(counts[e])) for e in range(num_experts) if counts[e] > 0}
-            self.buffer = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=device)   # sorted rows
-        elif self.path == "decode":
-            import triton
-
-            from moekv.ops.triton.moe import decode as moe_decode
-            from moekv.ops.triton.moe.configs import get_config
-
-            cfg = get_config("decode", num_experts, hidden_size, inter, num_tokens, hidden.dtype, device)
-            self.config = {part: dict(cfg[part]) for part in ("gate_up", "down")}
-            down = self.config["down"]
-            split_k = down.get("SPLIT_K") or moe_decode.default_split_k(
-                num_tokens, self.top_k, num_experts, hidden_size, inter, down["BLOCK_N"], down["BLOCK_K"])
-            k_per_split = triton.cdiv(triton.cdiv(inter, split_k), down["BLOCK_K"]) * down["BLOCK_K"]
-            down["SPLIT_K"] = triton.cdiv(inter, k_per_split)
-            self.k_per_split = k_per_split
-            self.buffer = torch.empty((down["SPLIT_K"], num_rows, hidden_size), dtype=torch.float32,
-                                      device=device)                                   # [split, T*k, H]
+            self.buffer = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)  # sorted
         else:
-            from moekv.ops.triton.moe.configs import get_config
-
-            cfg = get_config("grouped", num_experts, hidden_size, inter, num_tokens, hidden.dtype, device,
-                             self.top_k)
-            self.config = {"BLOCK_M": cfg["BLOCK_M"], **{part: dict(cfg[part]) for part in ("gate_up", "down")}}
-            self.buffer = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=device)   # [T*k, H]
+            self.kernel = dispatch.moe_expert_passes(self.path, hidden, self.top_k, num_experts, inter)
+            self.buffer = self.kernel.buffer
         self.passes = 0
 
     # -- one pass ----------------------------------------------------------------------------------
@@ -121,15 +95,9 @@ class SlotExpertCompute:
         slot_ids = lut[self.topk_ids]                                                  # [T, k]
         rows = None if experts is None else self._rows_of(experts)                     # [T*k] bool
         target = self.buffer if rows is None else torch.empty_like(self.buffer)
-        if self.path == "decode":
-            self._decode(w_gate_up, w_down, slot_ids, target)
-        else:
-            self._grouped(w_gate_up, w_down, slot_ids, target)
+        self.kernel.run(w_gate_up, w_down, slot_ids, target)
         if rows is not None:
-            if self.path == "decode":
-                self.buffer[:, rows] = target[:, rows]
-            else:
-                self.buffer[rows] = target[rows]
+            self.kernel.keep_rows(target, rows)
 
     def _rows_of(self, experts: list[int]) -> torch.Tensor:
         member = torch.zeros(self.num_experts, dtype=torch.bool, device=self.topk_ids.device)
@@ -148,40 +116,6 @@ class SlotExpertCompute:
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]                      # [n, I]
             self.buffer[start:start + count] = F.linear(act, w_down[slot])             # [n, H]
 
-    def _decode(self, w_gate_up, w_down, slot_ids, partial) -> None:
-        from moekv.ops.triton.moe import decode as moe_decode
-
-        hidden = self.hidden
-        num_tokens, hidden_size = hidden.shape
-        act = moe_decode.decode_activation(hidden, w_gate_up, slot_ids, self.config)   # [T*k, I]
-        down = {k: v for k, v in self.config["down"].items() if k != "SPLIT_K"}
-        grid = (num_tokens * self.top_k, -(-hidden_size // down["BLOCK_N"]), partial.shape[0])
-        moe_decode._decode_down_kernel[grid](
-            act, w_down, slot_ids.contiguous(), partial, num_tokens, hidden_size, self.inter, self.k_per_split,
-            act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), partial.stride(0),
-            partial.stride(1), **moe_decode._common(num_tokens, self.top_k, hidden), **down)
-
-    def _grouped(self, w_gate_up, w_down, slot_ids, expert_out) -> None:
-        from moekv.ops.reference.moe import padded_capacity
-        from moekv.ops.triton.moe import grouped as moe_grouped
-        from moekv.ops.triton.moe.align import moe_align
-        from moekv.ops.triton.moe.decode import upcast_dots
-
-        hidden = self.hidden
-        num_tokens, hidden_size = hidden.shape
-        num_slots = w_gate_up.shape[0]
-        block_m, part = self.config["BLOCK_M"], self.config["down"]
-        num_rows = num_tokens * self.top_k
-        aligned = moe_align(slot_ids, num_slots, block_m)
-        act = moe_grouped.grouped_activation(hidden, w_gate_up, slot_ids, self.config, aligned)   # [N, I]
-        sorted_slots, block_experts, num_padded = aligned
-        num_row_blocks = padded_capacity(num_rows, num_slots, block_m) // block_m
-        grid = (num_row_blocks * -(-hidden_size // part["BLOCK_N"]),)
-        moe_grouped._grouped_down_kernel[grid](
-            act, w_down, sorted_slots, block_experts, num_padded, expert_out, num_rows, hidden_size, self.inter,
-            num_row_blocks, act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
-            expert_out.stride(0), BLOCK_M=block_m, UPCAST=upcast_dots(hidden.dtype, hidden.device), **part)
-
     # -- the weighted sum, once ----------------------------------------------------------------------
     def result(self) -> torch.Tensor:
         """[T, H] in hidden's dtype: sum_j w[t, j] * expert_out[t, j], as the resident path sums it."""
@@ -196,7 +130,4 @@ class SlotExpertCompute:
             out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
             out.index_add_(0, tokens, weighted)
             return out.to(hidden.dtype)
-        from moekv.ops.triton.moe.decode import combine
-
-        partial = self.buffer if self.path == "decode" else self.buffer.unsqueeze(0)
-        return combine(partial, self.topk_weights, torch.empty_like(hidden))           # [T, H]
+        return self.kernel.result(self.topk_weights)                                    # [T, H]
