@@ -22,7 +22,9 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "moekv"
 
 LAYERS: list[set[str]] = [
-    {"errors", "paths", "envs"},                                # leaves: typed errors, file locations, env reader
+    {"errors"},                                                 # leaf: typed errors
+    {"envs"},                                                   # the one reader of environment variables
+    {"paths"},                                                  # file locations (env overrides)
     {"config", "core", "tokenizer", "provenance", "datasets", "metrics"},   # config + plain records
     {"ops"},              # kernels: reference/ (PyTorch) and triton/, one dispatch point
     {"kvcache"},          # pages, block tables, page formats (calls ops)

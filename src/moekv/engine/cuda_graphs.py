@@ -24,13 +24,13 @@ uses: model, kv_cache, kv_manager, device, max_num_seqs, max_model_len and the g
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from contextlib import nullcontext
 from typing import ContextManager, Protocol
 
 import torch
 
+from moekv import envs
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.engine.graph_buckets import GraphBucket, graph_buckets
 from moekv.engine.step_result import StepResult, usable_rows
@@ -241,7 +241,7 @@ class CudaGraphSteps:
         self.kv_cache.begin_step(meta)
         # thread_local: the server's /metrics thread may read device tensors while a bucket is captured (and
         # NCCL's watchdog thread queries its events)
-        mode = os.environ.get("MOEKV_CAPTURE_ERROR_MODE", "thread_local")
+        mode = envs.capture_error_mode() or "thread_local"          # MOEKV_CAPTURE_ERROR_MODE overrides
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode=mode):
             logits = self._static_forward(bucket)
         self.kv_cache.end_step(meta)
