@@ -3,8 +3,8 @@
 
     PYTHONPATH=src:. python benchmarks/bench_attention.py --out benchmarks/results          # timings
     PYTHONPATH=src:. python benchmarks/bench_attention.py --check --out benchmarks/results  # correctness
-    PYTHONPATH=src:. python benchmarks/bench_attention.py --lowbit-only --shapes 32x16384 --bits 3 --impls tc \
-        --lowbit-configs '{"tc": [{}, {"outlier_pre": 3}]}' --out /tmp/sweep   # low-bit launch configs only
+    PYTHONPATH=src:. python benchmarks/bench_attention.py --lowbit-only --shapes 32x16384 --bits 3 --impls v7 \
+        --lowbit-configs '{"v7": [{}, {"num_splits": 2}]}' --out /tmp/sweep   # low-bit launch configs only
 
 Timings: median of CUDA-graph replays; "cold" (the default) zeroes a 512 MiB buffer before every
 call inside the graph so nothing is served from L2, and the flush alone is timed and subtracted.
@@ -48,27 +48,12 @@ FP_PAGE, LOWBIT_PAGE = 16, 128
 # Run 1 (see docs/attention-kernels.md) swept more; these are the survivors and the open questions.
 FP_CONFIGS = [dict(BLOCK_N=128, num_warps=4, num_stages=2), dict(BLOCK_N=64, num_warps=4, num_stages=3),
               dict(BLOCK_N=128, num_warps=4, num_stages=2, waves=4)]
-DIAGNOSTICS = {"no outliers": dict(outliers=False), "no key codes": dict(skip="keys"),
-               "no value codes": dict(skip="values"), "no codes": dict(skip="both"),
-               "no codes, no outliers": dict(skip="both", outliers=False),
-               "no outliers, 8 warps": dict(outliers=False, num_warps=8),
-               "no outliers, BLOCK_N 64": dict(outliers=False, BLOCK_N=64)}
 # Low-bit decode implementations compared by this script: name -> (module, function, launch configs).
-# "v4" is the first kernel (lowbit_attention, decode and prefill; configs passed as config=...); the
-# decode-only kernels take their launch overrides as keyword arguments.
+# "v7" is the decode kernel (CUDA C++, ops/cuda; its configs: forced split counts beside the planned one); "v4"
+# the general Triton kernel (decode and prefill; configs passed as config=...), the fallback for other formats.
 LOWBIT_IMPLS = {
+    "v7": ("moekv.ops.cuda.lowbit_decode", "paged_attention_lowbit_decode", [{}]),
     "v4": ("moekv.ops.triton.lowbit.attention", "paged_attention_lowbit", [dict(num_warps=4)]),
-    # tc: the default first; then preloaded outlier chunks, L2 prefetch of the next block, subnormal codes,
-    # three programs per SM, and the v5 layout (spread / perm off) -- docs/attention-kernels.md, "v5 launch variants"
-    "tc": ("moekv.ops.triton.lowbit.decode_tc", "paged_attention_lowbit_decode_tc",
-           [{}, dict(outlier_pre=3), dict(outlier_pre=3, l2_prefetch=True),
-            dict(outlier_pre=3, l2_prefetch=True, codes="subnormal"),
-            dict(outlier_pre=3, l2_prefetch=True, maxnreg=168, waves=4),
-            dict(spread=False, perm=False)]),
-    # tm (v6): tokens as the MMA M dimension, the code tile fed to wgmma from registers
-    "tm": ("moekv.ops.triton.lowbit.decode_tm", "paged_attention_lowbit_decode_tm",
-           [{}, dict(codes="subnormal"), dict(codes="subnormal", BLOCK_N=64), dict(codes="subnormal", maxnreg=168),
-            dict(gather_p=False)]),
 }
 TUNING = ((32, 16384), (1, 16384))           # the first one's winners serve every other shape
 SWEPT_BITS = (3,)                          # other widths take int3's winner
@@ -144,10 +129,21 @@ def build_fp(batch: int, length: int, generator):
     return key_pages, value_pages, meta, nbytes
 
 
+OUTLIERS = "default"          # --outliers: "default" = the cache's (CacheConfig), "1%" on keys and values (v6-era runs)
+
+
 def lowbit_specs(bits: int) -> tuple[QuantSpec, QuantSpec]:
-    capacity = QuantSpec.capacity_for(0.01, LOWBIT_PAGE, D)
-    return (QuantSpec(bits=bits, axis="channel", head_dim=D, page_size=LOWBIT_PAGE, outlier_capacity=capacity),
-            QuantSpec(bits=bits, axis="token", head_dim=D, page_size=LOWBIT_PAGE, outlier_capacity=capacity))
+    """The engine's format (CacheConfig defaults: channel-axis keys without outliers, values with 0.25%), or 1% of
+    fp16 outlier slots on both sides with --outliers 1%."""
+    from moekv.config import CacheConfig
+
+    cache = CacheConfig(kv_cache_dtype=f"int{bits}")
+    key_fraction, value_fraction = ((cache.key_outlier_fraction, cache.value_outlier_fraction) if OUTLIERS == "default"
+                                    else (0.01, 0.01))
+    return (QuantSpec(bits=bits, axis="channel", head_dim=D, page_size=LOWBIT_PAGE,
+                      outlier_capacity=QuantSpec.capacity_for(key_fraction, LOWBIT_PAGE, D)),
+            QuantSpec(bits=bits, axis="token", head_dim=D, page_size=LOWBIT_PAGE,
+                      outlier_capacity=QuantSpec.capacity_for(value_fraction, LOWBIT_PAGE, D)))
 
 
 def build_lowbit(batch: int, length: int, bits: int, generator, chunk: int = 1024):
@@ -388,9 +384,6 @@ def run_benchmark(args) -> dict:
             chosen = lowbit_cfg.setdefault(bits if bits in SWEPT_BITS else 3, {})
             sweep = tuning and bits in SWEPT_BITS
             ms, cfg = time_lowbit(timer, impls, lb_args, chosen, sweep, row, bits)
-            if tuning and bits == 3 and batch > 1 and DIAGNOSTICS:
-                row["int3_diagnostics"] = {name: timer(lambda c=c: lowbit_attention.paged_attention_lowbit(
-                    *lb_args, SCALE, config=c)) for name, c in DIAGNOSTICS.items()}
             row[f"int{bits}_ms"], row[f"int{bits}_config"], row[f"int{bits}_bytes"] = ms, cfg, nbytes
             row[f"int{bits}_outliers_per_page_head"] = float(lb_args[3].outlier_count.float().mean())
             if bits == 3 and (length == 16384 or args.dry):
@@ -657,14 +650,16 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", help="comma-separated low-bit widths (default 4,3,2)")
     parser.add_argument("--impls", help="comma-separated low-bit implementations (default: all of LOWBIT_IMPLS)")
     parser.add_argument("--fp-configs", help="JSON list of full-precision launch configs to sweep")
-    parser.add_argument("--no-diag", action="store_true", help="skip the int3 diagnostics")
+    parser.add_argument("--outliers", choices=("default", "1%"), default="default",
+                        help="low-bit outlier budgets: the cache's defaults or 1%% on keys and values")
     parser.add_argument("--check-configs", action="store_true", help="--check also runs every sweep config")
     parser.add_argument("--render", help="re-write the markdown and plot of a saved attention-bench.json")
     parser.add_argument("--lowbit-only", action="store_true",
                         help="time only the low-bit configs (--lowbit-configs) at --shapes / --bits; writes "
                              "lowbit-sweep.json and lowbit-best.json (the best config per implementation over the swept cases)")
     args = parser.parse_args(argv)
-    global SHAPES, CURVE, FP_CONFIGS, DIAGNOSTICS, BITS
+    global SHAPES, CURVE, FP_CONFIGS, BITS, OUTLIERS
+    OUTLIERS = args.outliers
     if args.shapes:
         SHAPES = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
         CURVE = []
@@ -675,8 +670,6 @@ def main(argv=None) -> int:
             LOWBIT_IMPLS[name] = (*LOWBIT_IMPLS[name][:2], configs)
     if args.fp_configs:
         FP_CONFIGS = json.loads(args.fp_configs)
-    if args.no_diag:
-        DIAGNOSTICS = {}
     global DEVICE
     os.makedirs(args.out, exist_ok=True)
     if args.render:                                           # no GPU needed

@@ -89,7 +89,7 @@ def prompts(batch: int, context: int, vocab: int, seed: int = 0) -> list[list[in
     return torch.randint(3, vocab, (batch, context), generator=gen).tolist()
 
 
-KERNEL_GROUPS = (("attention (low-bit)", ("lowbit", "_decode_tc", "_decode_tm")), ("attention (bf16 paged)", ("_paged_decode", "attention")),
+KERNEL_GROUPS = (("attention (low-bit)", ("lowbit", "moekv_v7::decode_kernel")), ("attention (bf16 paged)", ("_paged_decode", "attention")),
                  ("experts (fused MoE)", ("moe", "expert")), ("GEMM (projections, logits)", ("gemm", "sm90", "cutlass", "nvjet")),
                  ("norm / rotary / routing", ("norm", "rotary", "route", "topk", "softmax")),
                  ("copies / fills", ("copy", "memcpy", "memset", "fill")))

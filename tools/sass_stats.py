@@ -164,7 +164,7 @@ def loop_counts(kernel) -> list[dict]:
     return result
 
 
-# ---------------------------------------------------------------- the decode-only low-bit kernel (lowbit_decode_tc)
+# ---------------------------------------------------------------- occupancy
 SM90_REGS, SM90_SHARED, SM90_WARPS, SM90_BLOCKS = 65536, 233472, 64, 32
 
 
@@ -175,76 +175,3 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
     by_regs = SM90_REGS // per_warp // num_warps
     by_shared = SM90_SHARED // (shared + 1024)
     return min(by_regs, by_shared, SM90_WARPS // num_warps, SM90_BLOCKS)
-
-
-def lowbit_tc_stats(bits: int, outliers_per_page: float = 39.0, dtype: str = "bfloat16", outlier_fraction: float = 0.01,
-                    **cfg) -> dict:
-    """Compile lowbit_decode_tc's kernel for sm_90 as the benchmark launches it (Hq 32, Hkv 8, D 128,
-    page 128, bf16, channel-axis keys, 1% outlier capacity, 2 splits) with launch overrides `cfg`;
-    return registers, spills, shared memory, programs per SM and SASS instructions of the page loop:
-    its own (per K/V value: x threads / (2 x BLOCK_N x D)) and with ceil((outliers - outlier_pre * BLOCK_C) /
-    BLOCK_C) passes of each outlier loop (keys, values) per block and page-head (the preloaded
-    outlier_pre chunks count in the loop's own instructions, each once)."""
-    import torch
-    from moekv.ops.triton.lowbit import decode_tc as tc
-    from moekv.testing.attention_cases import build_case
-
-    torch_dtype = getattr(torch, dtype)
-    case = build_case([300], [1], 8, 4, 128, bits, 128, dtype=torch_dtype, outlier_fraction=outlier_fraction, seed=0)
-    gpu_modes = {"dot_modes": lambda q, d: (q.dtype == d and d in (torch.float16, torch.bfloat16),
-                                            not (q.dtype == d and d in (torch.float16, torch.bfloat16)))}
-    cfg.setdefault("num_splits", 2)
-    with capture_launch(tc, "_decode_tc_kernel", skip=("combine_splits",), patch=gpu_modes) as launches:
-        tc.paged_attention_lowbit_decode_tc(*case.args(), 0.125, **cfg)
-    grid, args, kwargs = launches[0]
-    kernel = compile_launch(tc._decode_tc_kernel, args, kwargs)
-    usage = resource_usage(kernel)
-    warps = kwargs["num_warps"]
-    shared = kernel.metadata.shared + usage.get("SHARED", 0)
-    loop_list = loop_counts(kernel)
-    main = loop_list[0]
-    inner = sorted([lp for lp in loop_list[1:] if main["first"] <= lp["first"] and lp["last"] <= main["last"]],
-                   key=lambda lp: lp["first"])
-    block_n, block_c = kwargs["BLOCK_N"], kwargs["BLOCK_C"]
-    values = 2 * block_n * 128
-    first = kwargs.get("PRE", 0) * kwargs["BLOCK_C"]                 # slots handled in the loop body itself
-    passes = -(-max(outliers_per_page - first, 0) // block_c) * block_n / 128   # outlier loops: once per block
-    with_outliers = main["own"] + passes * sum(lp["own"] for lp in inner)
-    return {"registers": usage.get("REG"), "spill_bytes": usage.get("LOCAL", 0), "stack": usage.get("STACK", 0),
-            "shared": shared, "num_warps": warps, "programs_per_sm": programs_per_sm(usage.get("REG"), shared, warps),
-            "loop_instructions": main["own"], "outlier_loops": [lp["own"] for lp in inner],
-            "per_value": main["own"] * 32 * warps / values, "per_value_outliers": with_outliers * 32 * warps / values,
-            "histogram": main["histogram"], "kernel": kernel}
-
-
-def _main(argv=None) -> None:
-    import argparse
-    import json
-    parser = argparse.ArgumentParser(description="static sm_90 stats of lowbit_decode_tc launch variants")
-    parser.add_argument("--bits", default="3,4,2")
-    parser.add_argument("--configs", default='[{}]', help="JSON list of launch-override dicts")
-    parser.add_argument("--top", type=int, default=0, help="also print the page loop's top opcodes")
-    args = parser.parse_args(argv)
-    print("| bits | config | regs | spill B | shared B | warps | programs/SM (warps/SM) | loop instr "
-          "| outlier loops k/v | instr/value | with 39 outliers |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for bits in (int(b) for b in args.bits.split(",")):
-        for cfg in json.loads(args.configs):
-            try:
-                r = lowbit_tc_stats(bits, **cfg)
-            except Exception as exc:  # noqa: BLE001
-                print(f"| int{bits} | `{json.dumps(cfg)}` | failed: {type(exc).__name__}: {str(exc)[:100]} |",
-                      flush=True)
-                continue
-            print(f"| int{bits} | `{json.dumps(cfg)}` | {r['registers']} | {r['spill_bytes'] + r['stack']} | "
-                  f"{r['shared']} | {r['num_warps']} | {r['programs_per_sm']} "
-                  f"({r['programs_per_sm'] * r['num_warps']}) | "
-                  f"{r['loop_instructions']} | {'/'.join(map(str, r['outlier_loops']))} | {r['per_value']:.2f} | "
-                  f"{r['per_value_outliers']:.2f} |", flush=True)
-            if args.top:
-                print("    " + ", ".join(f"{k} {v}" for k, v in r["histogram"].most_common(args.top)), flush=True)
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    _main()

@@ -34,14 +34,18 @@ def test_dense_width_at_head_dim_64(bits, expected):
 
 
 def test_documented_bit_positions():
-    # int3: plane 0 (low two bits, 16 fields per word), then plane 1 (high bit, 32 per word)
+    # int3: plane 0 (low two bits, 16 fields per word), then plane 1 (high bit, 32 per word, the word's two
+    # halves interleaved: field i < 16 at bit 2i, field 16 + i at bit 2i + 1)
     codes = torch.zeros(64, dtype=torch.uint8)
-    codes[17] = 0b110                               # low bits 0b10 -> word 1, bit 2; high bit -> word 4, bit 17
+    codes[17] = 0b110                               # low bits 0b10 -> word 1, bit 2; high bit -> word 4, bit 3
+    codes[37] = 0b100                               # high bit only: field 5 of the second 1-bit word -> bit 10
     words = pack_codes(codes, 3)
     expected = torch.zeros(6, dtype=torch.int64)
     expected[1] = 0b10 << 2
-    expected[4] = 1 << 17
+    expected[4] = 1 << 3
+    expected[5] = 1 << 10
     assert torch.equal(words.long(), expected)
+    assert torch.equal(unpack_codes(words, 3, 64), codes)
     assert plane_offsets(3, 64) == [(0, 4, 2), (4, 2, 1)]
     # int4: field j in word j // 8 at bit (j % 8) * 4
     codes = torch.zeros(64, dtype=torch.uint8)

@@ -22,12 +22,12 @@ def clean_env(monkeypatch):
 def test_defaults_and_env_overrides(clean_env):
     assert KernelConfig.from_env() == KernelConfig() == KernelConfig("auto", "auto", True, 0)
     clean_env.setenv("MOEKV_OPS_BACKEND", "reference")
-    clean_env.setenv("MOEKV_LOWBIT_DECODE", "tc")
+    clean_env.setenv("MOEKV_LOWBIT_DECODE", "v4")
     clean_env.setenv("MOEKV_FUSED_LAYER_OPS", "0")
     clean_env.setenv("MOEKV_SKINNY_GEMM", "auto")
-    assert KernelConfig.from_env() == KernelConfig("reference", "tc", False, 1)
+    assert KernelConfig.from_env() == KernelConfig("reference", "v4", False, 1)
     assert KernelConfig.from_env(backend="triton").backend == "reference"     # the environment overrides
-    assert EngineConfig(ModelConfig("m")).kernels == KernelConfig("reference", "tc", False, 1)
+    assert EngineConfig(ModelConfig("m")).kernels == KernelConfig("reference", "v4", False, 1)
     clean_env.setenv("MOEKV_SKINNY_GEMM", "1")
     assert KernelConfig.from_env().skinny_gemm_rows == 16
 
@@ -50,8 +50,8 @@ def test_validation(fields, match):
 def test_install_and_scoped_overrides():
     before = dispatch.kernel_config()
     try:
-        dispatch.install(KernelConfig(lowbit_decode="tc"))
-        assert dispatch.kernel_config().lowbit_decode == "tc"
+        dispatch.install(KernelConfig(lowbit_decode="v4"))
+        assert dispatch.kernel_config().lowbit_decode == "v4"
         with dispatch.override(backend="reference") as active:
             assert active is dispatch.kernel_config() and active.backend == "reference"
             dispatch.install(KernelConfig(lowbit_decode="v4"))    # an engine built inside the block
@@ -71,8 +71,8 @@ def test_engine_installs_its_kernel_config(monkeypatch):
     installed = []
     monkeypatch.setattr(dispatch, "install", installed.append)
     with pytest.raises(Exception):
-        Engine(EngineConfig(ModelConfig("/nonexistent"), kernels=KernelConfig(lowbit_decode="tc")))
-    assert installed == [KernelConfig(lowbit_decode="tc")]
+        Engine(EngineConfig(ModelConfig("/nonexistent"), kernels=KernelConfig(lowbit_decode="v4")))
+    assert installed == [KernelConfig(lowbit_decode="v4")]
 
 
 def test_every_op_and_decode_kernel_resolves():

@@ -24,17 +24,34 @@ def decode_kernel():
         yield lambda name: stack.enter_context(dispatch.override(lowbit_decode=name))
 
 
-@pytest.mark.parametrize("name", ["tc", "v4", "auto"])
+@pytest.mark.parametrize("name", ["v7", "v4", "auto"])
 def test_decode_choice_matches_reference(device, triton_backend, decode_kernel, name):
     decode_kernel(name)
     case = build_case([0, 40, 33], [1, 1, 1], 2, 4, 64, 3, 16, kind="outlier_channels", seed=11, device=device)
-    chosen = dispatch.lowbit_decode_kernel(case.key_spec, case.value_spec, 64)
-    assert (chosen is None) == (name == "v4")
+    # v7 takes head_dim 128 and 128-token pages only: this format falls back to the general kernel
+    assert dispatch.lowbit_decode_kernel(case.key_spec, case.value_spec, case.query, case.staging_keys) is None
     assert_close(dispatch.paged_attention_lowbit(*case.args(), SCALE), reference(*case.args(), SCALE), torch.float32)
 
 
+@pytest.mark.parametrize("name", ["v7", "v4", "auto"])
+def test_decode_choice_by_format_dtype_and_device(decode_kernel, name):
+    """v7 is chosen for the engine's format (D = 128, 128-token pages, equal widths) with 16-bit queries on a
+    CUDA device of compute capability >= 8.0; everything else takes the general kernel (None)."""
+    decode_kernel(name)
+    case = build_case([130], [1], 1, 4, 128, 3, 128, dtype=torch.bfloat16, seed=13)
+    cuda = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+    for device in ("cpu",) + (("cuda",) if cuda else ()):
+        query, staging = case.query.to(device), case.staging_keys.to(device)
+        chosen = dispatch.lowbit_decode_kernel(case.key_spec, case.value_spec, query, staging)
+        want = name != "v4" and device == "cuda"
+        assert (chosen is not None) == want, (name, device)
+        if want:
+            assert chosen.__module__ == "moekv.ops.cuda.lowbit_decode"
+            assert dispatch.lowbit_decode_kernel(case.key_spec, case.value_spec, query.float(), staging) is None
+
+
 def test_prefill_uses_the_general_kernel(device, triton_backend, decode_kernel):
-    decode_kernel("tc")
+    decode_kernel("v7")
     case = build_case([0, 17], [5, 1], 2, 2, 64, 4, 16, seed=12, device=device)
     assert not case.meta.is_decode
     assert_close(dispatch.paged_attention_lowbit(*case.args(), SCALE), reference(*case.args(), SCALE), torch.float32)

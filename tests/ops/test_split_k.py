@@ -21,18 +21,3 @@ def test_plan_splits_covers_context():
         splits, per_split = plan_splits(batch, heads, length, 64, torch.device("cpu"))
         assert splits >= 1 and per_split % 64 == 0
         assert splits * per_split >= length > (splits - 1) * per_split or length <= per_split
-
-
-def test_combine_adds_fixes(device):
-    """With `fix` [B, Hkv, CHUNKS, HG, D] (the value-outlier pass's partials): head h gets the sum over chunks
-    of row h % G of kv head h // G; rows >= G (HG > G) are ignored. 20 chunks: more than one BLOCK_F step."""
-    gen = torch.Generator().manual_seed(1)
-    batch, kv_heads, group, splits, head_dim = 2, 2, 3, 3, 64
-    partial = torch.randn(batch, kv_heads * group, splits, head_dim, generator=gen).to(device)
-    lse = (torch.randn(batch, kv_heads * group, splits, generator=gen) * 10).to(device)
-    fix = torch.randn(batch, kv_heads, 20, 4, head_dim, generator=gen).to(device)
-    fix[:, :, :, 3] = 1e30                                          # the padding row: must never be read
-    out = combine_splits(partial, lse, torch.empty(batch, kv_heads * group, head_dim, device=device), fix)
-    want = combine_splits_torch(partial, lse) + fix[:, :, :, :group].sum(2).reshape(batch, kv_heads * group, head_dim)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(combine_splits_torch(partial, lse, fix), want, rtol=1e-6, atol=1e-6)

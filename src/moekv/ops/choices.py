@@ -16,13 +16,13 @@ _TRI = "moekv.ops.triton."
 # Decode-only low-bit attention kernels (one query token per sequence), picked by
 # KernelConfig.lowbit_decode (MOEKV_LOWBIT_DECODE): "auto" takes DEFAULT_LOWBIT_DECODE; "v4" keeps the
 # general kernel (lowbit.attention) for decode as well. Each module has supports(key_spec, value_spec,
-# head_dim). Measured side by side on the H200 by benchmarks/bench_attention.py (docs/attention-kernels.md).
+# head_dim) for the format and runs_on(query, staging_keys) for dtypes and device. Measured side by side with
+# bf16 SDPA on the H200 by benchmarks/bench_attention.py (docs/attention-kernels.md).
 LOWBIT_DECODE_KERNELS: dict[str, str | None] = {
-    "tc": _TRI + "lowbit.decode_tc:paged_attention_lowbit_decode_tc",     # v5.1
-    "tm": _TRI + "lowbit.decode_tm:paged_attention_lowbit_decode_tm",     # v6, token-major
+    "v7": "moekv.ops.cuda.lowbit_decode:paged_attention_lowbit_decode",   # CUDA C++, tokens as the MMA M
     "v4": None,
 }
-DEFAULT_LOWBIT_DECODE = "tm"          # v6: all its tests pass on the H200; faster than v5.1 at every shape
+DEFAULT_LOWBIT_DECODE = "v7"          # all its tests pass on the H200; 1.4-1.7x faster than v6 at every shape
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -39,21 +39,24 @@ def _module(name: str):
     return importlib.import_module(name)
 
 
-def lowbit_decode_kernel(name: str, key_spec, value_spec, head_dim: int):
+def lowbit_decode_kernel(name: str, key_spec, value_spec, query: torch.Tensor, staging_keys: torch.Tensor):
     """The decode-only kernel function `name` ("auto" or a key of LOWBIT_DECODE_KERNELS) picks for this
-    format, or None (use the general kernel)."""
-    return _lowbit_decode_kernel(DEFAULT_LOWBIT_DECODE if name == "auto" else name, key_spec, value_spec, head_dim)
+    format, dtype and device, or None (use the general kernel)."""
+    module = _lowbit_decode_module(DEFAULT_LOWBIT_DECODE if name == "auto" else name, key_spec, value_spec,
+                                   query.shape[-1])
+    if module is None or not module.runs_on(query, staging_keys):
+        return None
+    return getattr(module, LOWBIT_DECODE_KERNELS[DEFAULT_LOWBIT_DECODE if name == "auto" else name].partition(":")[2])
 
 
 @functools.lru_cache(maxsize=None)
-def _lowbit_decode_kernel(name: str, key_spec, value_spec, head_dim: int):
+def _lowbit_decode_module(name: str, key_spec, value_spec, head_dim: int):
     """Cached per (choice, format): an eager decode step asks once per layer."""
     target = LOWBIT_DECODE_KERNELS[name]
     if target is None:
         return None
-    if not resolve(target.partition(":")[0]).supports(key_spec, value_spec, head_dim):
-        return None
-    return resolve(target)
+    module = resolve(target.partition(":")[0])
+    return module if module.supports(key_spec, value_spec, head_dim) else None
 
 
 def moe_kernel_path(hidden: torch.Tensor, num_experts: int, inter: int) -> str:

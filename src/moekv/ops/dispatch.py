@@ -143,16 +143,16 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def lowbit_decode_kernel(key_spec, value_spec, head_dim: int):
-    """The decode-only kernel function chosen for this format, or None (use the general kernel)."""
-    return choices.lowbit_decode_kernel(_active.lowbit_decode, key_spec, value_spec, head_dim)
+def lowbit_decode_kernel(key_spec, value_spec, query, staging_keys):
+    """The decode-only kernel function chosen for this format, dtype and device, or None (the general kernel)."""
+    return choices.lowbit_decode_kernel(_active.lowbit_decode, key_spec, value_spec, query, staging_keys)
 
 
-def _lowbit_attention_kernel(query, key, value, key_pages, value_pages, key_spec, value_spec, *rest):
+def _lowbit_attention_kernel(query, key, value, key_pages, value_pages, key_spec, value_spec, staging_keys, *rest):
     """Decode steps: the configured decode-only kernel; else the general kernel where it supports the
     page size; else None (the reference)."""
     meta = rest[-2]
-    decode = lowbit_decode_kernel(key_spec, value_spec, query.shape[-1]) if meta.is_decode else None
+    decode = lowbit_decode_kernel(key_spec, value_spec, query, staging_keys) if meta.is_decode else None
     if decode is not None and query.shape[0] == meta.num_seqs:
         return decode
     general = choices.resolve(_TRI + "lowbit.attention")

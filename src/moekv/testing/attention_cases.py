@@ -53,14 +53,33 @@ class LowBitCase:
                 self.value_spec, self.staging_keys, self.staging_values, self.slot_of_page, self.meta)
 
 
+DATA_KINDS = ("normal", "outlier_channels", "large", "spikes", "heavy_tail", "constant", "near_max")
+
+
 def make_data(shape, dtype, kind: str, generator: torch.Generator) -> torch.Tensor:
-    """Random KV rows [..., H, D]: "normal", "outlier_channels" (a few channels 50x), "large" (~1e4)."""
+    """Random KV rows [..., H, D]: "normal", "outlier_channels" (a few channels 50x), "large" (~1e4), "spikes"
+    (0.2% of the values +-40 sigma: sparse huge outliers), "heavy_tail" (Student t with 2 degrees of freedom),
+    "constant" (every value of a 128-token run equal: all-equal pages), "near_max" (~3e4, half the fp16
+    maximum: codes times scales near fp16's top)."""
     x = torch.randn(shape, generator=generator)
     if kind == "outlier_channels":
         channels = torch.randperm(shape[-1], generator=generator)[:3]
         x[..., channels] *= 50.0
     elif kind == "large":
         x = x * 1e4
+    elif kind == "spikes":
+        spikes = torch.rand(shape, generator=generator) < 0.002
+        x = torch.where(spikes, 40.0 * torch.sign(torch.randn(shape, generator=generator)), x)
+    elif kind == "heavy_tail":
+        chi2 = torch.randn((2, *shape), generator=generator).square().sum(0)
+        x = x / torch.sqrt(chi2 / 2).clamp(min=1e-3)
+    elif kind == "constant":
+        runs = x.reshape(-1, *shape[-2:])[::128].repeat_interleave(128, dim=0)[:x.reshape(-1, *shape[-2:]).shape[0]]
+        x = runs[:, :1, :1].expand_as(runs).reshape(shape).clone()
+    elif kind == "near_max":
+        x = x.clamp(-1.0, 1.0) * 3e4
+    elif kind != "normal":
+        raise ValueError(f"unknown data kind {kind!r}; one of {DATA_KINDS}")
     return x.to(dtype)
 
 
@@ -71,7 +90,7 @@ def build_case(context_lens: list[int], query_lens: list[int], num_kv_heads: int
     gen = torch.Generator().manual_seed(seed)
     # "large": values ~1e4; keys ~1e4 only in fp32 -- with 16-bit queries, logits that large make the softmax
     # an argmax that any rounding of q may flip (an ill-posed comparison), so keys stay normal there
-    key_kind = "normal" if kind == "large" and dtype != torch.float32 else kind
+    key_kind = "normal" if kind in ("large", "near_max") and dtype != torch.float32 else kind
     capacity = QuantSpec.capacity_for(outlier_fraction, page_size, head_dim)
     key_spec = QuantSpec(bits=bits, axis=key_axis, head_dim=head_dim, page_size=page_size,
                          group_size=group_size, outlier_capacity=capacity)

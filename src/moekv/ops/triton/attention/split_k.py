@@ -55,14 +55,11 @@ def _combine_kernel(
     partial_ptr,            # [B, Hq, S, D] fp32 normalised partial outputs
     lse_ptr,                # [B, Hq, S] fp32 base-2 log-sum-exp (-inf: empty split)
     out_ptr,                # [B, Hq, D] output (query dtype)
-    fix_ptr,                # [B, Hkv, CHUNKS, HG, D] fp32 corrections in output units (FIX only)
-    num_splits, num_chunks,
+    num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
-    stride_fb, stride_fk, stride_fc,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    FIX: tl.constexpr, GROUP: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -76,47 +73,25 @@ def _combine_kernel(
     partial = tl.load(partial_ptr + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps
                       + offs_d[None, :], mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)   # [BLOCK_D]
-    if FIX:
-        fix_row = fix_ptr + seq * stride_fb + (head // GROUP) * stride_fk + (head % GROUP) * HEAD_DIM + offs_d
-        fixes = tl.zeros([BLOCK_F, BLOCK_D], tl.float32)
-        for f0 in range(0, num_chunks, BLOCK_F):
-            offs_f = f0 + tl.arange(0, BLOCK_F)
-            fixes += tl.load(fix_row[None, :] + offs_f[:, None] * stride_fc,
-                             mask=(offs_f < num_chunks)[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        out += tl.sum(fixes, axis=0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
 
-def combine_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
-                   fix: torch.Tensor | None = None) -> torch.Tensor:
-    """partial [B, Hq, S, D] fp32, lse [B, Hq, S] fp32 -> writes and returns out [B, Hq, D]; `fix`
-    [B, Hkv, CHUNKS, HG, D] fp32 (lowbit_decode_fix.value_fixes): its chunks of head h (kv head h // G, row
-    h % G) are added to the combined output before the cast."""
+def combine_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """partial [B, Hq, S, D] fp32, lse [B, Hq, S] fp32 -> writes and returns out [B, Hq, D]."""
     batch, num_heads, num_splits, head_dim = partial.shape
-    if fix is not None:
-        assert fix.is_contiguous() and fix.shape[-1] == head_dim, fix.shape
-        group, num_chunks, fix_strides = num_heads // fix.shape[1], fix.shape[2], fix.stride()[:3]
-    else:
-        group, num_chunks, fix_strides = 1, 0, (0, 0, 0)
     _combine_kernel[(batch, num_heads)](
-        partial, lse, out, fix if fix is not None else lse, num_splits, num_chunks,
+        partial, lse, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), *fix_strides,
+        out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
-        FIX=fix is not None, GROUP=group, BLOCK_F=min(max(triton.next_power_of_2(num_chunks), 2), 16), num_warps=4)
+        BLOCK_S=max(triton.next_power_of_2(num_splits), 2), num_warps=4)
     return out
 
 
-def combine_splits_torch(partial: torch.Tensor, lse: torch.Tensor, fix: torch.Tensor | None = None) -> torch.Tensor:
+def combine_splits_torch(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """The same combine in torch ops (the twin of combine_splits; used by tests), fp32."""
     lse_max = lse.max(dim=-1, keepdim=True).values                       # [B, Hq, 1]
     weight = torch.exp2(lse - lse_max)                                   # [B, Hq, S]
-    out = (partial * weight.unsqueeze(-1)).sum(2) / weight.sum(-1, keepdim=True)
-    if fix is not None:
-        batch, num_kv_heads, _, _, head_dim = fix.shape
-        group = out.shape[1] // num_kv_heads
-        out = out + fix.sum(2)[:, :, :group].reshape(batch, num_kv_heads * group, head_dim)
-    return out
+    return (partial * weight.unsqueeze(-1)).sum(2) / weight.sum(-1, keepdim=True)

@@ -1,3 +1,3 @@
-"""Low-bit KV pages: the general attention kernel (prefill and fallback) with its code unpacking, the
-page quantizer, the decode-step staging write, and the decode-only kernels (decode_tc, decode_tm with
-decode_fix; decode_common holds what they share), chosen by ops.dispatch."""
+"""Low-bit KV pages in Triton: the general attention kernel (prefill, mixed steps, and decode for formats the CUDA
+decode kernel of ops/cuda does not take) with its code unpacking, the page quantizer and the decode-step staging
+write, chosen by ops.dispatch."""

@@ -95,7 +95,7 @@ def _lowbit_attention_kernel(
     V_CAP: tl.constexpr,
     HALF: tl.constexpr, UPCAST: tl.constexpr, UNPACK_MODE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_C: tl.constexpr, SPLIT: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr,
-    SKIP: tl.constexpr, GATHER_P: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
+    GATHER_P: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -155,8 +155,6 @@ def _lowbit_attention_kernel(
             if HALF:
                 k = k.to(half_dtype)
             s = mma(q_op, tl.trans(k), UPCAST)
-        elif SKIP & 1:                                                   # benchmark diagnostic only
-            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
             k_op, k_rel, k_z, k_b = _page_operand(k_codes, k_scale, k_zero, k_base, page_head, in_page, n_valid,
                                                   offs_d, K_MODE, K_BITS, K_WORDS, K_GROUPS, PAGE_SIZE, HEAD_DIM,
@@ -187,8 +185,6 @@ def _lowbit_attention_kernel(
                 pv = mma(p.to(half_dtype), v.to(half_dtype), UPCAST)
             else:
                 pv = mma(p, v, UPCAST)
-        elif SKIP & 2:                                                   # benchmark diagnostic only
-            pv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         else:
             v_op, v_rel, v_z, v_b = _page_operand(v_codes, v_scale, v_zero, v_base, page_head, in_page, n_valid,
                                                   offs_d, V_MODE, V_BITS, V_WORDS, V_GROUPS, PAGE_SIZE, HEAD_DIM,
@@ -291,8 +287,7 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
     `num_splits` None: chosen from the GPU size; `config` overrides launch parameters: num_warps,
     num_stages, BLOCK_M (prefill rows), BLOCK_N (tokens per step, <= page_size), BLOCK_C (outliers per
     step), unpack ("magic" | "cvt"), gather (bool), gather_p (value outliers pick p with tl.gather),
-    waves (split planning); benchmark diagnostics that
-    give wrong output: outliers=False (skip them), skip="keys" | "values" | "both" (skip low-bit codes).
+    waves (split planning).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -306,7 +301,7 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
     assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
     assert staging_keys.is_contiguous() and staging_values.is_contiguous()
     cfg = {"num_warps": 4, "num_stages": 1, "BLOCK_M": 64, "BLOCK_C": 16, "unpack": "magic", "gather": False,
-           "BLOCK_N": page_size, "waves": 2, "outliers": True, "skip": None, "gather_p": True}
+           "BLOCK_N": page_size, "waves": 2, "gather_p": True}
     cfg.update(config or {})
     half, upcast = dot_modes(query, staging_keys.dtype)
     device_splits = meta.is_decode and meta.fixed_num_splits is not None
@@ -328,8 +323,6 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
             tokens_per_split = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), page_size) * page_size
     key_tensors, key_consts = _format_args(key_pages, key_spec, "K")
     value_tensors, value_consts = _format_args(value_pages, value_spec, "V")
-    if not cfg["outliers"]:                        # benchmark diagnostic only: ignores the outliers (wrong output)
-        key_consts["K_CAP"] = value_consts["V_CAP"] = 0
     if num_splits > 1:
         partial = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
         lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
@@ -350,7 +343,7 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
         HALF=half, UPCAST=upcast, UNPACK_MODE=unpack_mode(half, cfg["unpack"]),
         PRECISION="tf32x3" if query.is_cuda else "ieee", BLOCK_C=cfg["BLOCK_C"], SPLIT=num_splits > 1,
         GATHER=cfg["gather"], BLOCK_N=min(cfg["BLOCK_N"], page_size),
-        SKIP={None: 0, "keys": 1, "values": 2, "both": 3}[cfg["skip"]], GATHER_P=cfg["gather_p"],
+        GATHER_P=cfg["gather_p"],
         DEVICE_SPLITS=device_splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
         combine_splits(partial, lse, out)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from moekv.core.lowbit_layout import SCALE_CODE_STEPS, PackedPages
 from moekv.ops.triton.common import check_launchable
+from moekv.ops.triton.lowbit.unpack import field_shifts
 
 FP16_MAX = 65504.0
 
@@ -91,10 +92,11 @@ def _group_extreme(x, IS_MAX: tl.constexpr, AXIS_CHANNEL: tl.constexpr, P: tl.co
 
 @triton.jit
 def _pack_plane(fields, P: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
-    """fields [P, D] int32 (< 2**WIDTH) -> words [P, D * WIDTH // 32] int32 (field j at bit (j % (32/W)) * W)."""
+    """fields [P, D] int32 (< 2**WIDTH) -> words [P, D * WIDTH // 32] int32: field j at bit
+    core.lowbit_pack.field_bit(WIDTH, j % (32/W)): (j % (32/W)) * W, the 1-bit plane's word halves interleaved."""
     per_word: tl.constexpr = 32 // WIDTH
     grouped = tl.reshape(fields, (P, D // per_word, per_word))
-    shifted = grouped << (tl.arange(0, per_word) * WIDTH)[None, None, :]
+    shifted = grouped << field_shifts(WIDTH)[None, None, :]
     return tl.sum(shifted, axis=2)                       # disjoint fields: the sum is the bitwise or
 
 

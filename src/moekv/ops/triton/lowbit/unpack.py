@@ -8,8 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# How codes become a dot operand (UNPACK_MODE). Not the decode kernels' CODES_* modes (lowbit.decode_common):
-# the same numbers mean other conversions there.
+# How codes become a dot operand (UNPACK_MODE).
 UNPACK_FP32 = 0          # int -> fp32 (exact path: fp32 / mixed dtypes)
 UNPACK_FP16_MAGIC = 1    # (code | 0x6400) read as fp16 = 1024 + code, minus 1024: no int->float convert
 UNPACK_FP16_CVT = 2      # int -> fp16 by a plain convert (kept for comparison in the benchmark)
@@ -21,7 +20,8 @@ def unpack_codes(row_ptrs, row_mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     """row_ptrs [BLOCK_N]: int32 pointers to packed rows -> codes [BLOCK_N, BLOCK_D] int32.
 
     A plane of k-bit fields holds 32 // k fields per word, field j in word j // (32 // k) at bit
-    (j % (32 // k)) * k; int3 = 2-bit plane (low bits) then 1-bit plane (high bit).
+    field_bit(k, j % (32 // k)) ((j % (32 // k)) * k; the 1-bit plane interleaves its word's halves: field
+    i < 16 at bit 2i, 16 + i at 2i + 1); int3 = 2-bit plane (low bits) then 1-bit plane (high bit).
     Columns >= HEAD_DIM (padding up to BLOCK_D) read as 0. Two ways to the same tile:
     GATHER=False loads each word once and splits it with a [N, W, fields] -> [N, D] reshape;
     GATHER=True loads, for every column, the word holding it (repeats hit L1) and shifts per column.
@@ -37,6 +37,21 @@ def unpack_codes(row_ptrs, row_mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
+def _field_bit(field, WIDTH: tl.constexpr):
+    """Bit of field `field` (int tensor, < 32 // WIDTH) in its word (core.lowbit_pack.field_bit)."""
+    if WIDTH == 1:
+        return tl.where(field < 16, 2 * field, 2 * (field - 16) + 1)
+    else:
+        return field * WIDTH
+
+
+@triton.jit
+def field_shifts(WIDTH: tl.constexpr):
+    """[32 // WIDTH]: the bit of every field of a word, in field order."""
+    return _field_bit(tl.arange(0, 32 // WIDTH), WIDTH)
+
+
+@triton.jit
 def _plane(row_ptrs, row_mask, FIRST_WORD: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr):
     """The WIDTH-bit fields of one bit plane starting at word FIRST_WORD of each row: [N, BLOCK_D] int32."""
@@ -46,13 +61,13 @@ def _plane(row_ptrs, row_mask, FIRST_WORD: tl.constexpr, WIDTH: tl.constexpr, HE
         offs_d = tl.arange(0, BLOCK_D)
         words = tl.load(row_ptrs[:, None] + FIRST_WORD + (offs_d // per_word)[None, :],
                         mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0)
-        fields = (words >> ((offs_d % per_word) * WIDTH)[None, :]) & field_mask
+        fields = (words >> _field_bit(offs_d % per_word, WIDTH)[None, :]) & field_mask
     else:
         offs_w = tl.arange(0, BLOCK_D // per_word)
         words = tl.load(row_ptrs[:, None] + FIRST_WORD + offs_w[None, :],
                         mask=row_mask[:, None] & (offs_w[None, :] < (HEAD_DIM + per_word - 1) // per_word),
                         other=0)
-        fields = (words[:, :, None] >> (tl.arange(0, per_word) * WIDTH)[None, None, :]) & field_mask
+        fields = (words[:, :, None] >> field_shifts(WIDTH)[None, None, :]) & field_mask
         fields = tl.reshape(fields, (BLOCK_N, BLOCK_D))
     return fields
 

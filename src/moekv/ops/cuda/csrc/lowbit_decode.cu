@@ -1,0 +1,83 @@
+// Torch binding of the v7 low-bit decode kernel (built at first use by ops/cuda/lowbit_decode.py).
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include "lowbit_decode.cuh"
+
+using namespace moekv_v7;
+
+template <int B>
+void launch_bits(const Params& p, int batch, int stages, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>.cu
+
+int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap, int64_t stages) {
+  if (bits == 4) return smem_plan<4>(k_cap, v_cap, stages).total;
+  if (bits == 3) return smem_plan<3>(k_cap, v_cap, stages).total;
+  return smem_plan<2>(k_cap, v_cap, stages).total;
+}
+
+void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Tensor out,
+            torch::Tensor partial, torch::Tensor lse, torch::Tensor counters,
+            torch::Tensor k_codes, torch::Tensor k_scale, torch::Tensor k_zero,
+            torch::Tensor k_ovals, torch::Tensor k_oidx, torch::Tensor k_ocount,
+            torch::Tensor v_codes, torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor v_base,
+            torch::Tensor v_ovals, torch::Tensor v_oidx, torch::Tensor v_ocount,
+            torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor slot_of_page,
+            torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
+            double qk_scale, int64_t group, int64_t num_splits, int64_t pages_per_split,
+            int64_t bits, int64_t stages) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(q.size(-1) == D && k_codes.size(2) == P, "lowbit decode v7: head_dim and page size must be 128");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32 &&
+              query_start_loc.dtype() == torch::kInt32 && slot_of_page.dtype() == torch::kInt32,
+              "lowbit decode v7: metadata must be int32");
+  Params p{};
+  p.q = q.data_ptr(); p.new_k = new_k.data_ptr(); p.new_v = new_v.data_ptr(); p.out = out.data_ptr();
+  p.partial = partial.data_ptr<float>(); p.lse = lse.data_ptr<float>(); p.counters = counters.data_ptr<int>();
+  p.k_codes = k_codes.data_ptr<int>();
+  p.k_scale = reinterpret_cast<const __half*>(k_scale.data_ptr());
+  p.k_zero = reinterpret_cast<const __half*>(k_zero.data_ptr());
+  p.k_ovals = reinterpret_cast<const __half*>(k_ovals.data_ptr());
+  p.k_oidx = reinterpret_cast<const int16_t*>(k_oidx.data_ptr());
+  p.k_ocount = reinterpret_cast<const int16_t*>(k_ocount.data_ptr());
+  p.v_codes = v_codes.data_ptr<int>();
+  p.v_scale = v_scale.data_ptr<uint8_t>(); p.v_zero = v_zero.data_ptr<uint8_t>();
+  p.v_base = reinterpret_cast<const __half*>(v_base.data_ptr());
+  p.v_ovals = reinterpret_cast<const __half*>(v_ovals.data_ptr());
+  p.v_oidx = reinterpret_cast<const int16_t*>(v_oidx.data_ptr());
+  p.v_ocount = reinterpret_cast<const int16_t*>(v_ocount.data_ptr());
+  p.staging_k = staging_k.data_ptr(); p.staging_v = staging_v.data_ptr();
+  p.slot_of_page = slot_of_page.data_ptr<int>();
+  p.block_tables = block_tables.data_ptr<int>(); p.query_start_loc = query_start_loc.data_ptr<int>();
+  p.context_lens = context_lens.data_ptr<int>();
+  p.qk_scale = static_cast<float>(qk_scale);
+  p.num_kv_heads = static_cast<int>(k_codes.size(1));
+  p.group = static_cast<int>(group);
+  p.num_splits = static_cast<int>(num_splits);
+  p.pages_per_split = static_cast<int>(pages_per_split);
+  p.k_cap = static_cast<int>(k_ovals.size(-1));
+  p.v_cap = static_cast<int>(v_ovals.size(-1));
+  p.k_oc_bytes = k_oidx.numel() * 2; p.v_oc_bytes = v_oidx.numel() * 2;
+  p.v_base_bytes = v_base.numel() * 2; p.k_count_bytes = k_ocount.numel() * 2; p.v_count_bytes = v_ocount.numel() * 2;
+  p.stride_qt = q.stride(0); p.stride_qh = q.stride(1);
+  p.stride_kt = new_k.stride(0); p.stride_kh = new_k.stride(1);
+  p.stride_vt = new_v.stride(0); p.stride_vh = new_v.stride(1);
+  p.stride_ot = out.stride(0); p.stride_oh = out.stride(1);
+  p.stride_bt = block_tables.stride(0);
+  const int batch = static_cast<int>(context_lens.size(0));
+  if (batch == 0) return;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf,
+              "lowbit decode v7: query must be fp16 or bf16");
+  TORCH_CHECK(stages == 2 || stages == 3, "lowbit decode v7: stages must be 2 or 3, got ", stages);
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  if (bits == 4) launch_bits<4>(p, batch, stages, bf16, stream);
+  else if (bits == 3) launch_bits<3>(p, batch, stages, bf16, stream);
+  else if (bits == 2) launch_bits<2>(p, batch, stages, bf16, stream);
+  else TORCH_CHECK(false, "lowbit decode v7: bits must be 2, 3 or 4, got ", bits);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &decode, "low-bit paged decode attention (v7)");
+  m.def("smem_bytes", &smem_bytes, "dynamic shared memory of one CTA");
+}

@@ -1,0 +1,410 @@
+// Low-bit paged decode attention for Hopper (v7): one CUDA kernel reads the packed pages straight from
+// global memory through a cp.async ring in shared memory and computes on the tensor cores
+// (mma.sync m16n8k16, fp16 operands, fp32 accumulators). Contract and byte layout: docs/kv-format.md and
+// docs/attention-kernels.md ("v7"); the pure-PyTorch twin is ops.reference.lowbit.paged_attention_lowbit.
+//
+// Work split: one CTA (4 warps) per (split, kv head, sequence). All warps walk the same pages; warp w takes
+// tokens [32w, 32w + 32) of each 128-token page, with an online softmax of its own (merged at the end).
+// Per page:
+//   loads   : every thread issues its share of 16-byte cp.async copies of page i + STAGES - 1 (codes, scales,
+//             zero points, outliers, the staging slot) into a ring slot; no load waits in the compute path.
+//   prep    : the CTA folds the page's per-channel key scale into the query (the MMA B operand, per lane, in
+//             fragment order), computes q . Z per head and each token's value scale / zero point (shared
+//             memory, one barrier).
+//   keys    : S^T[tok, head] = codes[tok, ch] . q'[ch, head]: tokens are the MMA M dimension, the GQA group
+//             (padded to 8) is N. Codes become fp16 operands by masks alone: a k-bit field at bit offset o
+//             (o + k <= 10) of a 16-bit half IS the fp16 subnormal code * 2^(o - 24); the 2^-o goes into q',
+//             the 2^24 onto the fp32 result. int4: 5 integer instructions per 8 codes; int2: 9 per 16; int3
+//             (2-bit plane + interleaved 1-bit plane, see kv-format.md): 2 LOP3 per 2 codes.
+//   softmax : base 2, per warp and head; accumulators rescaled only when a max grows.
+//   values  : out^T[ch, head] += codes^T[ch, tok] . (p * S_t)[tok, head]; the probabilities reach the B
+//             fragment layout by movmatrix.trans; token pairs meet in one register by PRMT.
+//   outliers: exact 0/1 MMAs into the same accumulators (one-hot A tile in shared memory holding the unit
+//             2^(o-24) of the target row, B = residual * p or residual * q): no atomics, deterministic.
+// Split-K only where the batch does not fill the GPU; the last CTA of a (sequence, kv head) combines.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace moekv_v7 {
+
+constexpr int P = 128;            // tokens per page
+constexpr int D = 128;            // head_dim
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int NH = 8;             // MMA N: the GQA group padded to 8 heads
+constexpr int TABLE_MAX = 512;    // block-table entries of one split held in shared memory
+constexpr int SLOT_TILE = 16;     // outlier slots per one-hot MMA step
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+// ---------------------------------------------------------------- per-width layout constants
+template <int B> struct Bits;
+template <> struct Bits<4> {
+  static constexpr int WORDS = 16;                 // words per row
+  static constexpr int K_LO = 64, K_HI = 0;        // smem bytes per row: main plane, 1-bit plane (keys)
+  static constexpr int V_LO = 80, V_HI = 0;        // values: main plane padded (bank-conflict free pair loads)
+};
+template <> struct Bits<3> {
+  static constexpr int WORDS = 12;
+  static constexpr int K_LO = 32, K_HI = 16;
+  static constexpr int V_LO = 32, V_HI = 16;
+};
+template <> struct Bits<2> {
+  static constexpr int WORDS = 8;
+  static constexpr int K_LO = 32, K_HI = 0;
+  static constexpr int V_LO = 32, V_HI = 0;
+};
+// Token order inside a 16-token MMA tile: QK row r holds token tau(r). For 8-word rows (int3 / int2) the value
+// loads of the four token pairs (tau(2c), tau(2c + 1)) then hit four different bank groups, and the key loads
+// of rows tau(g) stay conflict-free too; int4 keeps the identity (its value rows are padded instead).
+template <int B> __host__ __device__ __forceinline__ int tau(int r) { return B == 4 ? r : r ^ ((r >> 2) & 1); }
+
+struct Params {
+  const void* q; const void* new_k; const void* new_v; void* out;
+  float* partial; float* lse; int* counters;
+  const int* k_codes; const __half* k_scale; const __half* k_zero;
+  const __half* k_ovals; const int16_t* k_oidx; const int16_t* k_ocount;
+  const int* v_codes; const uint8_t* v_scale; const uint8_t* v_zero; const __half* v_base;
+  const __half* v_ovals; const int16_t* v_oidx; const int16_t* v_ocount;
+  const void* staging_k; const void* staging_v; const int* slot_of_page;
+  const int* block_tables; const int* query_start_loc; const int* context_lens;
+  float qk_scale;                   // softmax scale * log2(e)
+  int num_kv_heads, group, num_splits, pages_per_split;   // pages_per_split 0: ceil(pages / splits) on the device
+  int k_cap, v_cap;                 // outlier slots per page-head
+  long long k_oc_bytes, v_oc_bytes; // bytes of the outlier index / value tensors (covering loads stay inside)
+  long long v_base_bytes, k_count_bytes, v_count_bytes;
+  int stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt;
+};
+
+// ---------------------------------------------------------------- PTX helpers
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row_ptr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row_ptr)));
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+__device__ __forceinline__ uint32_t lop_or_and(uint32_t t, uint32_t h, uint32_t m) {   // t | (h & m)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xF8;\n" : "=r"(r) : "r"(t), "r"(h), "r"(m));
+  return r;
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x)); return y; }
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// ---------------------------------------------------------------- code -> operand maps
+// Keys: thread c (lane % 4) owns physical channels [32c, 32c + 32) of a token row; its register j (0..15) holds
+// the channel pair (key_lo(j), key_lo(j) + key_gap) of that block at field offset key_off(j) (the code's unit
+// is 2^(off - 24)). Register 2s is the A fragment's a0/a1 of k-step s, 2s + 1 its a2/a3.
+template <int B> __device__ __forceinline__ int key_lo(int j) {
+  if (B == 4) return 8 * (j >> 2) + (j & 3);
+  return 16 * (j >> 3) + (j & 7);
+}
+template <int B> __device__ __forceinline__ int key_gap() { return B == 4 ? 4 : 8; }
+template <int B> __host__ __device__ __forceinline__ int field_off(int k) {   // k: field within its word group
+  if (B == 4) return 4 * (k & 1);
+  return k < 5 ? 2 * k : 2 * (k - 5);
+}
+template <int B> __device__ __forceinline__ int key_off(int j) { return field_off<B>(B == 4 ? (j & 3) : (j & 7)); }
+
+// Unpack one token row's 32 channels of thread c into 16 fp16x2 registers (A operand values).
+// lo/hi: the row's main-plane and (int3) 1-bit-plane words of this thread, already in registers.
+template <int B> struct KeyWords;
+template <> struct KeyWords<4> { uint32_t w[4]; };
+template <> struct KeyWords<3> { uint32_t w[2]; uint32_t h; };
+template <> struct KeyWords<2> { uint32_t w[2]; };
+
+__device__ __forceinline__ void unpack16_2bit(uint32_t (&r)[8], uint32_t w) {
+#pragma unroll
+  for (int k = 0; k < 5; ++k) r[k] = w & (0x00030003u << (2 * k));
+  const uint32_t v = w >> 10;
+#pragma unroll
+  for (int k = 5; k < 8; ++k) r[k] = v & (0x00030003u << (2 * (k - 5)));
+}
+// int3: add the high bit of each field; hl/hr: the 1-bit words already shifted so that (for fields 0..4 / 5..7)
+// a field's high bit sits right above its two low bits
+__device__ __forceinline__ void add_high_bits(uint32_t (&r)[8], uint32_t hl, uint32_t hr) {
+#pragma unroll
+  for (int k = 0; k < 5; ++k) r[k] = lop_or_and(r[k], hl, 0x00040004u << (2 * k));
+#pragma unroll
+  for (int k = 5; k < 8; ++k) r[k] = lop_or_and(r[k], hr, 0x00040004u << (2 * (k - 5)));
+}
+__device__ __forceinline__ void unpack8_4bit(uint32_t* r, uint32_t w) {
+  const uint32_t v = w >> 8;
+  r[0] = w & 0x000F000Fu; r[1] = w & 0x00F000F0u; r[2] = v & 0x000F000Fu; r[3] = v & 0x00F000F0u;
+}
+
+template <int B> __device__ __forceinline__ void unpack_key_row(uint32_t (&r)[16], const KeyWords<B>& kw);
+template <> __device__ __forceinline__ void unpack_key_row<4>(uint32_t (&r)[16], const KeyWords<4>& kw) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) unpack8_4bit(r + 4 * i, kw.w[i]);
+}
+template <> __device__ __forceinline__ void unpack_key_row<2>(uint32_t (&r)[16], const KeyWords<2>& kw) {
+  uint32_t a[8], b[8];
+  unpack16_2bit(a, kw.w[0]); unpack16_2bit(b, kw.w[1]);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) { r[k] = a[k]; r[8 + k] = b[k]; }
+}
+template <> __device__ __forceinline__ void unpack_key_row<3>(uint32_t (&r)[16], const KeyWords<3>& kw) {
+  uint32_t a[8], b[8];
+  unpack16_2bit(a, kw.w[0]); unpack16_2bit(b, kw.w[1]);
+  add_high_bits(a, kw.h << 2, kw.h >> 8);      // channels 0..15: high bits at even positions
+  add_high_bits(b, kw.h << 1, kw.h >> 9);      // channels 16..31: odd positions
+#pragma unroll
+  for (int k = 0; k < 8; ++k) { r[k] = a[k]; r[8 + k] = b[k]; }
+}
+
+// Values: thread g (lane / 4) owns physical channels [16g, 16g + 16); register vj (0..15) of a token pair holds
+// channel 16g + vj for both tokens (low half: the first). MMA row g of m-tile i is vj = 2i, row g + 8 is 2i + 1.
+template <int B> __device__ __forceinline__ int value_off(int vj) { return field_off<B>(B == 4 ? (vj & 3) : (vj & 7)); }
+
+template <int B> struct ValueWords;
+template <> struct ValueWords<4> { uint32_t w[2]; };          // channels 0..7, 8..15 of the thread's block
+template <> struct ValueWords<3> { uint32_t w; uint32_t h; };  // 2-bit word, 1-bit word (half of it is ours)
+template <> struct ValueWords<2> { uint32_t w; };
+
+template <int B> __device__ __forceinline__ void unpack_value_pair(uint32_t (&r)[16], const ValueWords<B>& a,
+                                                                   const ValueWords<B>& b, int odd);
+template <> __device__ __forceinline__ void unpack_value_pair<4>(uint32_t (&r)[16], const ValueWords<4>& a,
+                                                                 const ValueWords<4>& b, int) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    unpack8_4bit(r + 8 * i, prmt(a.w[i], b.w[i], 0x5410));      // nibbles 0..3 of both tokens
+    unpack8_4bit(r + 8 * i + 4, prmt(a.w[i], b.w[i], 0x7632));  // nibbles 4..7
+  }
+}
+template <> __device__ __forceinline__ void unpack_value_pair<2>(uint32_t (&r)[16], const ValueWords<2>& a,
+                                                                 const ValueWords<2>& b, int) {
+  uint32_t x[8], y[8];
+  unpack16_2bit(x, prmt(a.w, b.w, 0x5410));
+  unpack16_2bit(y, prmt(a.w, b.w, 0x7632));
+#pragma unroll
+  for (int k = 0; k < 8; ++k) { r[k] = x[k]; r[8 + k] = y[k]; }
+}
+template <> __device__ __forceinline__ void unpack_value_pair<3>(uint32_t (&r)[16], const ValueWords<3>& a,
+                                                                 const ValueWords<3>& b, int odd) {
+  uint32_t x[8], y[8];
+  unpack16_2bit(x, prmt(a.w, b.w, 0x5410));
+  unpack16_2bit(y, prmt(a.w, b.w, 0x7632));
+  const uint32_t hx = prmt(a.h, b.h, 0x5410), hy = prmt(a.h, b.h, 0x7632);
+  add_high_bits(x, hx << (2 - odd), hx >> (8 + odd));
+  add_high_bits(y, hy << (2 - odd), hy >> (8 + odd));
+#pragma unroll
+  for (int k = 0; k < 8; ++k) { r[k] = x[k]; r[8 + k] = y[k]; }
+}
+
+}  // namespace moekv_v7
+
+namespace moekv_v7 {
+
+// ---------------------------------------------------------------- shared memory layout
+template <int B> struct Layout {
+  using W = Bits<B>;
+  // one ring stage: a page-head's codes (planes apart, rows padded as W says), scales, zeros, counts, slot,
+  // then the outliers (runtime capacity)
+  static constexpr int KC_LO = 0;
+  static constexpr int KC_HI = KC_LO + P * W::K_LO;
+  static constexpr int VC_LO = KC_HI + P * W::K_HI;
+  static constexpr int VC_HI = VC_LO + P * W::V_LO;
+  static constexpr int K_SCALE = VC_HI + P * W::V_HI;
+  static constexpr int K_ZERO = K_SCALE + 2 * D;
+  static constexpr int V_SCALE = K_ZERO + 2 * D;
+  static constexpr int V_ZERO = V_SCALE + P;
+  static constexpr int V_BASE = V_ZERO + P;       // 16-byte chunk holding the page-head's fp16 base
+  static constexpr int K_COUNT = V_BASE + 16;     // chunk holding the key outlier count
+  static constexpr int V_COUNT = K_COUNT + 16;
+  static constexpr int SLOT = V_COUNT + 16;       // int32 staging slot of the page (-1: low-bit)
+  static constexpr int FIXED = SLOT + 16;         // then k_oidx, k_oval, v_oidx, v_oval (oc bytes each)
+};
+
+__host__ __device__ inline int outlier_chunk_bytes(int cap) { return cap > 0 ? (((2 * cap + 15) / 16) + 1) * 16 : 0; }
+
+// prep area (one, rewritten every page): B fragments per lane, q . Z per head, value scale / zero per token
+constexpr int PREP_BFRAG = 0;                      // [4 blocks][32 lanes][4] uint32
+constexpr int PREP_BIAS = PREP_BFRAG + 4 * 32 * 16;
+constexpr int PREP_VSZ = PREP_BIAS + NH * 4;       // [P] float2
+constexpr int PREP_FLAGS = PREP_VSZ + P * 8;       // int: staged, k count, v count, page index
+constexpr int PREP_BYTES = PREP_FLAGS + 16;
+// per-warp outlier scratch
+constexpr int W_ONEHOT_V = 0;                      // [D rows][SLOT_TILE] fp16
+constexpr int W_ONEHOT_K = W_ONEHOT_V + D * SLOT_TILE * 2;   // [32 tokens][SLOT_TILE] fp16
+constexpr int W_PTILE = W_ONEHOT_K + 32 * SLOT_TILE * 2;     // [32 tokens][NH] fp16 probabilities
+constexpr int W_BYTES = W_PTILE + 32 * NH * 2;
+
+struct SmemPlan {      // byte offsets into dynamic shared memory (host and device agree)
+  int stage_bytes, stages, ring, prep, warp, table, qn, qmax, staged, total;
+};
+
+// after the page loop the ring holds the merge: per-warp outputs and (max, sum), the staged pages' state and
+// their score tile
+constexpr int MERGE_BYTES = (WARPS * NH * D + 2 * WARPS * NH + NH * D + 2 * NH + P * NH) * 4;
+
+template <int B>
+__host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap, int stages) {
+  SmemPlan s;
+  s.stage_bytes = Layout<B>::FIXED + 2 * outlier_chunk_bytes(k_cap) + 2 * outlier_chunk_bytes(v_cap);
+  s.stage_bytes = (s.stage_bytes + 127) / 128 * 128;
+  s.stages = stages;
+  s.ring = 0;
+  const int ring_bytes = stages * s.stage_bytes > MERGE_BYTES ? stages * s.stage_bytes : MERGE_BYTES;
+  s.prep = s.ring + ring_bytes;
+  s.warp = s.prep + PREP_BYTES;
+  s.table = s.warp + ((k_cap > 0 || v_cap > 0) ? WARPS * W_BYTES : 0);
+  s.qn = s.table + TABLE_MAX * 4;                  // [NH][D] fp16 normalised query
+  s.qmax = s.qn + NH * D * 2;                      // [NH] fp32 |q| max per head
+  s.staged = s.qmax + NH * 4;                      // [1 + 16] staged page count and indices
+  s.total = s.staged + 17 * 4;
+  return s;
+}
+
+}  // namespace moekv_v7
+
+namespace moekv_v7 {
+
+template <int B> struct Loads {
+  using L = Layout<B>;
+  using W = Bits<B>;
+  // key words of token row `row` for thread c
+  static __device__ __forceinline__ KeyWords<B> key(const uint8_t* st, int row, int c) {
+    KeyWords<B> kw;
+    if constexpr (B == 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(st + L::KC_LO + row * 64 + c * 16);
+      kw.w[0] = v.x; kw.w[1] = v.y; kw.w[2] = v.z; kw.w[3] = v.w;
+    } else if constexpr (B == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(st + L::KC_LO + row * 32 + c * 8);
+      kw.w[0] = v.x; kw.w[1] = v.y;
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(st + L::KC_LO + row * 32 + c * 8);
+      kw.w[0] = v.x; kw.w[1] = v.y;
+      kw.h = *reinterpret_cast<const uint32_t*>(st + L::KC_HI + row * 16 + c * 4);
+    }
+    return kw;
+  }
+  // value words of token row `row` for thread g
+  static __device__ __forceinline__ ValueWords<B> value(const uint8_t* st, int row, int g) {
+    ValueWords<B> vw;
+    if constexpr (B == 4) {
+      const uint2 v = *reinterpret_cast<const uint2*>(st + L::VC_LO + row * W::V_LO + g * 8);
+      vw.w[0] = v.x; vw.w[1] = v.y;
+    } else if constexpr (B == 2) {
+      vw.w = *reinterpret_cast<const uint32_t*>(st + L::VC_LO + row * W::V_LO + g * 4);
+    } else {
+      vw.w = *reinterpret_cast<const uint32_t*>(st + L::VC_LO + row * W::V_LO + g * 4);
+      vw.h = *reinterpret_cast<const uint32_t*>(st + L::VC_HI + row * 16 + (g >> 1) * 4);
+    }
+    return vw;
+  }
+};
+
+// Issue the cp.async copies of page `page` (kv head kvh) into ring stage `st`. Codes: every thread the same
+// number of 16-byte chunks (destinations precomputed in `dst`); the small arrays: fixed lanes of warps 2 and 3;
+// the outlier slots' covering chunks: warps 0 and 1.
+template <int B> struct CopyPlan {
+  static constexpr int CPR = Bits<B>::WORDS / 4;            // 16-byte chunks per code row
+  static constexpr int PER_THREAD = P * CPR / THREADS;
+  int kdst[PER_THREAD], vdst[PER_THREAD];
+  __device__ __forceinline__ void init(int tid) {
+    using L = Layout<B>;
+    using W = Bits<B>;
+#pragma unroll
+    for (int k = 0; k < PER_THREAD; ++k) {
+      const int q = tid + k * THREADS, row = q / CPR, part = q % CPR;
+      if constexpr (B == 3) {
+        kdst[k] = part < 2 ? L::KC_LO + row * 32 + part * 16 : L::KC_HI + row * 16;
+        vdst[k] = part < 2 ? L::VC_LO + row * W::V_LO + part * 16 : L::VC_HI + row * 16;
+      } else {
+        kdst[k] = L::KC_LO + row * W::K_LO + part * 16;
+        vdst[k] = L::VC_LO + row * W::V_LO + part * 16;
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ void covering_copy(uint8_t* dst, const void* base, long long total, long long off) {
+  const int bytes = (int)max(0ll, min(16ll, total - off));
+  cp_async16(dst, reinterpret_cast<const uint8_t*>(base) + (bytes > 0 ? off : 0), bytes);
+}
+
+template <int B>
+__device__ __forceinline__ void issue_page(const Params& p, const CopyPlan<B>& cp, uint8_t* st, int page, int kvh,
+                                           int tid, int ocK, int ocV) {
+  using L = Layout<B>;
+  using W = Bits<B>;
+  const long long ph = (long long)page * p.num_kv_heads + kvh;
+  const uint8_t* kc = reinterpret_cast<const uint8_t*>(p.k_codes) + ph * (P * W::WORDS * 4) + tid * 16;
+  const uint8_t* vc = reinterpret_cast<const uint8_t*>(p.v_codes) + ph * (P * W::WORDS * 4) + tid * 16;
+#pragma unroll
+  for (int k = 0; k < CopyPlan<B>::PER_THREAD; ++k) {
+    cp_async16(st + cp.kdst[k], kc + k * THREADS * 16, 16);
+    cp_async16(st + cp.vdst[k], vc + k * THREADS * 16, 16);
+  }
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp == 3) {                        // key scale and zero: 16 chunks each
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < 16 ? p.k_scale : p.k_zero) + ph * (2 * D);
+    cp_async16(st + L::K_SCALE + lane * 16, src + (lane & 15) * 16, 16);
+  } else if (warp == 2) {
+    if (lane < 16) {                      // value scale / zero codes: 8 chunks each
+      const uint8_t* src = (lane < 8 ? p.v_scale : p.v_zero) + ph * P;
+      cp_async16(st + L::V_SCALE + lane * 16, src + (lane & 7) * 16, 16);
+    } else if (lane < 19) {               // chunks holding the fp16 base and the int16 counts
+      const int k = lane - 16;
+      const void* base = k == 0 ? (const void*)p.v_base : k == 1 ? (const void*)p.k_ocount : (const void*)p.v_ocount;
+      const long long total = k == 0 ? p.v_base_bytes : k == 1 ? p.k_count_bytes : p.v_count_bytes;
+      covering_copy(st + L::V_BASE + k * 16, base, total, (ph * 2) & ~15ll);
+    } else if (lane == 19) {
+      cp_async4(st + L::SLOT, p.slot_of_page + page);
+    }
+  } else {                                // outliers: index and value arrays, keys then values
+    const int nk = ocK / 16, nv = ocV / 16;
+    for (int q = tid; q < 2 * (nk + nv); q += 64) {
+      const bool keys = q < 2 * nk;
+      const int r = keys ? q : q - 2 * nk, n = keys ? nk : nv;
+      const bool vals = r >= n;
+      const int k = vals ? r - n : r;
+      const void* base = keys ? (vals ? (const void*)p.k_ovals : (const void*)p.k_oidx)
+                              : (vals ? (const void*)p.v_ovals : (const void*)p.v_oidx);
+      const long long off = ((ph * (keys ? p.k_cap : p.v_cap) * 2) & ~15ll) + k * 16;
+      covering_copy(st + L::FIXED + (keys ? 0 : 2 * ocK) + (vals ? n * 16 : 0) + k * 16, base,
+                    keys ? p.k_oc_bytes : p.v_oc_bytes, off);
+    }
+  }
+}
+
+}  // namespace moekv_v7

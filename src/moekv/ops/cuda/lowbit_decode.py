@@ -1,0 +1,153 @@
+"""Low-bit paged decode attention in CUDA C++ (v7): the decode-step kernel over the low-bit KV pages.
+
+Same contract as ops.reference.lowbit.paged_attention_lowbit (its pure-PyTorch twin and the CI oracle) for a
+decode step (one new token per sequence). Design, measurements and the history of the earlier Triton kernels:
+docs/attention-kernels.md; byte layout: docs/kv-format.md. The CUDA source lives in csrc/ beside this file and is
+built at first use with torch.utils.cpp_extension (nvcc of the machine's CUDA toolkit; the build is cached by
+torch in its extensions folder).
+
+Takes: head_dim 128, 128-token pages, equal key / value code widths (2, 3 or 4 bits), keys on the channel axis,
+values on the token axis with one group, fp16 / bf16 queries with staging pages of the same dtype, GQA groups up
+to 8, a compute capability of 8.0 or more. `supports` says so; other formats use the general Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+
+import torch
+
+PAGE_SIZE = 128
+HEAD_DIM = 128
+MAX_GROUP = 8
+TABLE_MAX = 512                  # block-table entries one split holds in shared memory (lowbit_decode.cuh)
+CTAS_PER_SM = 3                  # resident CTAs per SM the kernel is built for (__launch_bounds__)
+MIN_PAGES_PER_SPLIT = 8          # below this the split's fixed costs (ring fill, merge, combine) dominate
+WAVES = 2                        # CTAs planned for this many full waves
+_CSRC = pathlib.Path(__file__).with_name("csrc")
+
+
+def supports(key_spec, value_spec, head_dim: int) -> bool:
+    """Whether this kernel takes the format (see the module docstring); `runs_on` checks dtypes and device."""
+    return (key_spec.page_size == value_spec.page_size == PAGE_SIZE
+            and key_spec.head_dim == value_spec.head_dim == head_dim == HEAD_DIM
+            and key_spec.bits == value_spec.bits and key_spec.bits in (2, 3, 4)
+            and key_spec.axis == "channel" and value_spec.axis == "token" and value_spec.num_groups == 1)
+
+
+def runs_on(query: torch.Tensor, staging: torch.Tensor) -> bool:
+    """fp16 / bf16 queries with staging pages of the same dtype on a CUDA device of compute capability >= 8.0."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and staging.dtype == query.dtype
+            and torch.cuda.get_device_capability(query.device)[0] >= 8)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(major: int, minor: int):
+    from torch.utils.cpp_extension import load
+
+    arch = f"{major}{minor}"
+    return load(name=f"moekv_lowbit_decode_v7_sm{arch}",
+                sources=[str(_CSRC / name) for name in ("lowbit_decode.cu", "lowbit_decode_b2.cu", "lowbit_decode_b3.cu",
+                                                         "lowbit_decode_b4.cu")],
+                extra_include_paths=[str(_CSRC)], verbose=False,
+                extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
+
+
+def module(device: torch.device):
+    """The built extension for this device's compute capability."""
+    return _module(*torch.cuda.get_device_capability(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int) -> int:
+    """Split-K count: enough CTAs for WAVES full waves (CTAS_PER_SM per SM) when the batch alone does not give
+    them, each split at least MIN_PAGES_PER_SPLIT pages and at most TABLE_MAX; 1 when the batch fills the GPU."""
+    pairs = max(batch * num_kv_heads, 1)
+    need = math.ceil(max(max_pages, 1) / TABLE_MAX)
+    want = math.ceil(WAVES * num_sms * CTAS_PER_SM / pairs)
+    return max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT)))
+
+
+def graph_splits(batch: int, num_kv_heads: int, max_model_len: int, device: torch.device) -> int:
+    """The split count a CUDA-graph bucket of `batch` sequences launches (pages per split sized on the device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return plan_splits(batch, num_kv_heads, math.ceil(max_model_len / PAGE_SIZE), _num_sms(index))
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Per-(sequence, kv head) arrival counters of the split combine; zero between launches (the last CTA resets
+    its own), allocated once per device."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < needed:
+        counters = torch.zeros(max(needed, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def stages_for(bits: int) -> int:
+    """Ring depth: 3 pages in flight per CTA (2 for int4, whose pages are larger) keeps 3 CTAs per SM."""
+    return 2 if bits == 4 else 3
+
+
+def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,
+                                  value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
+                                  staging_values: torch.Tensor, staging_slot_of_page: torch.Tensor, meta,
+                                  scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention (one new token per sequence) over low-bit pages; query [B, Hq, D] -> [B, Hq, D].
+
+    `meta.fixed_num_splits` (CUDA graphs) launches exactly that many splits, sized on the device from each
+    sequence's length; otherwise the count is planned from the host lengths (`num_splits` overrides it)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    batch = meta.context_lens.shape[0]
+    if num_tokens != batch:
+        raise ValueError("paged_attention_lowbit_decode: decode only (one new token per sequence)")
+    if group > MAX_GROUP or num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention_lowbit_decode: GQA group {num_heads}/{num_kv_heads} not supported")
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    fixed = getattr(meta, "fixed_num_splits", None)
+    table_width = meta.block_tables.shape[1]
+    if fixed is not None:
+        splits, pages_per_split = max(int(fixed), 1), 0
+        if math.ceil(table_width / splits) > TABLE_MAX:
+            raise ValueError(f"paged_attention_lowbit_decode: {splits} splits of a {table_width}-page table exceed "
+                             f"{TABLE_MAX} pages per split")
+    else:
+        max_pages = math.ceil(max(meta.context_lens_host, default=0) / PAGE_SIZE)
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        splits = num_splits or plan_splits(batch, num_kv_heads, max_pages, _num_sms(index))
+        pages_per_split = max(math.ceil(max_pages / splits), 1)
+        splits = max(math.ceil(max_pages / pages_per_split), 1)
+        if pages_per_split > TABLE_MAX:
+            raise ValueError(f"paged_attention_lowbit_decode: {pages_per_split} pages per split exceed {TABLE_MAX}")
+    if splits > 1:
+        partial = torch.empty((batch, num_kv_heads, splits, MAX_GROUP, head_dim), dtype=torch.float32,
+                              device=query.device)
+        lse = torch.empty((batch, num_kv_heads, splits, MAX_GROUP), dtype=torch.float32, device=query.device)
+    else:
+        partial = lse = torch.empty(0, dtype=torch.float32, device=query.device)
+    counters = _counters(query.device, batch * num_kv_heads)
+    for name, t in (("key", key), ("value", value), ("query", query)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention_lowbit_decode: {name} rows must be contiguous")
+    kp, vp = key_pages, value_pages
+    module(query.device).decode(
+        query, key, value, out, partial, lse, counters,
+        kp.codes, kp.scale, kp.zero, kp.outlier_vals, kp.outlier_idx, kp.outlier_count,
+        vp.codes, vp.scale, vp.zero, vp.scale_base, vp.outlier_vals, vp.outlier_idx, vp.outlier_count,
+        staging_keys, staging_values, staging_slot_of_page, meta.block_tables, meta.query_start_loc,
+        meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits,
+        stages_for(key_spec.bits))
+    return out

@@ -1,0 +1,162 @@
+"""The v7 CUDA decode kernel (ops/cuda/lowbit_decode.py) against its pure-PyTorch twin
+(ops.reference.lowbit.paged_attention_lowbit).
+
+On the GPU: every code width, GQA 1/4/8, ragged lengths (1, P-1, P, P+1, several pages), staged tail and sink
+pages, outliers on both sides / values only / none, adversarial data (heavy channels, sparse huge spikes,
+heavy-tailed values, all-equal pages, values near the fp16 maximum), fp16 and bf16, planned and forced splits,
+device-sized splits (CUDA graphs) inside a graph replay. On the CPU (CI): the host-side contract (format
+support, split planning, the decode-only check); the kernel itself is CUDA C++ and needs a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekv.core.lowbit_layout import QuantSpec
+from moekv.ops.cuda import lowbit_decode
+from moekv.ops.reference import lowbit as reference
+from moekv.testing.attention_cases import build_case, to_device
+
+SCALE = 0.088
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the kernel is CUDA C++)")
+
+
+def _check(case, dtype, **kwargs):
+    ref = reference.paged_attention_lowbit(*case.args(), SCALE).float()
+    out = torch.full_like(case.query, float("nan"))                  # poisoned: every element must be written
+    out.copy_(lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, **kwargs))
+    _assert_close(out.float(), ref, dtype)
+
+
+def _assert_close(out, ref, dtype):
+    """Max error / max |ref| and mean error / mean |ref|. The kernel's MMA operands are fp16 (q * S and p * S
+    rounded once, 2^-11 relative): fp16 gets twice the fp16 tolerance of the Triton kernels' tests."""
+    assert torch.isfinite(out).all()
+    err = (out - ref).abs()
+    max_tol, mean_tol = (2e-2, 1e-2) if dtype == torch.bfloat16 else (4e-3, 2e-3)
+    assert err.max() <= max_tol * ref.abs().max(), (err.max().item(), ref.abs().max().item())
+    assert err.mean() <= mean_tol * ref.abs().mean(), (err.mean().item(), ref.abs().mean().item())
+
+
+def _case(context, group=4, bits=3, dtype=torch.bfloat16, kind="normal", fraction=0.0025, sinks=0, seed=0,
+          num_kv_heads=2):
+    return to_device(build_case(context, [1] * len(context), num_kv_heads, group, 128, bits, 128, dtype=dtype,
+                                kind=kind, outlier_fraction=fraction, sink_pages=sinks, seed=seed), "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_widths_and_groups(bits, group):
+    _check(_case([1, 127, 128, 129, 300, 1000], group=group, bits=bits, seed=bits * 10 + group), torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["outlier_channels", "spikes", "heavy_tail", "constant", "near_max", "large"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_adversarial_data(kind, dtype):
+    _check(_case([255, 129, 640], kind=kind, dtype=dtype, fraction=0.01, seed=len(kind)), dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fraction", [0.0, 0.0025, 0.02])
+def test_outlier_budgets(fraction):
+    _check(_case([1000, 384, 129], bits=3, fraction=fraction, kind="spikes"), torch.bfloat16)
+
+
+@needs_cuda
+def test_key_outliers_only_and_values_only():
+    for spec_side in ("key", "value"):
+        case = _case([700, 129], bits=3, fraction=0.02, kind="spikes", seed=3)
+        pages = case.value_pages if spec_side == "key" else case.key_pages
+        pages.outlier_count.zero_()                                    # the other side keeps none
+        pages.outlier_vals.zero_()
+        _check(case, torch.bfloat16)
+
+
+@needs_cuda
+def test_staged_sink_pages():
+    _check(_case([600, 129, 1], sinks=1, seed=5), torch.bfloat16)
+    _check(_case([900, 260], sinks=3, seed=6), torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_forced_splits(splits):
+    _check(_case([1000, 2000, 129, 1], seed=splits), torch.bfloat16, num_splits=splits)
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 4, 9])
+def test_graph_replay_with_device_splits(splits):
+    case = _case([1000, 300, 129, 1], seed=11 + splits)
+    ref = reference.paged_attention_lowbit(*case.args(), SCALE).float()
+    case.meta.fixed_num_splits = splits
+    fn = lambda: lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE)   # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for _ in range(2):                  # the split counters reset themselves: replays agree
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out.float(), ref, torch.bfloat16)
+
+
+def test_supports_the_engine_formats_only():
+    key = QuantSpec(bits=3, axis="channel", head_dim=128, page_size=128)
+    value = QuantSpec(bits=3, axis="token", head_dim=128, page_size=128, outlier_capacity=41)
+    assert lowbit_decode.supports(key, value, 128)
+    assert not lowbit_decode.supports(key, value, 64)
+    assert not lowbit_decode.supports(QuantSpec(bits=3, axis="channel", head_dim=64, page_size=128),
+                                      QuantSpec(bits=3, axis="token", head_dim=64, page_size=128), 64)
+    assert not lowbit_decode.supports(QuantSpec(bits=4, axis="channel", head_dim=128, page_size=128), value, 128)
+    assert not lowbit_decode.supports(QuantSpec(bits=3, axis="token", head_dim=128, page_size=128), value, 128)
+    assert not lowbit_decode.supports(QuantSpec(bits=3, axis="channel", head_dim=128, page_size=64),
+                                      QuantSpec(bits=3, axis="token", head_dim=128, page_size=64), 128)
+    assert not lowbit_decode.supports(key, QuantSpec(bits=3, axis="token", head_dim=128, page_size=128,
+                                                     group_size=64), 128)
+
+
+def test_runs_on():
+    cpu = torch.zeros(1, 4, 128)
+    assert not lowbit_decode.runs_on(cpu, cpu)
+    if torch.cuda.is_available():
+        q = cpu.to("cuda", torch.bfloat16)
+        assert lowbit_decode.runs_on(q, q) == (torch.cuda.get_device_capability()[0] >= 8)
+        assert not lowbit_decode.runs_on(q, q.half())
+
+
+@pytest.mark.parametrize("batch,heads,pages,sms,expect", [
+    (32, 8, 128, 132, 4),       # 256 (sequence, kv head) pairs: four splits give two waves of 3 CTAs per SM
+    (128, 8, 128, 132, 1),      # the batch fills the GPU
+    (1, 8, 128, 132, 16),       # B=1: at least MIN_PAGES_PER_SPLIT pages per split
+    (1, 8, 1, 132, 1),          # never more splits than pages allow
+    (1, 1, 4000, 132, 500),
+    (2, 1, 9000, 4, 18),        # long contexts: at most TABLE_MAX pages per split
+])
+def test_plan_splits(batch, heads, pages, sms, expect):
+    splits = lowbit_decode.plan_splits(batch, heads, pages, sms)
+    assert splits == expect
+    assert -(-pages // splits) <= lowbit_decode.TABLE_MAX
+
+
+def test_rejects_prefill_and_large_groups():
+    from moekv.core.attention_metadata import AttentionMetadata
+
+    case = build_case([300], [2], 1, 4, 128, 3, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="decode only"):
+        lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE)
+    meta = AttentionMetadata.build([1], [300], case.meta.block_tables_host, 128, "cpu")
+    q = torch.zeros(1, 16, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 1, 128, dtype=torch.bfloat16)
+    args = list(case.args())
+    args[0], args[1], args[2], args[-1] = q, kv, kv, meta
+    with pytest.raises(ValueError, match="GQA group"):
+        lowbit_decode.paged_attention_lowbit_decode(*args, SCALE)
