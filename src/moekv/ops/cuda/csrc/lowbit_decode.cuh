@@ -274,7 +274,7 @@ struct SmemPlan {      // byte offsets into dynamic shared memory (host and devi
 
 // after the page loop the ring holds the merge: per-warp outputs and (max, sum), the staged pages' state and
 // their score tile
-constexpr int MERGE_BYTES = (WARPS * NH * D + 2 * WARPS * NH + NH * D + 2 * NH + P * NH) * 4;
+constexpr int MERGE_BYTES = (WARPS * NH * D + 2 * WARPS * NH + NH * D + 2 * NH + P * NH + 2 * WARPS * NH) * 4;
 
 template <int B>
 __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap, int stages) {
