@@ -194,17 +194,18 @@ def test_non_finite_kv_in_a_graph_step_ends_only_that_request():
     assert second.finish_reason == "length" and second.output_token_ids == clean[1]
 
 
-def test_graph_pool_estimate_counts_the_outlier_passes():
-    """With a low-bit cache the estimate adds the v6 kernel's two fp32 outlier-pass buffers of the largest
-    bucket: 2 x bucket x Hkv x (max_model_len + 128) x HG x 4 bytes (HG = GQA group 2 -> 2)."""
+def test_graph_pool_estimate_counts_the_decode_workspace():
+    """With a low-bit cache the estimate adds the v7 decode kernel's split-K buffers of the largest bucket:
+    bucket x Hkv x splits x 8 x (D + 1) x 4 bytes, splits as the kernel plans them for the bucket."""
     from moekv.config import ArchConfig, CacheConfig
     from moekv.engine.graph_buckets import graph_buckets, graph_pool_bytes
     from moekv.kvcache import KVCacheSpec, kv_cache_class
+    from moekv.ops.cuda import lowbit_decode
 
     arch = ArchConfig(architecture="mixtral", vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, num_experts=4, top_k=2, expert_intermediate_size=16,
                       norm_topk_prob=True, max_position_embeddings=4096)
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype=torch.bfloat16)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=128, dtype=torch.bfloat16)
 
     def workspace(kv_cache_dtype: str) -> int:
         return kv_cache_class(kv_cache_dtype).graph_workspace_bytes(
@@ -213,4 +214,6 @@ def test_graph_pool_estimate_counts_the_outlier_passes():
     assert workspace("bf16") == 0
     plain = graph_pool_bytes(arch, 8, torch.bfloat16, workspace("bf16"))
     lowbit = graph_pool_bytes(arch, 8, torch.bfloat16, workspace("int3"))
-    assert lowbit - plain == 2 * graph_buckets(8)[-1] * 2 * (4096 + 128) * 2 * 4
+    splits = lowbit_decode.plan_splits(8, 2, 4096 // 128, 132)
+    assert splits == 4                           # 32 pages: at least 8 per split
+    assert lowbit - plain == 8 * 2 * splits * 8 * (8 + 1) * 4

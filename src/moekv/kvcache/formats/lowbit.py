@@ -141,15 +141,21 @@ class LowBitKVCache(KVCache):
     @classmethod
     def graph_workspace_bytes(cls, spec: KVCacheSpec, config: CacheConfig, num_query_heads: int,
                               max_batch: int, max_model_len: int) -> int:
-        """The v6 decode kernel's outlier-pass buffers of the largest bucket: two fp32 tiles of the GQA
-        group's width per token of max_model_len (ops/triton/lowbit/decode_fix.py)."""
-        from moekv.ops.triton.lowbit.decode_fix import group_width
+        """The v7 decode kernel's split-K buffers of the largest bucket (fp32 partial outputs [B, Hkv, splits,
+        8, D] and their log-sum-exp; ops/cuda/lowbit_decode.py), at the split count of an H100/H200's 132 SMs."""
+        from moekv.ops.cuda import lowbit_decode   # host-side planning only (nothing is built or launched)
 
-        width = group_width(max(num_query_heads // max(spec.num_kv_heads, 1), 1))
-        return 2 * max_batch * spec.num_kv_heads * (max_model_len + 128) * width * 4
+        splits = lowbit_decode.plan_splits(max_batch, spec.num_kv_heads, -(-max_model_len // spec.page_size), 132)
+        return lowbit_decode.workspace_bytes(max_batch, spec.num_kv_heads, splits, spec.head_dim)
 
     def graph_decode_splits(self, batch: int, max_model_len: int) -> int | None:
-        from moekv.ops.triton.attention.split_k import plan_splits   # host-side planning only (no kernel launch)
+        """A bucket's split-K count: the v7 decode kernel's plan where it takes this format on this device (at
+        most TABLE_MAX pages per split), else the general Triton kernel's."""
+        from moekv.ops.cuda import lowbit_decode
+
+        if self.device.type == "cuda" and lowbit_decode.supports(self.key_spec, self.value_spec, self.spec.head_dim):
+            return lowbit_decode.graph_splits(batch, self.spec.num_kv_heads, max_model_len, self.device)
+        from moekv.ops.triton.attention.split_k import plan_splits
 
         return plan_splits(batch, self.spec.num_kv_heads, max_model_len, 64, self.device)[0]
 

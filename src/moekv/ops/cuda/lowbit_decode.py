@@ -80,6 +80,11 @@ def graph_splits(batch: int, num_kv_heads: int, max_model_len: int, device: torc
     return plan_splits(batch, num_kv_heads, math.ceil(max_model_len / PAGE_SIZE), _num_sms(index))
 
 
+def workspace_bytes(batch: int, num_kv_heads: int, splits: int, head_dim: int = HEAD_DIM) -> int:
+    """Device bytes of one launch's split-K buffers (fp32 partial outputs and log-sum-exp; none for 1 split)."""
+    return 0 if splits <= 1 else batch * num_kv_heads * splits * MAX_GROUP * (head_dim + 1) * 4
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
