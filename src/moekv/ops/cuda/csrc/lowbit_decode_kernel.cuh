@@ -1,6 +1,6 @@
 // The v7 decode kernel (see lowbit_decode.cuh for the design).
 #pragma once
-#include "lowbit_decode.cuh"
+#include "lowbit_decode_merge.cuh"
 
 namespace moekv_v7 {
 
@@ -341,107 +341,8 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
   for (int i = tid; i < NH * D; i += THREADS) st_o[i] = 0.f;
   __syncthreads();
   float* sbuf = st_l + NH;                                          // [P][NH] staged probabilities
-  float* red = sbuf + P * NH;                                       // [WARPS][NH] max, then [WARPS][NH] sums
-  for (int k = 0; k < num_staged; ++k) {
-    const int i = staged_list[1 + k], page_index = first + i;
-    const int slot = p.slot_of_page[table[i]];
-    const long long row_stride = (long long)p.num_kv_heads * D;
-    const QT* base_k = reinterpret_cast<const QT*>(p.staging_k) + (long long)slot * P * row_stride + (long long)kvh * D;
-    const QT* base_v = reinterpret_cast<const QT*>(p.staging_v) + (long long)slot * P * row_stride + (long long)kvh * D;
-    // scores: thread = token, 16-byte row loads, the query from the fp16 table
-    const QT* krow = base_k + tid * row_stride;
-    float s8[NH];
-#pragma unroll
-    for (int h = 0; h < NH; ++h) s8[h] = 0.f;
-#pragma unroll 4
-    for (int d0 = 0; d0 < D; d0 += 8) {
-      const uint4 kr = *reinterpret_cast<const uint4*>(krow + d0);
-      const QT* kv = reinterpret_cast<const QT*>(&kr);
-      float kf[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) kf[e] = to_float<QT>(kv[e]);
-#pragma unroll
-      for (int h = 0; h < NH; ++h) {
-        if (h < G) {
-          const uint4 qr = *reinterpret_cast<const uint4*>(qn_tab + h * D + d0);
-          const __half* qe = reinterpret_cast<const __half*>(&qr);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s8[h] = fmaf(__half2float(qe[e]), kf[e], s8[h]);
-        }
-      }
-    }
-    const bool valid = page_index * P + tid < ctx;
-    float pmax[NH];
-#pragma unroll
-    for (int h = 0; h < NH; ++h) {
-      s8[h] = valid ? s8[h] * (qmax_tab[h] * p.qk_scale) : NEG_INF;
-      float mx = s8[h];
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      pmax[h] = mx;
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int h = 0; h < NH; ++h) red[warp * NH + h] = pmax[h];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int h = 0; h < NH; ++h) {
-      float mx = red[h];
-#pragma unroll
-      for (int w = 1; w < WARPS; ++w) mx = fmaxf(mx, red[w * NH + h]);
-      const float mnew = fmaxf(st_m[h], mx), muse = mnew == NEG_INF ? 0.f : mnew;
-      const float pr = ex2(s8[h] - muse);                           // this token's weight against the new max
-      sbuf[tid * NH + h] = pr;
-      float sum = pr;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      pmax[h] = mnew;
-      s8[h] = sum;
-    }
-    __syncthreads();                                                // red (max) read by all; sbuf complete
-    if (lane == 0) {
-#pragma unroll
-      for (int h = 0; h < NH; ++h) red[WARPS * NH + warp * NH + h] = s8[h];
-    }
-    // p . v: thread = channel; the page's tokens eight at a time (coalesced across the channel threads)
-    const QT* vcol = base_v + tid;
-    float o8[NH];
-#pragma unroll
-    for (int h = 0; h < NH; ++h) o8[h] = 0.f;
-    for (int t0 = 0; t0 < P; t0 += 8) {
-      float vf[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) vf[e] = to_float<QT>(vcol[(t0 + e) * row_stride]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float4 pa = *reinterpret_cast<const float4*>(sbuf + (t0 + e) * NH);
-        const float4 pb = *reinterpret_cast<const float4*>(sbuf + (t0 + e) * NH + 4);
-        o8[0] = fmaf(pa.x, vf[e], o8[0]); o8[1] = fmaf(pa.y, vf[e], o8[1]);
-        o8[2] = fmaf(pa.z, vf[e], o8[2]); o8[3] = fmaf(pa.w, vf[e], o8[3]);
-        o8[4] = fmaf(pb.x, vf[e], o8[4]); o8[5] = fmaf(pb.y, vf[e], o8[5]);
-        o8[6] = fmaf(pb.z, vf[e], o8[6]); o8[7] = fmaf(pb.w, vf[e], o8[7]);
-      }
-    }
-    __syncthreads();                                                // the sums are in red
-#pragma unroll
-    for (int h = 0; h < NH; ++h) {
-      const float alpha = ex2(st_m[h] - (pmax[h] == NEG_INF ? 0.f : pmax[h]));
-      st_o[h * D + tid] = fmaf(st_o[h * D + tid], alpha, o8[h]);
-      if (tid == 0) {
-        float sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) sum += red[WARPS * NH + w * NH + h];
-        st_l[h] = fmaf(st_l[h], alpha, sum);
-      }
-    }
-    __syncthreads();                                                // every thread read st_m before it moves
-    if (tid == 0) {
-#pragma unroll
-      for (int h = 0; h < NH; ++h) st_m[h] = pmax[h];
-    }
-    __syncthreads();
-  }
+  attend_staged_pages<QT>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn_tab, qmax_tab, st_o, st_m,
+                          st_l, sbuf, sbuf + P * NH);
   __syncthreads();
   // ---- combine warps, staged pages and (split 0) the new token; thread = channel
   const int ch = tid;
@@ -484,33 +385,7 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
     }
   }
   if (write_direct) return;
-  // ---- split-K: the last CTA of this (sequence, kv head) combines
-  __threadfence();
-  __syncthreads();
-  int* last_flag = reinterpret_cast<int*>(prep);
-  if (tid == 0) {
-    const int prev = atomicAdd(p.counters + (seq * p.num_kv_heads + kvh), 1);
-    last_flag[0] = prev == p.num_splits - 1;
-  }
-  __syncthreads();
-  if (!last_flag[0]) return;
-  __threadfence();
-  for (int h = 0; h < G; ++h) {
-    const long long base = ((long long)seq * p.num_kv_heads + kvh) * p.num_splits * NH + h;
-    float M = NEG_INF;
-    for (int s = 0; s < p.num_splits; ++s) M = fmaxf(M, __ldcg(p.lse + base + (long long)s * NH));
-    const float Mu = M == NEG_INF ? 0.f : M;
-    float wsum = 0.f, O = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float wgt = ex2(__ldcg(p.lse + base + (long long)s * NH) - Mu);
-      wsum += wgt;
-      O = fmaf(wgt, __ldcg(p.partial + (base + (long long)s * NH) * D + ch), O);
-    }
-    const int head = kvh * G + h;
-    reinterpret_cast<QT*>(p.out)[q_row * p.stride_ot + (long long)head * p.stride_oh + ch] =
-        from_float<QT>(wsum > 0.f ? O / wsum : 0.f);
-  }
-  if (tid == 0) p.counters[seq * p.num_kv_heads + kvh] = 0;
+  combine_splits<QT>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(prep));
 }
 
 }  // namespace moekv_v7
