@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from moekv.engine.async_engine import AsyncEngine, EngineDeadError
+from moekv.engine.async_engine import AsyncEngine
+from moekv.engine.streams import EngineDeadError
 from moekv.errors import InvalidRequestError
 from moekv.sampling import SamplingParams
 from tests.entrypoints.openai.helpers import make_engine

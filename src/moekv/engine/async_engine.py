@@ -25,98 +25,16 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from moekv.engine.engine import Engine
 from moekv.core.request import Request, RequestStatus
 from moekv.engine.step_recovery import StepRecovery
-from moekv.errors import InvalidRequestError, MoekvError
+from moekv.engine.streams import AddCommand, EngineDeadError, RequestStream, StreamDelta, Tracked
+from moekv.errors import InvalidRequestError
 from moekv.metrics import EngineStats, ServerMetrics
 from moekv.sampling import SamplingParams
 
 logger = logging.getLogger("moekv.async_engine")
-
-
-class EngineDeadError(MoekvError):
-    """The engine loop has stopped; no request can be served."""
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """What happened to one request since its previous delta: the unit the server streams."""
-
-    request_id: str
-    token_ids: list[int]                        # new tokens
-    text: str                                   # new visible text (held back while a stop string may match)
-    logprobs: list[dict[int, float]] | None     # one {token_id: logprob} per new token, when asked
-    finished: bool
-    finish_reason: str | None                   # "stop" | "length" | "abort" | "error" once finished
-    error: str | None                           # why, when finish_reason == "error"
-    num_prompt_tokens: int
-    num_output_tokens: int                      # total generated so far
-
-
-@dataclass
-class _Tracked:
-    """The engine thread's bookkeeping for one request whose outputs go to an asyncio queue."""
-
-    request_id: str
-    out_queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    submit_time: float
-    sent_tokens: int = 0
-    sent_chars: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-
-@dataclass
-class _AddCommand:
-    requests: list[tuple[str, list[int] | str, SamplingParams]]
-    out_queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future
-    submit_time: float = field(default_factory=time.monotonic)
-
-
-class RequestStream:
-    """The deltas of one or more engine requests (an OpenAI `n > 1` request shares one stream).
-
-    Use as `async with stream: async for delta in stream: ...`; leaving the block early (an error, a
-    cancelled task, a client that went away) aborts whatever is unfinished.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], out_queue: asyncio.Queue):
-        self.request_ids = list(request_ids)
-        self._engine = engine
-        self._queue = out_queue
-        self._unfinished = set(request_ids)
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        delta: StreamDelta = await self._queue.get()
-        if delta.finished:
-            self._unfinished.discard(delta.request_id)
-        return delta
-
-    def abort(self) -> None:
-        if self._unfinished:
-            self._engine.abort(sorted(self._unfinished))
-            self._unfinished.clear()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        self.abort()
 
 
 class AsyncEngine:
@@ -127,7 +45,7 @@ class AsyncEngine:
         self.metrics = metrics
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}          # engine thread only
+        self._tracked: dict[str, Tracked] = {}          # engine thread only
         self._recovery = StepRecovery(self.engine, self.fail)  # engine thread only
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -172,7 +90,7 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason or "the engine loop is not running")
         loop = asyncio.get_running_loop()
         out_queue: asyncio.Queue = asyncio.Queue()
-        command = _AddCommand(list(requests), out_queue, loop, loop.create_future())
+        command = AddCommand(list(requests), out_queue, loop, loop.create_future())
         self._commands.put(command)
         request_ids = [r[0] for r in command.requests]
         try:
@@ -221,7 +139,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _AddCommand):
+            if isinstance(command, AddCommand):
                 _call_soon(command.loop, _settle, command.done, EngineDeadError(self.dead_reason or "stopped"))
 
     def _drain_commands(self, block: bool) -> None:
@@ -239,7 +157,7 @@ class AsyncEngine:
     def _handle(self, command) -> None:
         if command is None:
             return
-        if isinstance(command, _AddCommand):
+        if isinstance(command, AddCommand):
             self._handle_add(command)
             return
         _, request_ids = command
@@ -250,7 +168,7 @@ class AsyncEngine:
             else:
                 self._untrack(request_id)
 
-    def _handle_add(self, command: _AddCommand) -> None:
+    def _handle_add(self, command: AddCommand) -> None:
         added: list[str] = []
         try:
             for request_id, prompt, params in command.requests:
@@ -265,7 +183,7 @@ class AsyncEngine:
             _call_soon(command.loop, _settle, command.done, exc)
             return
         for request_id in added:
-            self._tracked[request_id] = _Tracked(request_id, command.out_queue, command.loop, command.submit_time)
+            self._tracked[request_id] = Tracked(request_id, command.out_queue, command.loop, command.submit_time)
             self._recovery.admitted(self.engine.requests[request_id])
         _call_soon(command.loop, _settle, command.done, None)
 
@@ -303,7 +221,7 @@ class AsyncEngine:
         for loop, items in batches.items():
             _call_soon(loop, _put_all, items)
 
-    def _make_delta(self, tracked: _Tracked, request: Request | None, now: float) -> StreamDelta | None:
+    def _make_delta(self, tracked: Tracked, request: Request | None, now: float) -> StreamDelta | None:
         if request is None:   # released behind our back: report it as an error rather than hang
             return StreamDelta(tracked.request_id, [], "", None, True, "error", "the request was lost",
                                0, tracked.sent_tokens)
@@ -327,7 +245,7 @@ class AsyncEngine:
                            request.finish_reason if finished else None, request.error if finished else None,
                            request.num_prompt_tokens, len(request.output_token_ids))
 
-    def _observe(self, tracked: _Tracked, request: Request, num_new: int, finished: bool, now: float) -> None:
+    def _observe(self, tracked: Tracked, request: Request, num_new: int, finished: bool, now: float) -> None:
         metrics = self.metrics
         if num_new:
             if tracked.first_token_time is None:

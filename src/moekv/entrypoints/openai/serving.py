@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request as HTTPRequest
 
-from moekv.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, StreamDelta
+from moekv.engine.async_engine import AsyncEngine
+from moekv.engine.streams import EngineDeadError, RequestStream, StreamDelta
 from moekv.entrypoints.openai.protocol import APIError, UsageInfo, _SamplingRequest, error_body
 from moekv.errors import InvalidRequestError
 from moekv.sampling import SamplingParams

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
 
-from moekv.engine.async_engine import StreamDelta
+from moekv.engine.streams import StreamDelta
 from moekv.entrypoints.openai.protocol import (
     APIError,
     ChatChoice,

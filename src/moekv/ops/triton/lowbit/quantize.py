@@ -33,71 +33,9 @@ import triton.language as tl
 
 from moekv.core.lowbit_layout import SCALE_CODE_STEPS, PackedPages
 from moekv.ops.triton.common import check_launchable
-from moekv.ops.triton.lowbit.unpack import field_shifts
+from moekv.ops.triton.lowbit.quantize_parts import fp16_rounded, group_extreme, group_stat, pack_plane, round_half_even
 
 FP16_MAX = 65504.0
-
-
-@triton.jit
-def _fp16_rounded(x, UP: tl.constexpr):
-    """fp32 x -> fp16 rounded toward +inf (UP) or -inf, saturated to +-65504 (as the reference)."""
-    h = tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16)
-    bits = h.to(tl.int16, bitcast=True).to(tl.int32)
-    negative = bits < 0
-    if UP:
-        wrong = h.to(tl.float32) < x
-        step = tl.where(negative, -1, 1)
-    else:
-        wrong = h.to(tl.float32) > x
-        step = tl.where(negative, 1, -1)
-    bits = tl.where(wrong, bits + step, bits)
-    h = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.minimum(tl.maximum(h, -65504.0), 65504.0)
-
-
-@triton.jit
-def _round_half_even(y):
-    """torch.round for |y| < 2**22 (y is clamped to a few levels around the code range first)."""
-    r = tl.floor(y + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
-
-
-@triton.jit
-def _group_stat(x, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
-    """Sum of x [P, D] over each quantization group, broadcast back to [P, D]."""
-    if AXIS_CHANNEL:
-        return tl.broadcast_to(tl.sum(x, axis=0)[None, :], (P, D))
-    else:
-        grouped = tl.reshape(x, (P, G, D // G))
-        return tl.reshape(tl.broadcast_to(tl.sum(grouped, axis=2)[:, :, None], (P, G, D // G)), (P, D))
-
-
-@triton.jit
-def _group_extreme(x, IS_MAX: tl.constexpr, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-                   G: tl.constexpr):
-    """Min or max of x [P, D] over each group: [D] (channel axis) or [P, G] (token axis)."""
-    if AXIS_CHANNEL:
-        if IS_MAX:
-            return tl.max(x, axis=0)
-        else:
-            return tl.min(x, axis=0)
-    else:
-        grouped = tl.reshape(x, (P, G, D // G))
-        if IS_MAX:
-            return tl.max(grouped, axis=2)
-        else:
-            return tl.min(grouped, axis=2)
-
-
-@triton.jit
-def _pack_plane(fields, P: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
-    """fields [P, D] int32 (< 2**WIDTH) -> words [P, D * WIDTH // 32] int32: field j at bit
-    core.lowbit_pack.field_bit(WIDTH, j % (32/W)): (j % (32/W)) * W, the 1-bit plane's word halves interleaved."""
-    per_word: tl.constexpr = 32 // WIDTH
-    grouped = tl.reshape(fields, (P, D // per_word, per_word))
-    shifted = grouped << field_shifts(WIDTH)[None, None, :]
-    return tl.sum(shifted, axis=2)                       # disjoint fields: the sum is the bitwise or
 
 
 @triton.jit
@@ -186,9 +124,9 @@ def _quantize_page_head(
     flat_index = offs_p[:, None] * D + offs_d[None, :]                              # [P, D]
 
     # ---- outliers: deviation beyond tau * std of the group, at most CAPACITY ----
-    mean = tl.math.div_rn(_group_stat(x, AXIS_CHANNEL, P, D, G), tl.full([P, D], GROUP_LEN, tl.float32))
+    mean = tl.math.div_rn(group_stat(x, AXIS_CHANNEL, P, D, G), tl.full([P, D], GROUP_LEN, tl.float32))
     centered = x - mean
-    var = tl.math.div_rn(_group_stat(centered * centered, AXIS_CHANNEL, P, D, G),
+    var = tl.math.div_rn(group_stat(centered * centered, AXIS_CHANNEL, P, D, G),
                          tl.full([P, D], GROUP_LEN, tl.float32))
     std = tl.sqrt_rn(var)
     deviation = tl.math.div_rn(tl.abs(centered), tl.where(std > 0, std, 1.0))
@@ -225,13 +163,13 @@ def _quantize_page_head(
         outlier = above | (at_cut & (tie_rank <= room))
 
     # ---- scale and zero point over the inliers ----
-    lo_x = _group_extreme(tl.where(outlier, float("inf"), x), False, AXIS_CHANNEL, P, D, G)
-    hi_x = _group_extreme(tl.where(outlier, float("-inf"), x), True, AXIS_CHANNEL, P, D, G)
+    lo_x = group_extreme(tl.where(outlier, float("inf"), x), False, AXIS_CHANNEL, P, D, G)
+    hi_x = group_extreme(tl.where(outlier, float("-inf"), x), True, AXIS_CHANNEL, P, D, G)
     lo_x = tl.where(lo_x == float("inf"), 0.0, lo_x)                               # a group of outliers only
     hi_x = tl.where(hi_x == float("-inf"), 0.0, hi_x)
     if AXIS_CHANNEL:
-        zero = _fp16_rounded(lo_x, False)                                          # [D]
-        scale = _fp16_rounded(tl.maximum(tl.math.div_rn(hi_x - zero, tl.full([D], levels, tl.float32)),
+        zero = fp16_rounded(lo_x, False)                                          # [D]
+        scale = fp16_rounded(tl.maximum(tl.math.div_rn(hi_x - zero, tl.full([D], levels, tl.float32)),
                                          2.0 ** -24), True)
         tl.store(scale_ptr + page_head * D + offs_d, scale.to(tl.float16))
         tl.store(zero_ptr + page_head * D + offs_d, zero.to(tl.float16))
@@ -243,7 +181,7 @@ def _quantize_page_head(
         hi_x = tl.maximum(hi_x, 0.0)
         needed = tl.maximum(tl.math.div_rn(hi_x - lo_x, tl.full([P, G], levels - 1.0 / frac, tl.float32)),
                             2.0 ** -24)
-        base = _fp16_rounded(tl.maximum(tl.max(tl.max(needed, axis=1), axis=0), 2.0 ** -14), True)
+        base = fp16_rounded(tl.maximum(tl.max(tl.max(needed, axis=1), axis=0), 2.0 ** -14), True)
         tl.store(base_ptr + page_head, base.to(tl.float16))
         code = tl.floor(-16.0 * tl.log2(tl.math.div_rn(needed, tl.full([P, G], 1.0, tl.float32) * base)))
         code = tl.minimum(tl.maximum(code, 0.0), 255.0)
@@ -261,16 +199,16 @@ def _quantize_page_head(
     # ---- codes ----
     ratio = tl.math.div_rn(x - zero_full, scale_full)
     ratio = tl.minimum(tl.maximum(ratio, -1.0), levels + 1.0)
-    codes_f = tl.minimum(tl.maximum(_round_half_even(ratio), 0.0), levels * 1.0)
+    codes_f = tl.minimum(tl.maximum(round_half_even(ratio), 0.0), levels * 1.0)
     codes = codes_f.to(tl.int32)
     rows = codes_ptr + page_head * (P * WORDS) + offs_p[:, None] * WORDS
     if BITS == 4:
-        tl.store(rows + tl.arange(0, D // 8)[None, :], _pack_plane(codes, P, D, 4))
+        tl.store(rows + tl.arange(0, D // 8)[None, :], pack_plane(codes, P, D, 4))
     elif BITS == 2:
-        tl.store(rows + tl.arange(0, D // 16)[None, :], _pack_plane(codes, P, D, 2))
+        tl.store(rows + tl.arange(0, D // 16)[None, :], pack_plane(codes, P, D, 2))
     else:
-        tl.store(rows + tl.arange(0, D // 16)[None, :], _pack_plane(codes & 3, P, D, 2))
-        tl.store(rows + D // 16 + tl.arange(0, D // 32)[None, :], _pack_plane(codes >> 2, P, D, 1))
+        tl.store(rows + tl.arange(0, D // 16)[None, :], pack_plane(codes & 3, P, D, 2))
+        tl.store(rows + D // 16 + tl.arange(0, D // 32)[None, :], pack_plane(codes >> 2, P, D, 1))
 
     # ---- outliers: fp16 residuals, compacted in ascending index order ----
     if CAPACITY > 0:
