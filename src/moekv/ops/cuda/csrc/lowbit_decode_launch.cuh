@@ -1,0 +1,40 @@
+// The launch of the v7 decode kernels of one code width, MOEKV_V7_BITS: each lowbit_decode_b<bits>.cu defines it and
+// includes this, so the build compiles the three widths in parallel.
+#pragma once
+#include <stdexcept>
+#include <string>
+#include "lowbit_decode_kernel.cuh"
+
+namespace moekv_v7 {
+
+static void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("lowbit decode v7: ") + what + ": " + cudaGetErrorString(err));
+}
+
+template <int B, typename QT, int STAGES>
+static void launch(const Params& p, int batch, cudaStream_t stream) {
+  auto kernel = decode_kernel<B, QT, STAGES>;
+  const SmemPlan plan = smem_plan<B>(p.k_cap, p.v_cap, STAGES);
+  static int configured = 0;
+  if (plan.total > configured) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.total), "shared memory");
+    configured = plan.total;
+  }
+  dim3 grid(p.num_splits, p.num_kv_heads, batch);
+  kernel<<<grid, THREADS, plan.total, stream>>>(p);
+  check(cudaGetLastError(), "launch");
+}
+
+}  // namespace moekv_v7
+
+template <int B>
+void launch_bits(const moekv_v7::Params& p, int batch, int stages, bool bf16, cudaStream_t stream);
+
+template <>
+void launch_bits<MOEKV_V7_BITS>(const moekv_v7::Params& p, int batch, int stages, bool bf16, cudaStream_t stream) {
+  using namespace moekv_v7;
+  constexpr int STAGES = MOEKV_V7_BITS == 4 ? 2 : 3;   // int4 pages are larger: 2 stages keep 3 CTAs per SM
+  if (stages != STAGES) throw std::invalid_argument("lowbit decode v7: stage count differs from the build");
+  if (bf16) launch<MOEKV_V7_BITS, __nv_bfloat16, STAGES>(p, batch, stream);
+  else launch<MOEKV_V7_BITS, __half, STAGES>(p, batch, stream);
+}
