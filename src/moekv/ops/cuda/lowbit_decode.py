@@ -98,11 +98,6 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
     return counters
 
 
-def stages_for(bits: int) -> int:
-    """Ring depth: 3 pages in flight per CTA (2 for int4, whose pages are larger) keeps 3 CTAs per SM."""
-    return 2 if bits == 4 else 3
-
-
 def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,
                                   value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
                                   staging_values: torch.Tensor, staging_slot_of_page: torch.Tensor, meta,
@@ -153,6 +148,5 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         kp.codes, kp.scale, kp.zero, kp.outlier_vals, kp.outlier_idx, kp.outlier_count,
         vp.codes, vp.scale, vp.zero, vp.scale_base, vp.outlier_vals, vp.outlier_idx, vp.outlier_count,
         staging_keys, staging_values, staging_slot_of_page, meta.block_tables, meta.query_start_loc,
-        meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits,
-        stages_for(key_spec.bits))
+        meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits)
     return out

@@ -8,12 +8,12 @@
 using namespace moekv_v7;
 
 template <int B>
-void launch_bits(const Params& p, int batch, int stages, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>.cu
+void launch_bits(const Params& p, int batch, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>.cu
 
-int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap, int64_t stages) {
-  if (bits == 4) return smem_plan<4>(k_cap, v_cap, stages).total;
-  if (bits == 3) return smem_plan<3>(k_cap, v_cap, stages).total;
-  return smem_plan<2>(k_cap, v_cap, stages).total;
+int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap) {
+  if (bits == 4) return smem_plan<4>(k_cap, v_cap).total;
+  if (bits == 3) return smem_plan<3>(k_cap, v_cap).total;
+  return smem_plan<2>(k_cap, v_cap).total;
 }
 
 void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Tensor out,
@@ -25,7 +25,7 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
             torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor slot_of_page,
             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
             double qk_scale, int64_t group, int64_t num_splits, int64_t pages_per_split,
-            int64_t bits, int64_t stages) {
+            int64_t bits) {
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(q.size(-1) == D && k_codes.size(2) == P, "lowbit decode v7: head_dim and page size must be 128");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32 &&
@@ -69,11 +69,10 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf,
               "lowbit decode v7: query must be fp16 or bf16");
-  TORCH_CHECK(stages == 2 || stages == 3, "lowbit decode v7: stages must be 2 or 3, got ", stages);
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  if (bits == 4) launch_bits<4>(p, batch, stages, bf16, stream);
-  else if (bits == 3) launch_bits<3>(p, batch, stages, bf16, stream);
-  else if (bits == 2) launch_bits<2>(p, batch, stages, bf16, stream);
+  if (bits == 4) launch_bits<4>(p, batch, bf16, stream);
+  else if (bits == 3) launch_bits<3>(p, batch, bf16, stream);
+  else if (bits == 2) launch_bits<2>(p, batch, bf16, stream);
   else TORCH_CHECK(false, "lowbit decode v7: bits must be 2, 3 or 4, got ", bits);
 }
 

@@ -84,15 +84,21 @@ struct Params {
 namespace moekv_v7 {
 
 // ---------------------------------------------------------------- shared memory layout
+// Two rings: the codes of a page-head (CODE_STAGES deep: the page being computed and the next one in flight) and
+// its small arrays (META_STAGES deep, one page further ahead, so that the prep of page i + 1 runs while page i is
+// computed and one CTA barrier per page suffices).
+constexpr int CODE_STAGES = 2;
+constexpr int META_STAGES = 3;
 template <int B> struct Layout {
   using W = Bits<B>;
-  // one ring stage: a page-head's codes (planes apart, rows padded as W says), scales, zeros, counts, slot,
-  // then the outliers (runtime capacity)
+  // code stage: a page-head's codes, planes apart, rows padded as W says
   static constexpr int KC_LO = 0;
   static constexpr int KC_HI = KC_LO + P * W::K_LO;
   static constexpr int VC_LO = KC_HI + P * W::K_HI;
   static constexpr int VC_HI = VC_LO + P * W::V_LO;
-  static constexpr int K_SCALE = VC_HI + P * W::V_HI;
+  static constexpr int CODE_BYTES = VC_HI + P * W::V_HI;
+  // meta stage: scales, zeros, counts, slot, then the outliers (runtime capacity)
+  static constexpr int K_SCALE = 0;
   static constexpr int K_ZERO = K_SCALE + 2 * D;
   static constexpr int V_SCALE = K_ZERO + 2 * D;
   static constexpr int V_ZERO = V_SCALE + P;
@@ -105,36 +111,38 @@ template <int B> struct Layout {
 
 __host__ __device__ inline int outlier_chunk_bytes(int cap) { return cap > 0 ? (((2 * cap + 15) / 16) + 1) * 16 : 0; }
 
-// prep area (one, rewritten every page): B fragments per lane, q . Z per head, value scale / zero per token
+// prep area (two, page i computes from one while page i + 1 is prepared into the other): B fragments per lane,
+// q . Z per head, value scale / zero per token, flags
 constexpr int PREP_BFRAG = 0;                      // [4 blocks][32 lanes][4] uint32
 constexpr int PREP_BIAS = PREP_BFRAG + 4 * 32 * 16;
 constexpr int PREP_VSZ = PREP_BIAS + NH * 4;       // [P] float2
 constexpr int PREP_FLAGS = PREP_VSZ + P * 8;       // int: staged, k count, v count, page index
 constexpr int PREP_BYTES = PREP_FLAGS + 16;
-// per-warp outlier scratch
-constexpr int W_ONEHOT_V = 0;                      // [D rows][SLOT_TILE] fp16
-constexpr int W_ONEHOT_K = W_ONEHOT_V + D * SLOT_TILE * 2;   // [32 tokens][SLOT_TILE] fp16
-constexpr int W_PTILE = W_ONEHOT_K + 32 * SLOT_TILE * 2;     // [32 tokens][NH] fp16 probabilities
+// per-warp outlier scratch: one one-hot tile (values: [D rows][SLOT_TILE]; keys use its first 32 rows; both kept
+// zero between uses) and the warp's probabilities
+constexpr int W_ONEHOT = 0;                        // [D rows][SLOT_TILE] fp16
+constexpr int W_PTILE = W_ONEHOT + D * SLOT_TILE * 2;        // [32 tokens][NH] fp16 probabilities
 constexpr int W_BYTES = W_PTILE + 32 * NH * 2;
 
 struct SmemPlan {      // byte offsets into dynamic shared memory (host and device agree)
-  int stage_bytes, stages, ring, prep, warp, table, qn, qmax, staged, total;
+  int code_bytes, meta_bytes, meta, ring, prep, warp, table, qn, qmax, staged, total;
 };
 
-// after the page loop the ring holds the merge: per-warp outputs and (max, sum), the staged pages' state and
+// after the page loop the rings hold the merge: per-warp outputs and (max, sum), the staged pages' state and
 // their score tile
 constexpr int MERGE_BYTES = (WARPS * NH * D + 2 * WARPS * NH + NH * D + 2 * NH + P * NH + 2 * WARPS * NH) * 4;
 
 template <int B>
-__host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap, int stages) {
+__host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   SmemPlan s;
-  s.stage_bytes = Layout<B>::FIXED + 2 * outlier_chunk_bytes(k_cap) + 2 * outlier_chunk_bytes(v_cap);
-  s.stage_bytes = (s.stage_bytes + 127) / 128 * 128;
-  s.stages = stages;
+  s.code_bytes = Layout<B>::CODE_BYTES;
+  s.meta_bytes = Layout<B>::FIXED + 2 * outlier_chunk_bytes(k_cap) + 2 * outlier_chunk_bytes(v_cap);
+  s.meta_bytes = (s.meta_bytes + 127) / 128 * 128;
   s.ring = 0;
-  const int ring_bytes = stages * s.stage_bytes > MERGE_BYTES ? stages * s.stage_bytes : MERGE_BYTES;
-  s.prep = s.ring + ring_bytes;
-  s.warp = s.prep + PREP_BYTES;
+  s.meta = s.ring + CODE_STAGES * s.code_bytes;
+  const int ring_bytes = s.meta + META_STAGES * s.meta_bytes;
+  s.prep = s.ring + (ring_bytes > MERGE_BYTES ? ring_bytes : MERGE_BYTES);
+  s.warp = s.prep + 2 * PREP_BYTES;
   s.table = s.warp + ((k_cap > 0 || v_cap > 0) ? WARPS * W_BYTES : 0);
   s.qn = s.table + TABLE_MAX * 4;                  // [NH][D] fp16 normalised query
   s.qmax = s.qn + NH * D * 2;                      // [NH] fp32 |q| max per head
@@ -182,9 +190,7 @@ template <int B> struct Loads {
   }
 };
 
-// Issue the cp.async copies of page `page` (kv head kvh) into ring stage `st`. Codes: every thread the same
-// number of 16-byte chunks (destinations precomputed in `dst`); the small arrays: fixed lanes of warps 2 and 3;
-// the outlier slots' covering chunks: warps 0 and 1.
+// Destinations of a thread's code chunks in a code stage (precomputed once).
 template <int B> struct CopyPlan {
   static constexpr int CPR = Bits<B>::WORDS / 4;            // 16-byte chunks per code row
   static constexpr int PER_THREAD = P * CPR / THREADS;
@@ -211,10 +217,10 @@ __device__ __forceinline__ void covering_copy(uint8_t* dst, const void* base, lo
   cp_async16(dst, reinterpret_cast<const uint8_t*>(base) + (bytes > 0 ? off : 0), bytes);
 }
 
+// the codes of page `page` (kv head kvh) into code stage `st`: every thread the same number of 16-byte chunks
 template <int B>
-__device__ __forceinline__ void issue_page(const Params& p, const CopyPlan<B>& cp, uint8_t* st, int page, int kvh,
-                                           int tid, int ocK, int ocV) {
-  using L = Layout<B>;
+__device__ __forceinline__ void issue_codes(const Params& p, const CopyPlan<B>& cp, uint8_t* st, int page, int kvh,
+                                            int tid) {
   using W = Bits<B>;
   const long long ph = (long long)page * p.num_kv_heads + kvh;
   const uint8_t* kc = reinterpret_cast<const uint8_t*>(p.k_codes) + ph * (P * W::WORDS * 4) + tid * 16;
@@ -224,6 +230,14 @@ __device__ __forceinline__ void issue_page(const Params& p, const CopyPlan<B>& c
     cp_async16(st + cp.kdst[k], kc + k * THREADS * 16, 16);
     cp_async16(st + cp.vdst[k], vc + k * THREADS * 16, 16);
   }
+}
+
+// the small arrays of page `page` into meta stage `st`: fixed lanes of warps 2 and 3; the outlier slots' covering
+// chunks: warps 0 and 1
+template <int B>
+__device__ __forceinline__ void issue_meta(const Params& p, uint8_t* st, int page, int kvh, int tid, int ocK, int ocV) {
+  using L = Layout<B>;
+  const long long ph = (long long)page * p.num_kv_heads + kvh;
   const int warp = tid >> 5, lane = tid & 31;
   if (warp == 3) {                        // key scale and zero: 16 chunks each
     const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < 16 ? p.k_scale : p.k_zero) + ph * (2 * D);

@@ -29,11 +29,55 @@ __device__ __forceinline__ int2 warp_slot_range(const SlotView& sv, int count, i
   return make_int2(lo, hi);
 }
 
-template <int B, typename QT, int STAGES>
-__global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
+// Prep of one page into a prep buffer (the CTA together): the per-channel key scale folded into the query as the
+// B fragments (warp jb, lane fl: registers 4 jb .. 4 jb + 3), q . Z per head, each token's value scale / zero point,
+// the page's flags; a staged page is recorded in `staged_list`.
+template <int B>
+__device__ __forceinline__ void prep_page(const Params& p, const uint8_t* mt, uint8_t* pp, long long ph, int i,
+                                          const __half2 (&qf)[4], const __half* qn_tab, int* staged_list) {
+  using L = Layout<B>;
+  const int tid = threadIdx.x, fl = tid & 31, jb = tid >> 5, qh = tid >> 4, qd = (tid & 15) * 8;
+  const __half* ks = reinterpret_cast<const __half*>(mt + L::K_SCALE);
+  uint32_t bw[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int j = 4 * jb + r, lo = 32 * (fl & 3) + key_lo<B>(j), hi = lo + key_gap<B>();
+    const __half2 sp = __halves2half2(ks[lo], ks[hi]);
+    const __half2 prod = __hmul2(qf[r], sp);
+    bw[r] = *reinterpret_cast<const uint32_t*>(&prod);
+  }
+  *reinterpret_cast<uint4*>(pp + PREP_BFRAG + (jb * 32 + fl) * 16) = make_uint4(bw[0], bw[1], bw[2], bw[3]);
+  const uint4 zr = *reinterpret_cast<const uint4*>(mt + L::K_ZERO + qd * 2);
+  const __half* zh = reinterpret_cast<const __half*>(&zr);
+  const uint4 qr = *reinterpret_cast<const uint4*>(qn_tab + qh * D + qd);
+  const __half* qh8 = reinterpret_cast<const __half*>(&qr);
+  float bias = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) bias = fmaf(__half2float(qh8[k]), __half2float(zh[k]), bias);
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) bias += __shfl_xor_sync(0xffffffffu, bias, o);
+  if ((tid & 15) == 0) reinterpret_cast<float*>(pp + PREP_BIAS)[qh] = bias;
+  const float base = __half2float(*reinterpret_cast<const __half*>(mt + L::V_BASE + ((ph * 2) & 15)));
+  const float rel = ex2(-(float)mt[L::V_SCALE + tid] * (1.f / 16.f));
+  const float sv = base * rel;
+  const float zv = -(sv * (float)mt[L::V_ZERO + tid]) * (1.f / (float)(1 << (8 - B)));
+  reinterpret_cast<float2*>(pp + PREP_VSZ)[tid] = make_float2(sv, zv);
+  if (tid == 0) {
+    const int slot = *reinterpret_cast<const int*>(mt + L::SLOT);
+    const int kc = p.k_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(mt + L::K_COUNT + ((ph * 2) & 15)), p.k_cap) : 0;
+    const int vc = p.v_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(mt + L::V_COUNT + ((ph * 2) & 15)), p.v_cap) : 0;
+    int* flags = reinterpret_cast<int*>(pp + PREP_FLAGS);
+    flags[0] = slot; flags[1] = kc; flags[2] = vc;
+    if (slot >= 0) { const int k = staged_list[0]; if (k < 16) staged_list[1 + k] = i; staged_list[0] = k + 1; }
+  }
+}
+
+// MINB: resident CTAs per SM the registers are capped for (4: <= 128 registers; int4's larger code stages fit 3).
+template <int B, typename QT, int MINB>
+__global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   using L = Layout<B>;
-  const SmemPlan plan = smem_plan<B>(p.k_cap, p.v_cap, STAGES);
+  const SmemPlan plan = smem_plan<B>(p.k_cap, p.v_cap);
   const int ocK = outlier_chunk_bytes(p.k_cap), ocV = outlier_chunk_bytes(p.v_cap);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
@@ -48,7 +92,6 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
   int* table = reinterpret_cast<int*>(smem + plan.table);
   __half* qn_tab = reinterpret_cast<__half*>(smem + plan.qn);
   float* qmax_tab = reinterpret_cast<float*>(smem + plan.qmax);
-  uint8_t* prep = smem + plan.prep;
   const int* bt = p.block_tables + (long long)seq * p.stride_bt;
   for (int i = tid; i < n; i += THREADS) table[i] = bt[first + i];
   if (p.k_cap > 0 || p.v_cap > 0) {        // one-hot tiles start (and stay) zero
@@ -87,14 +130,24 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
   }
   const float qms0 = qmax_tab[2 * c] * p.qk_scale, qms1 = qmax_tab[2 * c + 1] * p.qk_scale;   // score scale
 
-  // ---- ring prologue
+  // ---- ring prologue: codes of page 0, the small arrays of pages 0 and 1; prep of page 0
   CopyPlan<B> copies;
   copies.init(tid);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n) issue_page<B>(p, copies, smem + plan.ring + s * plan.stage_bytes, table[s], kvh, tid, ocK, ocV);
-    cp_commit();
+  auto code_stage = [&](int k) { return smem + plan.ring + (k & 1) * plan.code_bytes; };
+  auto meta_stage = [&](int k) { return smem + plan.meta + (k % META_STAGES) * plan.meta_bytes; };
+  auto prep_buf = [&](int k) { return smem + plan.prep + (k & 1) * PREP_BYTES; };
+  auto page_head = [&](int k) { return (long long)table[k] * p.num_kv_heads + kvh; };
+  int* staged_list = reinterpret_cast<int*>(smem + plan.staged);        // [0]: count, then page indices
+  if (tid == 0) staged_list[0] = 0;
+  if (n > 0) {
+    issue_codes<B>(p, copies, code_stage(0), table[0], kvh, tid);
+    issue_meta<B>(p, meta_stage(0), table[0], kvh, tid, ocK, ocV);
   }
+  if (n > 1) issue_meta<B>(p, meta_stage(1), table[1], kvh, tid, ocK, ocV);
+  cp_commit();
+  cp_wait<0>();
+  __syncthreads();
+  if (n > 0) prep_page<B>(p, meta_stage(0), prep_buf(0), page_head(0), 0, qf, qn_tab, staged_list);
 
   float acc[8][4];
 #pragma unroll
@@ -102,58 +155,24 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f, z0 = 0.f, z1 = 0.f;
   const int odd = g & 1;
   uint8_t* wscr = smem + plan.warp + warp * W_BYTES;
-  int* staged_list = reinterpret_cast<int*>(smem + plan.staged);        // [0]: count, then page indices
-  if (tid == 0) staged_list[0] = 0;
 
   for (int i = 0; i < n; ++i) {
-    cp_wait<STAGES - 2>();
+    // one barrier per page: page i's codes and page i + 1's small arrays have landed, page i - 1 is done by all
+    // warps (its code stage and the meta stage of page i - 1 are free), prep of page i is visible
+    cp_wait<0>();
     __syncthreads();
-    if (i + STAGES - 1 < n)
-      issue_page<B>(p, copies, smem + plan.ring + ((i + STAGES - 1) % STAGES) * plan.stage_bytes,
-                    table[i + STAGES - 1], kvh, tid, ocK, ocV);
+    if (i + 1 < n) issue_codes<B>(p, copies, code_stage(i + 1), table[i + 1], kvh, tid);
+    if (i + 2 < n) issue_meta<B>(p, meta_stage(i + 2), table[i + 2], kvh, tid, ocK, ocV);
     cp_commit();
-    const uint8_t* st = smem + plan.ring + (i % STAGES) * plan.stage_bytes;
-    const long long ph = (long long)table[i] * p.num_kv_heads + kvh;
-    // ---- prep: folded query (B fragments), q . Z, value scale / zero per token
-    {
-      const __half* ks = reinterpret_cast<const __half*>(st + L::K_SCALE);
-      uint32_t bw[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int j = 4 * jb + r, lo = 32 * (fl & 3) + key_lo<B>(j), hi = lo + key_gap<B>();
-        const __half2 sp = __halves2half2(ks[lo], ks[hi]);
-        const __half2 prod = __hmul2(qf[r], sp);
-        bw[r] = *reinterpret_cast<const uint32_t*>(&prod);
-      }
-      *reinterpret_cast<uint4*>(prep + PREP_BFRAG + (jb * 32 + fl) * 16) = make_uint4(bw[0], bw[1], bw[2], bw[3]);
-      const uint4 zr = *reinterpret_cast<const uint4*>(st + L::K_ZERO + qd * 2);
-      const __half* zh = reinterpret_cast<const __half*>(&zr);
-      const uint4 qr = *reinterpret_cast<const uint4*>(qn_tab + qh * D + qd);
-      const __half* qh8 = reinterpret_cast<const __half*>(&qr);
-      float bias = 0.f;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) bias = fmaf(__half2float(qh8[k]), __half2float(zh[k]), bias);
-#pragma unroll
-      for (int o = 1; o < 16; o <<= 1) bias += __shfl_xor_sync(0xffffffffu, bias, o);
-      if ((tid & 15) == 0) reinterpret_cast<float*>(prep + PREP_BIAS)[qh] = bias;
-      const float base = __half2float(*reinterpret_cast<const __half*>(st + L::V_BASE + ((ph * 2) & 15)));
-      const float rel = ex2(-(float)st[L::V_SCALE + tid] * (1.f / 16.f));
-      const float sv = base * rel;
-      const float zv = -(sv * (float)st[L::V_ZERO + tid]) * (1.f / (float)(1 << (8 - B)));
-      reinterpret_cast<float2*>(prep + PREP_VSZ)[tid] = make_float2(sv, zv);
-      if (tid == 0) {
-        const int slot = *reinterpret_cast<const int*>(st + L::SLOT);
-        const int kc = p.k_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(st + L::K_COUNT + ((ph * 2) & 15)), p.k_cap) : 0;
-        const int vc = p.v_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(st + L::V_COUNT + ((ph * 2) & 15)), p.v_cap) : 0;
-        int* flags = reinterpret_cast<int*>(prep + PREP_FLAGS);
-        flags[0] = slot; flags[1] = kc; flags[2] = vc;
-        if (slot >= 0) { const int k = staged_list[0]; if (k < 16) staged_list[1 + k] = i; staged_list[0] = k + 1; }
-      }
-    }
-    __syncthreads();
+    if (i + 1 < n) prep_page<B>(p, meta_stage(i + 1), prep_buf(i + 1), page_head(i + 1), i + 1, qf, qn_tab, staged_list);
+    const uint8_t* st = code_stage(i);
+    const uint8_t* mt = meta_stage(i);
+    const uint8_t* prep = prep_buf(i);
+    const long long ph = page_head(i);
     const int* flags = reinterpret_cast<const int*>(prep + PREP_FLAGS);
     if (flags[0] >= 0) continue;                       // staged page: its low-bit storage is stale
     const int page_index = first + i;
+    const bool full_page = (page_index + 1) * P <= ctx;
     // ---- keys -> scores
     uint32_t bq[16];
 #pragma unroll
@@ -174,9 +193,9 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
     }
     const int kcount = flags[1], vcount = flags[2];
     if (kcount > 0) {                                  // key outliers: scores += onehot(token, slot) . (r * qn)
-      const SlotView sv = slot_view(st, L::FIXED, L::FIXED + ocK, ph, p.k_cap);
+      const SlotView sv = slot_view(mt, L::FIXED, L::FIXED + ocK, ph, p.k_cap);
       const int2 rng = warp_slot_range(sv, kcount, 32 * warp * D, 32 * (warp + 1) * D, lane);
-      __half* onehot = reinterpret_cast<__half*>(wscr + W_ONEHOT_K);
+      __half* onehot = reinterpret_cast<__half*>(wscr + W_ONEHOT);
       for (int base = rng.x; base < rng.y; base += SLOT_TILE) {
         const int s = base + lane;
         const bool live = lane < SLOT_TILE && s < rng.y;
@@ -225,7 +244,7 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = 32 * warp + 16 * mt + tau<B>(g) + 8 * (e >> 1);
-        const bool valid = page_index * P + tok < ctx;
+        const bool valid = full_page || page_index * P + tok < ctx;
         const float v = (e & 1) ? qms1 * fmaf(cs[mt][e], 16777216.f, bias1) : qms0 * fmaf(cs[mt][e], 16777216.f, bias0);
         sc[mt][e] = valid ? v : NEG_INF;
         if (e & 1) mx1 = fmaxf(mx1, sc[mt][e]); else mx0 = fmaxf(mx0, sc[mt][e]);
@@ -275,9 +294,9 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
     }
     if (vcount > 0) {          // value outliers: acc += onehot(row(ch), slot) * unit . (r * p[token][head])
       __syncwarp();
-      const SlotView sv = slot_view(st, L::FIXED + 2 * ocK, L::FIXED + 2 * ocK + ocV, ph, p.v_cap);
+      const SlotView sv = slot_view(mt, L::FIXED + 2 * ocK, L::FIXED + 2 * ocK + ocV, ph, p.v_cap);
       const int2 rng = warp_slot_range(sv, vcount, 32 * warp * D, 32 * (warp + 1) * D, lane);
-      __half* onehot = reinterpret_cast<__half*>(wscr + W_ONEHOT_V);
+      __half* onehot = reinterpret_cast<__half*>(wscr + W_ONEHOT);
       const __half* pt = reinterpret_cast<const __half*>(wscr + W_PTILE);
       for (int base = rng.x; base < rng.y; base += SLOT_TILE) {
         const int s = base + lane;
@@ -385,7 +404,7 @@ __global__ void __launch_bounds__(THREADS, 3) decode_kernel(const Params p) {
     }
   }
   if (write_direct) return;
-  combine_splits<QT>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(prep));
+  combine_splits<QT>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(smem + plan.prep));
 }
 
 }  // namespace moekv_v7

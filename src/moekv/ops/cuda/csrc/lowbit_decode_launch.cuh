@@ -7,14 +7,17 @@
 
 namespace moekv_v7 {
 
+// resident CTAs per SM each width is built for: int3 / int2 stages fit 4 (<= 128 registers), int4's larger ones 3
+template <int B> constexpr int MINB = B == 4 ? 3 : 4;
+
 static void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("lowbit decode v7: ") + what + ": " + cudaGetErrorString(err));
 }
 
-template <int B, typename QT, int STAGES>
+template <int B, typename QT>
 static void launch(const Params& p, int batch, cudaStream_t stream) {
-  auto kernel = decode_kernel<B, QT, STAGES>;
-  const SmemPlan plan = smem_plan<B>(p.k_cap, p.v_cap, STAGES);
+  auto kernel = decode_kernel<B, QT, MINB<B>>;
+  const SmemPlan plan = smem_plan<B>(p.k_cap, p.v_cap);
   static int configured = 0;
   if (plan.total > configured) {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.total), "shared memory");
@@ -28,13 +31,11 @@ static void launch(const Params& p, int batch, cudaStream_t stream) {
 }  // namespace moekv_v7
 
 template <int B>
-void launch_bits(const moekv_v7::Params& p, int batch, int stages, bool bf16, cudaStream_t stream);
+void launch_bits(const moekv_v7::Params& p, int batch, bool bf16, cudaStream_t stream);
 
 template <>
-void launch_bits<MOEKV_V7_BITS>(const moekv_v7::Params& p, int batch, int stages, bool bf16, cudaStream_t stream) {
+void launch_bits<MOEKV_V7_BITS>(const moekv_v7::Params& p, int batch, bool bf16, cudaStream_t stream) {
   using namespace moekv_v7;
-  constexpr int STAGES = MOEKV_V7_BITS == 4 ? 2 : 3;   // int4 pages are larger: 2 stages keep 3 CTAs per SM
-  if (stages != STAGES) throw std::invalid_argument("lowbit decode v7: stage count differs from the build");
-  if (bf16) launch<MOEKV_V7_BITS, __nv_bfloat16, STAGES>(p, batch, stream);
-  else launch<MOEKV_V7_BITS, __half, STAGES>(p, batch, stream);
+  if (bf16) launch<MOEKV_V7_BITS, __nv_bfloat16>(p, batch, stream);
+  else launch<MOEKV_V7_BITS, __half>(p, batch, stream);
 }
