@@ -134,7 +134,8 @@ def test_runs_on():
 
 
 @pytest.mark.parametrize("batch,heads,pages,sms,expect", [
-    (32, 8, 128, 132, 4),       # 256 (sequence, kv head) pairs: four splits give two waves of 3 CTAs per SM
+    (32, 8, 128, 132, 2),       # 256 (sequence, kv head) pairs: two splits fill one wave of 4 CTAs per SM
+    (8, 8, 256, 132, 8),        # 64 pairs: eight splits
     (128, 8, 128, 132, 1),      # the batch fills the GPU
     (1, 8, 128, 132, 16),       # B=1: at least MIN_PAGES_PER_SPLIT pages per split
     (1, 8, 1, 132, 1),          # never more splits than pages allow

@@ -23,9 +23,8 @@ PAGE_SIZE = 128
 HEAD_DIM = 128
 MAX_GROUP = 8
 TABLE_MAX = 512                  # block-table entries one split holds in shared memory (lowbit_decode.cuh)
-CTAS_PER_SM = 3                  # resident CTAs per SM the kernel is built for (__launch_bounds__)
+CTAS_PER_SM = 4                  # resident CTAs per SM of the int3 / int2 builds (__launch_bounds__; int4: 3)
 MIN_PAGES_PER_SPLIT = 8          # below this the split's fixed costs (ring fill, merge, combine) dominate
-WAVES = 2                        # CTAs planned for this many full waves
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
 
@@ -66,11 +65,12 @@ def _num_sms(index: int) -> int:
 
 
 def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int) -> int:
-    """Split-K count: enough CTAs for WAVES full waves (CTAS_PER_SM per SM) when the batch alone does not give
-    them, each split at least MIN_PAGES_PER_SPLIT pages and at most TABLE_MAX; 1 when the batch fills the GPU."""
+    """Split-K count: the most splits whose CTAs still fit one wave (CTAS_PER_SM per SM; measured faster than two
+    waves: session 17's sweep, docs/attention-kernels.md), each split at least MIN_PAGES_PER_SPLIT pages and at
+    most TABLE_MAX; 1 when the batch fills the GPU."""
     pairs = max(batch * num_kv_heads, 1)
     need = math.ceil(max(max_pages, 1) / TABLE_MAX)
-    want = math.ceil(WAVES * num_sms * CTAS_PER_SM / pairs)
+    want = max(1, num_sms * CTAS_PER_SM // pairs)
     return max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT)))
 
 
