@@ -148,6 +148,12 @@ def test_plan_splits(batch, heads, pages, sms, expect):
     assert -(-pages // splits) <= lowbit_decode.TABLE_MAX
 
 
+@pytest.mark.parametrize("batch,pages,expect", [(32, 128, 4), (128, 128, 1), (1, 128, 16)])
+def test_plan_splits_int4(batch, pages, expect):
+    # int4 (3 CTAs per SM): two full waves (four splits at B=32 L=16k, 8 kv heads, 132 SMs)
+    assert lowbit_decode.plan_splits(batch, 8, pages, 132, bits=4) == expect
+
+
 def test_rejects_prefill_and_large_groups():
     from moekv.core.attention_metadata import AttentionMetadata
 

@@ -145,7 +145,8 @@ class LowBitKVCache(KVCache):
         8, D] and their log-sum-exp; ops/cuda/lowbit_decode.py), at the split count of an H100/H200's 132 SMs."""
         from moekv.ops.cuda import lowbit_decode   # host-side planning only (nothing is built or launched)
 
-        splits = lowbit_decode.plan_splits(max_batch, spec.num_kv_heads, -(-max_model_len // spec.page_size), 132)
+        splits = lowbit_decode.plan_splits(max_batch, spec.num_kv_heads, -(-max_model_len // spec.page_size), 132,
+                                           int(config.kv_cache_dtype[3:]))
         return lowbit_decode.workspace_bytes(max_batch, spec.num_kv_heads, splits, spec.head_dim)
 
     def graph_decode_splits(self, batch: int, max_model_len: int) -> int | None:
@@ -154,7 +155,8 @@ class LowBitKVCache(KVCache):
         from moekv.ops.cuda import lowbit_decode
 
         if self.device.type == "cuda" and lowbit_decode.supports(self.key_spec, self.value_spec, self.spec.head_dim):
-            return lowbit_decode.graph_splits(batch, self.spec.num_kv_heads, max_model_len, self.device)
+            return lowbit_decode.graph_splits(batch, self.spec.num_kv_heads, max_model_len, self.device,
+                                              self.key_spec.bits)
         from moekv.ops.triton.attention.split_k import plan_splits
 
         return plan_splits(batch, self.spec.num_kv_heads, max_model_len, 64, self.device)[0]

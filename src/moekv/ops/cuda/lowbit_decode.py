@@ -64,20 +64,23 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int) -> int:
-    """Split-K count: the most splits whose CTAs still fit one wave (CTAS_PER_SM per SM; measured faster than two
-    waves: session 17's sweep, docs/attention-kernels.md), each split at least MIN_PAGES_PER_SPLIT pages and at
-    most TABLE_MAX; 1 when the batch fills the GPU."""
+def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, bits: int = 3) -> int:
+    """Split-K count, each split at least MIN_PAGES_PER_SPLIT pages and at most TABLE_MAX, 1 when the batch fills
+    the GPU. int3 / int2 (4 CTAs per SM): the most splits whose CTAs still fit one wave (measured faster than two
+    waves, session 17's sweep in docs/attention-kernels.md); int4 (3 CTAs per SM): enough for two full waves."""
     pairs = max(batch * num_kv_heads, 1)
     need = math.ceil(max(max_pages, 1) / TABLE_MAX)
-    want = max(1, num_sms * CTAS_PER_SM // pairs)
+    if bits == 4:
+        want = math.ceil(2 * num_sms * 3 / pairs)
+    else:
+        want = max(1, num_sms * CTAS_PER_SM // pairs)
     return max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT)))
 
 
-def graph_splits(batch: int, num_kv_heads: int, max_model_len: int, device: torch.device) -> int:
+def graph_splits(batch: int, num_kv_heads: int, max_model_len: int, device: torch.device, bits: int = 3) -> int:
     """The split count a CUDA-graph bucket of `batch` sequences launches (pages per split sized on the device)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return plan_splits(batch, num_kv_heads, math.ceil(max_model_len / PAGE_SIZE), _num_sms(index))
+    return plan_splits(batch, num_kv_heads, math.ceil(max_model_len / PAGE_SIZE), _num_sms(index), bits)
 
 
 def workspace_bytes(batch: int, num_kv_heads: int, splits: int, head_dim: int = HEAD_DIM) -> int:
@@ -127,7 +130,7 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
     else:
         max_pages = math.ceil(max(meta.context_lens_host, default=0) / PAGE_SIZE)
         index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-        splits = num_splits or plan_splits(batch, num_kv_heads, max_pages, _num_sms(index))
+        splits = num_splits or plan_splits(batch, num_kv_heads, max_pages, _num_sms(index), key_spec.bits)
         pages_per_split = max(math.ceil(max_pages / splits), 1)
         splits = max(math.ceil(max_pages / pages_per_split), 1)
         if pages_per_split > TABLE_MAX:
