@@ -5,12 +5,13 @@
 //
 // Work split: one CTA (4 warps) per (split, kv head, sequence). All warps walk the same pages; warp w takes
 // tokens [32w, 32w + 32) of each 128-token page, with an online softmax of its own (merged at the end).
-// Per page:
-//   loads   : every thread issues its share of 16-byte cp.async copies of page i + STAGES - 1 (codes, scales,
-//             zero points, outliers, the staging slot) into a ring slot; no load waits in the compute path.
-//   prep    : the CTA folds the page's per-channel key scale into the query (the MMA B operand, per lane, in
-//             fragment order), computes q . Z per head and each token's value scale / zero point (shared
-//             memory, one barrier).
+// Per page (one CTA barrier per page):
+//   loads   : every thread issues its share of 16-byte cp.async copies: the codes of page i + 1 into a 2-stage
+//             ring, the small arrays (scales, zero points, counts, outliers, the staging slot) of page i + 2 into
+//             a 3-stage ring; no load waits in the compute path.
+//   prep    : the CTA folds page i + 1's per-channel key scale into the query (the MMA B operand, per lane, in
+//             fragment order), computes q . Z per head and each token's value scale / zero point into the other
+//             of two prep buffers while page i is computed.
 //   keys    : S^T[tok, head] = codes[tok, ch] . q'[ch, head]: tokens are the MMA M dimension, the GQA group
 //             (padded to 8) is N. Codes become fp16 operands by masks alone: a k-bit field at bit offset o
 //             (o + k <= 10) of a 16-bit half IS the fp16 subnormal code * 2^(o - 24); the 2^-o goes into q',
