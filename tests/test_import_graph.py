@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"config", "core", "tokenizer", "provenance", "datasets", "metrics"},   # config + plain records
     {"ops"},              # kernels: reference/ (PyTorch) and triton/, one dispatch point
     {"kvcache"},          # pages, block tables, page formats (calls ops)
-    {"kv", "sampling"},   # researcher API over the page formats; the sampler
+    {"kv", "sampling", "structured"},   # researcher API over the page formats; the sampler; grammars
     {"layers"},           # model building blocks (attention, MoE block, experts seam), single-device
     {"models"},           # model assembly, registry, checkpoint loading
     {"moe"},              # what plugs into the experts seam from outside: offload + prefetch, load stats

@@ -49,33 +49,77 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt: no second BOS when the template wrote one itself."""
+        bos = self.bos_token
+        return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def vocab_tokens(self) -> list[str | None]:
+        """Every token's vocabulary string (as tokenizer.json spells it), indexed by id; None for gaps."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        tokens: list[str | None] = [None] * (max(vocab.values()) + 1 if vocab else 0)
+        for token, token_id in vocab.items():
+            tokens[token_id] = token
+        return tokens
+
+    def backend_json(self) -> str:
+        """The tokenizer.json text (its model, normalizer, pre-tokenizer and decoder)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template: str | None = None) -> str:
-        """Render chat messages to a prompt string with the checkpoint's (or the given) template."""
+                            template: str | None = None, tools: list[dict] | None = None) -> str:
+        """Render chat messages to a prompt string with the checkpoint's (or the given) template;
+        `tools` (function schemas, as transformers passes them) go to the template as `tools`."""
+        template = self._template(template)
+        import jinja2
+
+        try:
+            return _environment().from_string(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+
+    def template_renders_tools(self, template: str | None = None) -> bool:
+        """Whether the chat template reads the `tools` variable at all (else tools would be dropped)."""
+        import jinja2.meta
+
+        source = self._template(template)
+        return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(source))
+
+    def _template(self, template: str | None) -> str:
         template = template or self.chat_template
         if not template:
             raise InvalidRequestError("this model has no chat template; pass one with --chat-template "
                                       "or use the completions API", param="messages")
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return template
 
-        def raise_exception(message):
-            raise jinja2.TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except jinja2.TemplateError as exc:
-            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+def _environment():
+    """The sandboxed jinja2 environment chat templates run in, with the helpers HF templates call."""
+    import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    env.filters["tojson"] = tojson           # no HTML escaping, as templates written for transformers expect
+    return env
 
 
 def _token_text(token) -> str | None:

@@ -41,6 +41,8 @@ class Request:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # sum of the sampled tokens' log-probabilities (tracked for best_of > n)
+    grammar: object | None = None    # structured outputs: the request's grammar matcher (moekv.structured)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0     # tokens whose keys/values are in the KV cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

@@ -243,7 +243,8 @@ class AsyncEngine:
         self._observe(tracked, request, len(new_tokens), finished, now)
         return StreamDelta(request.request_id, list(new_tokens), new_text, logprobs, finished,
                            request.finish_reason if finished else None, request.error if finished else None,
-                           request.num_prompt_tokens, len(request.output_token_ids))
+                           request.num_prompt_tokens, len(request.output_token_ids),
+                           request.cumulative_logprob if request.params.num_sequences > request.params.n else None)
 
     def _observe(self, tracked: Tracked, request: Request, num_new: int, finished: bool, now: float) -> None:
         metrics = self.metrics

@@ -21,11 +21,12 @@ from moekv.core.request import Request, RequestOutput
 from moekv.engine.batch import GenerationOutput, run_batch
 from moekv.engine.graph_buckets import graph_buckets, graph_pool_bytes
 from moekv.engine.model_runner import ModelRunner
+from moekv.engine.sampling_step import SamplingStep
 from moekv.engine.step_result import usable_rows
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError, NotAvailableError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
 from moekv.ops import dispatch
-from moekv.sampling import SampleResult, SamplingParams, sample
+from moekv.sampling import SampleResult, SamplingParams
 from moekv.scheduler.scheduler import Scheduler
 from moekv.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -108,6 +109,7 @@ class Engine:
                               f"max_model_len={self.max_model_len}; lower max_model_len or give the cache "
                               f"more memory")
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.sampling = SamplingStep(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.model.seed)
@@ -196,7 +198,10 @@ class Engine:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,),
                                                                                   generator=self._rng))
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        request = Request(request_id, token_ids, params, IncrementalDetokenizer(self.tokenizer), generator)
+        self.sampling.check(params)
+        grammar = self.sampling.grammar_matcher(params)          # structured outputs: compiled here
+        request = Request(request_id, token_ids, params, IncrementalDetokenizer(self.tokenizer), generator,
+                          grammar=grammar)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -281,14 +286,14 @@ class Engine:
             finite = result.finite            # graph decode steps read it back with the step's one host read
             if finite is None:
                 finite = usable_rows(logits).tolist()                                   # [S]
-            if result.greedy_tokens is not None and all(p.greedy and p.logprobs is None for p in params):
+            if result.greedy_tokens is not None and self.sampling.graph_argmax_suffices(params):
                 # the argmax the graph step computed (what sample() would pick); broken rows are discarded below
-                sampled = SampleResult(list(result.greedy_tokens), [None] * len(requests))
+                sampled = SampleResult(list(result.greedy_tokens), [None] * len(requests), [None] * len(requests))
             else:
                 if not all(finite):
                     broken = torch.tensor([not f for f in finite], device=logits.device)
                     logits = logits.masked_fill(broken.unsqueeze(-1), 0.0)   # sampled but discarded below
-                sampled = sample(logits, params, [r.generator for r in requests])
+                sampled = self.sampling.sample(logits, requests)
             now = time.monotonic()
             for row, request in enumerate(requests):
                 if not finite[row]:
@@ -296,7 +301,8 @@ class Engine:
                     self.counters["errors"] += 1
                     outputs.append(self._output(request, [], None))
                     continue
-                outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row], now))
+                outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row], now,
+                                                  sampled.sampled_logprobs[row]))
         return outputs
 
     def record_token(self, request: Request, token: int, logprobs, now: float) -> None:
@@ -311,13 +317,16 @@ class Engine:
         self.counters["generation_tokens"] += 1
         request.detokenizer.add(token)
 
-    def _append_token(self, request: Request, token: int, logprobs, now: float) -> RequestOutput:
+    def _append_token(self, request: Request, token: int, logprobs, now: float,
+                      sampled_logprob: float | None = None) -> RequestOutput:
         params = request.params
         text_before = len(request.detokenizer.text)
         self.record_token(request, token, logprobs, now)
-        if not params.ignore_eos and token in self.eos_token_ids:
-            self._finish(request, "stop")
-        elif token in params.stop_token_ids:
+        grammar_end = self.sampling.after_token(request, token, sampled_logprob)   # best_of, structured
+        if grammar_end is not None:
+            self._finish(request, grammar_end, None if grammar_end == "stop" else
+                         "the sampled token does not fit the request's grammar")
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             self._finish(request, "stop")
         elif params.stop and self._match_stop(request, text_before):
             self._finish(request, "stop")

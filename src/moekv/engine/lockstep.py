@@ -123,10 +123,11 @@ class LockstepEngine(Engine):
         """The offline batch under expert parallelism (see the module docstring); every rank gets every output."""
         request_ids = add_all_or_none(self, prompts, sampling_params)
         mine = list(range(self.rank, len(prompts), self.world_size))
-        for index, request_id in enumerate(request_ids):
+        for index, group in enumerate(request_ids):          # each prompt's sequences (n, best_of)
             if index % self.world_size != self.rank:
-                self.abort(request_id)
-                self.release(request_id)
+                for request_id in group:
+                    self.abort(request_id)
+                    self.release(request_id)
         while self.has_unfinished():                  # collective: all ranks leave the loop together
             self.step()
         gathered: list = [None] * self.world_size

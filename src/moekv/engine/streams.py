@@ -37,6 +37,7 @@ class StreamDelta:
     error: str | None                           # why, when finish_reason == "error"
     num_prompt_tokens: int
     num_output_tokens: int                      # total generated so far
+    cumulative_logprob: float | None = None     # with best_of > n: the sequence's summed log-probability
 
 
 @dataclass

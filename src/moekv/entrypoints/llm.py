@@ -60,6 +60,34 @@ class LLM:
         # one process: a continuously batched run; expert parallel: this rank's share, lockstep, all-gather
         return self.engine.generate(prompts, sampling_params)
 
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: Sequence[dict] | None = None) -> list[GenerationOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them.
+
+        Each conversation is rendered with the checkpoint's chat template (or `chat_template`), with
+        `tools` (OpenAI / transformers function schemas) passed to it as `tools`, then generated as
+        `generate` does; every output's `prompt` is the rendered text."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("chat needs the model's tokenizer (tokenizer.json)", param="messages")
+        if not messages:
+            return []
+        conversations = [messages] if isinstance(messages[0], dict) else [list(m) for m in messages]
+        texts, prompts = [], []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
+                                                      template=chat_template, tools=tools)
+            texts.append(text)
+            prompts.append(self.tokenizer.encode_rendered(text))
+        if isinstance(sampling_params, Sequence) and len(sampling_params) != len(prompts):
+            raise InvalidRequestError(f"got {len(sampling_params)} sampling params for {len(prompts)} "
+                                      f"conversations", param="sampling_params")
+        outputs = self.generate(prompts, sampling_params)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
+
     def rebalance(self):
         """Expert parallelism only, and collective (every rank calls it between generate calls):
         re-place experts from the load recorded since the last rebalance and move their weights.

@@ -192,7 +192,7 @@ def test_context_length_is_400_with_both_numbers(client):
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0),
-                                          ("top_k", -5), ("logprobs", 50), ("presence_penalty", 0.5),
+                                          ("top_k", -5), ("logprobs", 50), ("presence_penalty", 2.5),
                                           ("seed", "x"), ("stop", [""])])
 def test_invalid_parameter_is_400_naming_it(mock_server, field, value):
     response = post(mock_server, "/v1/completions", {"model": "mock", "prompt": "a", field: value})

@@ -1,8 +1,9 @@
 """The OpenAI wire format: request bodies (validated by pydantic), responses, and the error body.
 
-Only what moekv honours is modelled; other OpenAI fields are accepted and ignored (so clients that
-send defaults keep working), except ones whose non-default value would change the result silently
-(penalties, logit_bias, suffix, best_of): those are rejected with a 400 naming the parameter.
+Nothing is silently ignored: every field is modelled and honoured, except the few in IGNORED_FIELDS
+(bookkeeping that cannot change the output, such as `user`), which are accepted and dropped; any other
+field, an OpenAI one moekv does not implement or an unknown one, is a 400 naming it
+(`_SamplingRequest.unsupported`). docs/serving.md lists them all.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 # -- requests -----------------------------------------------------------------------------------------
+# OpenAI request fields that cannot change what is generated: accepted, and ignored.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+
+# OpenAI request fields moekv does not implement (any value is a 400; so is a field nobody defines).
+NOT_IMPLEMENTED = {
+    "audio": "audio output", "modalities": "output modalities other than text", "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning effort", "verbosity": "verbosity", "web_search_options": "web search",
+    "functions": "the deprecated `functions` (use `tools`)", "function_call": "the deprecated `function_call` "
+    "(use `tool_choice`)",
+}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -52,19 +65,22 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                  # extra body field
-    presence_penalty: float | None = None     # only 0 is supported
-    frequency_penalty: float | None = None    # only 0 is supported
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    presence_penalty: float | None = None     # -2..2
+    frequency_penalty: float | None = None    # -2..2
+    repetition_penalty: float | None = None   # extra body field (vLLM-style): > 0, 1 is off
+    min_tokens: int | None = None             # extra body field: EOS / stop tokens banned until this many
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> -100..100
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for a field whose value moekv cannot honour, else None."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                return name, f"{name} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        """(param, message) for a field moekv does not implement, or cannot honour with this value."""
+        for name in self.model_extra or {}:
+            if name in IGNORED_FIELDS:
+                continue
+            if name == "modalities" and self.model_extra[name] in (None, ["text"]):
+                continue
+            if name in NOT_IMPLEMENTED:
+                return name, f"{name} is not supported: moekv does not implement {NOT_IMPLEMENTED[name]}"
+            return name, f"{name} is not a supported request field (docs/serving.md lists them)"
         return None
 
     @property
@@ -82,9 +98,9 @@ class CompletionRequest(_SamplingRequest):
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
-            return "suffix", "suffix is not supported"
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of", "best_of is not supported (it must be unset or equal n)"
+            return "suffix", "suffix is not supported (moekv does not insert text)"
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            return "best_of", "best_of > n cannot be streamed (the best sequences are known only at the end)"
         if self.echo and self.logprobs is not None:
             return "echo", "echo with logprobs is not supported (prompt log-probabilities are not computed)"
         return super().unsupported()

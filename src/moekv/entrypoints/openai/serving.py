@@ -54,6 +54,7 @@ class Choice:
     text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    cumulative_logprob: float | None = None     # best_of > n: what ranks the sequences
 
 
 class OpenAIServing:
@@ -109,28 +110,36 @@ class OpenAIServing:
 
     @staticmethod
     def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | None,
-                        seed: int | None) -> SamplingParams:
+                        seed: int | None, **extra) -> SamplingParams:
+        """One engine request's params (n / best_of fan out in `submit`; InvalidRequestError -> 400)."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k in (None, 0) else body.top_k,
             seed=seed, stop=body.stop, stop_token_ids=body.stop_token_ids, logprobs=logprobs,
-            ignore_eos=body.ignore_eos)
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_tokens=body.min_tokens or 0, logit_bias=body.logit_bias, **extra)
 
     # -- running ------------------------------------------------------------------------------------
     async def submit(self, request_id: str, body: _SamplingRequest, prompts: list[Prompt],
-                     max_tokens: list[int], logprobs: int | None) -> tuple[RequestStream, dict[str, Choice]]:
-        """Queue n engine requests per prompt; choice i*n+j is prompt i's j-th sample (seed + index)."""
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise APIError(400, f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} sequences per "
-                                f"request", param="n")
+                     max_tokens: list[int], logprobs: int | None,
+                     **extra) -> tuple[RequestStream, dict[str, Choice]]:
+        """Queue best_of (else n) engine requests per prompt; choice i*k+j is prompt i's j-th sample
+        (seed + index); `keep_best` then keeps n of each prompt's k when best_of > n."""
+        best_of = getattr(body, "best_of", None)
+        per_prompt = best_of or body.n
+        if len(prompts) * per_prompt > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x {per_prompt} sequences (n, best_of) exceeds "
+                                f"{MAX_CHOICES} sequences per request", param="best_of" if best_of else "n")
         triples, choices = [], {}
         for prompt_index, (prompt, budget) in enumerate(zip(prompts, max_tokens)):
-            for sample in range(body.n):
-                index = prompt_index * body.n + sample
+            for sample in range(per_prompt):
+                index = prompt_index * per_prompt + sample
                 seed = None if body.seed is None else (body.seed + index) % (1 << 64)   # any int is a seed
-                params = self.sampling_params(body, budget, logprobs, seed)
+                params = self.sampling_params(body, budget, logprobs, seed, n=body.n, best_of=best_of, **extra)
                 engine_id = f"{request_id}-{index}"
                 triples.append((engine_id, prompt.token_ids, params))
                 choices[engine_id] = Choice(index, prompt_index)
@@ -162,10 +171,22 @@ class OpenAIServing:
                     choice.logprobs.extend(delta.logprobs)
                 if delta.finished:
                     choice.finish_reason = delta.finish_reason
+                    choice.cumulative_logprob = delta.cumulative_logprob
 
         async with stream:
             await until_disconnected(http_request, consume())
         return sorted(choices.values(), key=lambda c: c.index)
+
+    @staticmethod
+    def keep_best(done: list[Choice], n: int) -> list[Choice]:
+        """Each prompt's n sequences of highest cumulative log-probability, renumbered prompt i * n + rank."""
+        kept = []
+        for prompt_index in sorted({c.prompt_index for c in done}):
+            mine = sorted((c for c in done if c.prompt_index == prompt_index), key=lambda c: -c.cumulative_logprob)
+            for rank, choice in enumerate(mine[:n]):
+                choice.index = prompt_index * n + rank
+                kept.append(choice)
+        return kept
 
     @staticmethod
     def usage(prompts: list[Prompt], choices) -> UsageInfo:

@@ -34,8 +34,11 @@ class OpenAICompletions(OpenAIServing):
         created = int(time.time())
         if not body.stream:
             done = await self.collect(stream, choices, http_request)
+            usage = self.usage(prompts, done)                  # best_of: every generated sequence counts
+            if body.best_of is not None and body.best_of > body.n:
+                done = self.keep_best(done, body.n)
             return dump(CompletionResponse(
-                id=request_id, created=created, model=model, usage=self.usage(prompts, done),
+                id=request_id, created=created, model=model, usage=usage,
                 choices=[CompletionChoice(
                     index=c.index, finish_reason=c.finish_reason,
                     text=(prompts[c.prompt_index].text if body.echo else "") + c.text,

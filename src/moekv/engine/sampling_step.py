@@ -1,0 +1,69 @@
+"""The engine's side of sampling: what the sampler needs besides the logits (the rows' tokens for the
+penalties and min_tokens, the grammar bitmask of structured outputs), whether the CUDA graph's argmax
+can stand in for the sampler, and, after the draw, the grammar matchers' and best_of's bookkeeping."""
+
+from __future__ import annotations
+
+import torch
+
+from moekv.core.request import Request
+from moekv.core.sampling_params import SamplingParams
+from moekv.sampling import SampleResult, SamplingInputs, sample
+
+
+class SamplingStep:
+    """One engine's sampling hooks; the grammar backend is built at the first structured request."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self._grammar = None
+
+    # -- when a request arrives ---------------------------------------------------------------------------
+    def check(self, params: SamplingParams) -> None:
+        """Token ids in logit_bias must be inside the vocabulary (InvalidRequestError otherwise)."""
+        from moekv.errors import InvalidRequestError
+
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})", param="logit_bias")
+
+    def grammar_matcher(self, params: SamplingParams):
+        """A compiled grammar's matcher for a structured request (None otherwise)."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammar is None:
+            from moekv.errors import InvalidRequestError
+            from moekv.structured import GrammarBackend
+
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer (tokenizer.json)",
+                                          param="structured_outputs")
+            self._grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar.matcher(params.structured_outputs)
+
+    # -- each step ---------------------------------------------------------------------------------------
+    @staticmethod
+    def graph_argmax_suffices(params: list[SamplingParams]) -> bool:
+        """The graph step's argmax is what the sampler would pick: greedy rows, nothing edits the logits."""
+        return all(p.greedy and p.logprobs is None and not p.changes_logits for p in params)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        params = [r.params for r in requests]
+        inputs = None
+        constrained = any(r.grammar is not None for r in requests)
+        if constrained or any(p.changes_logits for p in params):
+            bitmask = self._grammar.bitmask([r.grammar for r in requests], logits.device) if constrained else None
+            inputs = SamplingInputs([r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+                                    self.eos_token_ids, bitmask)
+        return sample(logits, params, [r.generator for r in requests], inputs)
+
+    def after_token(self, request: Request, token: int, sampled_logprob: float | None) -> str | None:
+        """Bookkeeping for one appended token; returns a finish reason the grammar decides, else None."""
+        if sampled_logprob is not None:
+            request.cumulative_logprob += sampled_logprob
+        if request.grammar is None:
+            return None
+        return self._grammar.accept(request.grammar, token)
