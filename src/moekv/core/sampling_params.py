@@ -53,7 +53,7 @@ class StructuredOutputParams:
     def key(self) -> tuple[str, str]:
         """(kind, text): what identifies the compiled grammar (a cache key)."""
         if self.json is not None:
-            return "json", json.dumps(self.json, sort_keys=True)
+            return "json", json.dumps(self.json)   # property order matters: keep it
         if self.json_object:
             return "json_object", ""
         if self.regex is not None:

@@ -41,6 +41,11 @@ class SamplingStep:
             if self.tokenizer is None:
                 raise InvalidRequestError("structured outputs need the model's tokenizer (tokenizer.json)",
                                           param="structured_outputs")
+            from moekv.structured import xgrammar_available
+
+            if not xgrammar_available():
+                raise InvalidRequestError("structured outputs need the xgrammar package, which this server "
+                                          "lacks (pip install 'moekv[structured]')", param="structured_outputs")
             self._grammar = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammar.matcher(params.structured_outputs)
 

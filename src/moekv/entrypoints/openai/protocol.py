@@ -49,6 +49,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None                # the output always follows the schema (strict or not)
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -70,6 +83,7 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float | None = None   # extra body field (vLLM-style): > 0, 1 is off
     min_tokens: int | None = None             # extra body field: EOS / stop tokens banned until this many
     logit_bias: dict[str, float] | None = None   # token id (as a string) -> -100..100
+    response_format: ResponseFormat | None = None  # json_object / json_schema: grammar-constrained decoding
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field moekv does not implement, or cannot honour with this value."""

@@ -20,7 +20,7 @@ from moekv.engine.async_engine import AsyncEngine
 from moekv.engine.streams import EngineDeadError, RequestStream, StreamDelta
 from moekv.entrypoints.openai.protocol import APIError, UsageInfo, _SamplingRequest, error_body
 from moekv.errors import InvalidRequestError
-from moekv.sampling import SamplingParams
+from moekv.sampling import SamplingParams, StructuredOutputParams
 
 logger = logging.getLogger("moekv.server")
 
@@ -121,7 +121,8 @@ class OpenAIServing:
             ignore_eos=body.ignore_eos,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            min_tokens=body.min_tokens or 0, logit_bias=body.logit_bias, **extra)
+            min_tokens=body.min_tokens or 0, logit_bias=body.logit_bias,
+            **{"structured_outputs": structured_outputs(body), **extra})
 
     # -- running ------------------------------------------------------------------------------------
     async def submit(self, request_id: str, body: _SamplingRequest, prompts: list[Prompt],
@@ -145,6 +146,10 @@ class OpenAIServing:
                 choices[engine_id] = Choice(index, prompt_index)
         try:
             stream = await self.async_engine.add(triples)
+        except InvalidRequestError as exc:      # a grammar the library rejects: name the request's field
+            if exc.param == "structured_outputs":
+                raise APIError(400, str(exc), param="response_format") from None
+            raise
         except EngineDeadError as exc:
             raise APIError(503, f"the engine is not running: {exc}", type="server_error",
                            code="engine_unavailable") from None
@@ -222,6 +227,21 @@ class OpenAIServing:
                 logger.exception("streaming failed")
                 yield sse(error_body("internal server error", "server_error", code="internal_error"))
         yield "data: [DONE]\n\n"
+
+
+def structured_outputs(body: _SamplingRequest) -> StructuredOutputParams | None:
+    """response_format -> the grammar to decode under (None for text)."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema", param="response_format")
+    try:
+        return StructuredOutputParams(json=fmt.json_schema.json_schema)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="response_format") from None
 
 
 def sse(payload: dict) -> str:
