@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(/health and /metrics stay open)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file overriding the tokenizer's")
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen", "mistral"],
+                        help="how tool calls are read from the output for tool_choice auto (hermes/qwen: "
+                             "<tool_call>{json}</tool_call>; mistral: [TOOL_CALLS]); default none: auto is a 400")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="auto (model dtype), bf16, fp16, fp32, int4, int3, int2 (default auto)")
     parser.add_argument("--dtype", default="auto", help="model weights dtype: auto, bf16, fp16, fp32")
@@ -110,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(name)
     app = build_app(AsyncEngine(engine, metrics), ServerConfig(
         served_model_name=name, model_path=str(model), api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes, chat_template=chat_template))
+        max_request_bytes=args.max_request_bytes, chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use it", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

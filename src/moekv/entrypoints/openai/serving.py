@@ -36,6 +36,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     chat_template: str | None = None        # template text overriding the tokenizer's (--chat-template)
+    tool_call_parser: str | None = None     # --tool-call-parser: hermes, qwen, mistral (tool_choice auto)
 
 
 @dataclass(frozen=True)
