@@ -97,3 +97,4 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     new_logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    cumulative_logprob: float = 0.0           # the sampled tokens' summed log-probability (best_of > n)

@@ -361,7 +361,8 @@ class Engine:
             text=text if request.status.is_finished else text[:visible],
             finished=request.status.is_finished, finish_reason=request.finish_reason,
             logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
-            new_logprobs=[new_logprobs] if new_logprobs is not None else None, error=request.error)
+            new_logprobs=[new_logprobs] if new_logprobs is not None else None, error=request.error,
+            cumulative_logprob=request.cumulative_logprob)
 
     def _recover_from_corruption(self, sched, exc: KVCacheCorruptionError) -> list[RequestOutput]:
         """End the requests whose keys/values were non-finite; recompute the rest of the step's requests

@@ -149,6 +149,7 @@ class LeaderEngine:
         for token, logprobs in zip(out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids)):
             self.engine.record_token(request, token, logprobs, now)     # what the owning rank's engine did
         request.last_token_time = now
+        request.cumulative_logprob = out.cumulative_logprob          # best_of > n ranks by it
         if out.finished:
             if out.text != request.detokenizer.text:
                 request.stop_text_end = len(out.text)

@@ -188,7 +188,7 @@ class OpenAIServing:
         """Each prompt's n sequences of highest cumulative log-probability, renumbered prompt i * n + rank."""
         kept = []
         for prompt_index in sorted({c.prompt_index for c in done}):
-            mine = sorted((c for c in done if c.prompt_index == prompt_index), key=lambda c: -c.cumulative_logprob)
+            mine = sorted((c for c in done if c.prompt_index == prompt_index), key=_score, reverse=True)
             for rank, choice in enumerate(mine[:n]):
                 choice.index = prompt_index * n + rank
                 kept.append(choice)
@@ -228,6 +228,10 @@ class OpenAIServing:
                 logger.exception("streaming failed")
                 yield sse(error_body("internal server error", "server_error", code="internal_error"))
         yield "data: [DONE]\n\n"
+
+
+def _score(choice: Choice) -> float:
+    return choice.cumulative_logprob if choice.cumulative_logprob is not None else float("-inf")
 
 
 def structured_outputs(body: _SamplingRequest) -> StructuredOutputParams | None:
