@@ -30,6 +30,18 @@ MODEL_DTYPES = {
 KEY_AXIS_MODES = ("channel", "token")  # "channel": per-channel keys (KIVI); "token": the brief's per-token scheme
 
 
+WEIGHT_QUANTIZATIONS = ("fp8",)      # ModelConfig.quantization / --quantization
+
+
+def canonical_quantization(name: str | None) -> str | None:
+    """None / "none" / "" -> None; "fp8" -> "fp8"; anything else a ConfigError."""
+    if name is None or (isinstance(name, str) and name.lower() in ("", "none")):
+        return None
+    if not isinstance(name, str) or name.lower() not in WEIGHT_QUANTIZATIONS:
+        raise ConfigError(f"unknown quantization {name!r}; accepted: none, {', '.join(WEIGHT_QUANTIZATIONS)}")
+    return name.lower()
+
+
 def canonical_kv_cache_dtype(name: str) -> str:
     if not isinstance(name, str) or name.lower() not in KV_CACHE_DTYPES:
         accepted = ", ".join(sorted({v for v in KV_CACHE_DTYPES.values()}))
@@ -82,6 +94,8 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None # "bf16" | "fp16" | "fp32" as config.json states it; None if absent
+    weight_quantization: str | None = None   # "fp8": config.json's quantization_config (quant_method "fp8")
+    weight_block_size: tuple[int, int] | None = None   # its weight_block_size (block-wise scales), else None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +117,12 @@ class ArchConfig:
                               f"got {self.checkpoint_dtype!r}")
         if self.qk_norm not in ("none", "head", "full"):
             raise ConfigError(f"model config: qk_norm must be none, head or full, got {self.qk_norm!r}")
+        if self.weight_quantization not in (None, "fp8"):
+            raise ConfigError(f"model config: weight_quantization must be fp8 or None, got {self.weight_quantization!r}")
+        block = self.weight_block_size
+        if block is not None and not (isinstance(block, tuple) and len(block) == 2
+                                      and all(isinstance(b, int) and b >= 1 for b in block)):
+            raise ConfigError(f"model config: weight_block_size must be two positive integers, got {block!r}")
 
     @property
     def q_per_kv(self) -> int:
@@ -120,11 +140,15 @@ class ModelConfig:
     dtype: str = "auto"                 # auto (the checkpoint's), bf16, fp16, fp32
     max_model_len: int | None = None    # None: the checkpoint's max_position_embeddings
     seed: int = 0
+    quantization: str | None = None     # None: weights as the checkpoint holds them (an FP8 checkpoint stays FP8);
+                                        # "fp8": 16-bit projections and experts quantized to FP8 at load time,
+                                        # per output channel (W8A16; docs/weight-quantization.md)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model must be a path to a Hugging Face checkpoint folder")
         object.__setattr__(self, "dtype", canonical_model_dtype(self.dtype))
+        object.__setattr__(self, "quantization", canonical_quantization(self.quantization))
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ConfigError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moekv.core.fp8 import FP8_DTYPE, Fp8Weight, quantize_fp8
+from moekv.errors import ConfigError
 from moekv.layers.linear import empty_parameter
 from moekv.ops import dispatch
 
@@ -29,7 +31,11 @@ class Experts(nn.Module):
 
 
 class LocalExperts(Experts):
-    """All experts resident, stacked: w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I]."""
+    """All experts resident, stacked: w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I].
+
+    FP8 (`to_fp8`): w_gate_up / w_down hold float8_e4m3fn codes and w_gate_up_scale / w_down_scale their
+    fp32 block scales (moekv.core.fp8); the fused MoE kernels read them as W8A16.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, layer_idx: int,
                  dtype: torch.dtype, device: torch.device | str):
@@ -38,6 +44,42 @@ class LocalExperts(Experts):
         self.layer_idx = layer_idx
         self.w_gate_up = empty_parameter(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
         self.w_down = empty_parameter(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.w_gate_up_scale = self.w_down_scale = None   # FP8 only: fp32 block scales
+        self.weight_blocks = None                         # FP8 only: ((bn, bk) of w_gate_up, (bn, bk) of w_down)
+
+    @property
+    def quantized(self) -> bool:
+        return self.w_gate_up.dtype == FP8_DTYPE
+
+    def weights(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
+        """(w_gate_up, w_down) as ops.dispatch.moe_experts takes them: tensors, or Fp8Weight records."""
+        if not self.quantized:
+            return self.w_gate_up, self.w_down
+        return (Fp8Weight(self.w_gate_up, self.w_gate_up_scale, self.weight_blocks[0]),
+                Fp8Weight(self.w_down, self.w_down_scale, self.weight_blocks[1]))
+
+    def to_fp8(self, w_gate_up: Fp8Weight | None = None, w_down: Fp8Weight | None = None) -> None:
+        """Hold the experts in FP8: the given codes and scales (a checkpoint's), or, when None, these experts'
+        own weights quantized per output channel."""
+        w_gate_up = w_gate_up or _quantize_per_expert(self.w_gate_up.data)
+        w_down = w_down or _quantize_per_expert(self.w_down.data)
+        for name, new in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+            if tuple(new.shape) != tuple(getattr(self, name).shape):
+                raise ConfigError(f"FP8 {name} of shape {list(new.shape)} for experts of "
+                                  f"{list(getattr(self, name).shape)}")
+        device = self.w_gate_up.device
+        self.w_gate_up = self.w_down = None
+        self.w_gate_up = nn.Parameter(w_gate_up.codes.to(device), requires_grad=False)
+        self.w_down = nn.Parameter(w_down.codes.to(device), requires_grad=False)
+        self.w_gate_up_scale = nn.Parameter(w_gate_up.scale.to(device), requires_grad=False)
+        self.w_down_scale = nn.Parameter(w_down.scale.to(device), requires_grad=False)
+        self.weight_blocks = (tuple(w_gate_up.block), tuple(w_down.block))
 
     def forward(self, hidden, topk_ids, topk_weights):
-        return dispatch.moe_experts(hidden, self.w_gate_up, self.w_down, topk_ids, topk_weights)   # [T, H]
+        return dispatch.moe_experts(hidden, *self.weights(), topk_ids, topk_weights)   # [T, H]
+
+
+def _quantize_per_expert(weight: torch.Tensor) -> Fp8Weight:
+    """quantize_fp8 per output channel, one expert at a time (bounds the fp32 temporaries to one expert)."""
+    parts = [quantize_fp8(weight[expert]) for expert in range(weight.shape[0])]
+    return Fp8Weight(torch.stack([p.codes for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block)

@@ -2,6 +2,9 @@
 
 torch.nn.Linear runs a Kaiming init at construction, which costs minutes for a 47B-parameter
 model; these create empty tensors directly in the target dtype and on the target device.
+
+A Linear may hold its weight in FP8 (`to_fp8`: float8_e4m3fn codes in `weight`, fp32 block scales in
+`weight_scale`, moekv.core.fp8); it then runs ops.dispatch.fp8_linear (W8A16).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moekv.core.fp8 import FP8_DTYPE, Fp8Weight, quantize_fp8
+from moekv.errors import ConfigError
 from moekv.ops import dispatch
 
 
@@ -28,15 +33,42 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+        self.weight_scale = None            # FP8 only: [ceil(out / bn), ceil(in / bk)] fp32
+        self.weight_block = None            # FP8 only: (bn, bk)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight.dtype == FP8_DTYPE
+
+    def fp8_weight(self) -> Fp8Weight:
+        return Fp8Weight(self.weight, self.weight_scale, self.weight_block)
+
+    def to_fp8(self, weight: Fp8Weight | None = None) -> None:
+        """Hold the weight in FP8: `weight` (codes and scales read from a checkpoint), or, when None, this
+        layer's own weight quantized per output channel."""
+        if weight is None:
+            weight = quantize_fp8(self.weight.data)
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ConfigError(f"FP8 weight of shape {list(weight.shape)} for a linear layer of "
+                              f"[{self.out_features}, {self.in_features}]")
+        device = self.weight.device
+        self.weight = None                                  # free the 16-bit weight first
+        self.weight = nn.Parameter(weight.codes.to(device), requires_grad=False)
+        self.weight_scale = nn.Parameter(weight.scale.to(device), requires_grad=False)
+        self.weight_block = tuple(weight.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == FP8_DTYPE:                                            # W8A16
+            out = dispatch.fp8_linear(x.reshape(-1, x.shape[-1]), self.fp8_weight(), self.bias)   # [T, out]
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if dispatch.skinny_gemm_enabled() and x.dim() >= 2 and x.shape[-1] > 0:    # opt-in, MOEKV_SKINNY_GEMM
             out = dispatch.skinny_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)   # [T, out]
             return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)          # [T, out]
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        fp8 = f", fp8 block={self.weight_block}" if self.weight_block else ""
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{fp8}"
 
 
 class Embedding(nn.Module):

@@ -120,6 +120,7 @@ def arch_config_from_dict(hf_config: dict[str, Any], source: str = "config.json"
     def as_written(key: str) -> Any:            # an explicit null stays None (token ids)
         return hf_config[key] if key in hf_config else defaults.get(key)
 
+    weight_quantization, weight_block_size = _weight_quantization(hf_config, source)
     eos = as_written("eos_token_id")
     eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
 
@@ -150,6 +151,8 @@ def arch_config_from_dict(hf_config: dict[str, Any], source: str = "config.json"
             bos_token_id=as_written("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_checkpoint_dtype(hf_config, source),
+            weight_quantization=weight_quantization,
+            weight_block_size=weight_block_size,
             extra={"source": source, "hf_architectures": hf_config.get("architectures")},
         )
     except ConfigError as exc:
@@ -202,6 +205,33 @@ def _check_sliding_window(hf_config: dict[str, Any], family: str, max_len: int, 
             f"{source}: sliding_window={window} is smaller than the maximum sequence length {max_len}; "
             f"moekv implements full attention only. Run with max_model_len <= {window} (full attention "
             f"then equals the windowed attention).")
+
+
+def _weight_quantization(hf_config: dict[str, Any], source: str) -> tuple[str | None, tuple[int, int] | None]:
+    """(weight quantization, block size) from config.json's quantization_config: ("fp8", (128, 128)) for
+    block-wise FP8 (DeepSeek-V3 / Qwen3 FP8), ("fp8", None) for per-tensor / per-channel weight_scale
+    (FP8 Mixtral), (None, None) without one; other methods are refused by name."""
+    config = hf_config.get("quantization_config")
+    if config is None:
+        return None, None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{source}: quantization_config must be an object, got {config!r}")
+    method = config.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedModelError(f"{source}: quantization_config quant_method {method!r} is not supported; moekv "
+                                    "loads 16-bit checkpoints and FP8 ones (quant_method 'fp8': float8_e4m3fn "
+                                    "weights with block-wise weight_scale_inv or per-tensor / per-channel weight_scale)")
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedModelError(f"{source}: FP8 format {fmt!r} is not supported (only e4m3, float8_e4m3fn)")
+    block = config.get("weight_block_size")
+    if block is None:
+        return "fp8", None
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+        raise ModelLoadError(f"{source}: quantization_config weight_block_size must be two positive integers, "
+                             f"got {block!r}")
+    return "fp8", (block[0], block[1])
 
 
 def _checkpoint_dtype(hf_config: dict[str, Any], source: str) -> str | None:

@@ -9,6 +9,10 @@ Checkpoint tensor names -> moekv parameters (per layer `model.layers.{i}.`):
            or Mixtral's experts.{e}.{w1,w3,w2}.weight               -> mlp.experts.w_gate_up [E, 2I, H], mlp.experts.w_down [E, H, I]
   mlp.shared_expert.*, mlp.shared_expert_gate (Qwen2-MoE)            -> mlp.shared_expert (gate|up fused)
   mlp.{gate,up,down}_proj (dense layers)                             -> mlp.gate_up_proj, mlp.down_proj
+FP8 checkpoints (config.json quantization_config, quant_method "fp8"): the projections and experts whose
+tensors are float8_e4m3fn stay FP8 with their scales (block-wise `weight_scale_inv`, or per-tensor /
+per-channel `weight_scale`; models.checkpoint); any other FP8 tensor (e.g. a router) is dequantized.
+quantization="fp8" quantizes the remaining 16-bit projections and experts per output channel (models.quantize).
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from moekv.config import ArchConfig, canonical_model_dtype, torch_dtype
+from moekv.config import ArchConfig, canonical_model_dtype, canonical_quantization, torch_dtype
+from moekv.core.fp8 import Fp8Weight, concat_rows
 from moekv.errors import ConfigError
+from moekv.layers.linear import Linear
 from moekv.layers.moe import DenseMLP, MoEBlock
 from moekv.layers.norm import RMSNorm
 from moekv.models.checkpoint import CheckpointReader
 from moekv.models.hf_config import read_arch_config
 from moekv.models.moe_decoder import DecoderLayer, MoEForCausalLM
+from moekv.models.quantize import quantize_model
 from moekv.models.registry import model_class
 
 _PROGRESS_BYTES = 1 << 30        # show a progress bar for checkpoints of 1 GiB or more ...
@@ -36,17 +43,21 @@ _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-               max_model_len: int | None = None, progress: bool | None = None) -> MoEForCausalLM:
+               max_model_len: int | None = None, progress: bool | None = None,
+               quantization: str | None = None) -> MoEForCausalLM:
     """Load a checkpoint folder (config.json + safetensors) into a MoEForCausalLM on `device`.
 
     dtype: None (or "auto") = the checkpoint's dtype from config.json, bf16 when it names none.
     max_model_len: the longest sequence to run (lets a sliding-window checkpoint load; see hf_config).
     progress: force the tqdm bar on or off; None shows it for large checkpoints only.
+    quantization: None (weights as stored: an FP8 checkpoint's FP8 tensors stay FP8) or "fp8" (also quantize
+    the 16-bit projections and experts per output channel).
     """
+    quantization = canonical_quantization(quantization)
     arch = read_arch_config(model_dir, max_model_len=max_model_len)
     dtype = _resolve_dtype(dtype, arch)
     device = _resolve_device(device)
-    with CheckpointReader(model_dir) as reader:
+    with CheckpointReader(model_dir, fp8_block=arch.weight_block_size) as reader:
         model = model_class(arch.architecture)(arch, dtype=dtype, device=device)
         if progress is None:
             progress = reader.total_bytes >= _PROGRESS_BYTES or (
@@ -61,15 +72,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str | None = None, de
             shown = ", ".join(ignored[:5]) + (", ..." if len(ignored) > 5 else "")
             warnings.warn(f"{model_dir}: ignored {len(ignored)} checkpoint tensor(s) moekv does not use: {shown}",
                           RuntimeWarning, stacklevel=2)
+    if quantization == "fp8":
+        quantize_model(model)
     return model.eval()
 
 
 def build_random_model(arch: ArchConfig, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                       seed: int = 0) -> MoEForCausalLM:
+                       seed: int = 0, quantization: str | None = None) -> MoEForCausalLM:
     """A model with random weights and no checkpoint (benchmarks of named shapes, tests).
 
     Weights ~ N(0, 0.02), RMSNorm weights 1, biases 0; deterministic for a given seed and device.
+    quantization "fp8": then quantized as load_model(quantization="fp8") does (per output channel).
     """
+    quantization = canonical_quantization(quantization)
     device = _resolve_device(device)
     model = model_class(arch.architecture)(arch, dtype=dtype, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -82,6 +97,8 @@ def build_random_model(arch: ArchConfig, dtype: torch.dtype = torch.bfloat16, de
                 param.zero_()
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+        if quantization == "fp8":
+            quantize_model(model)
     return model.eval()
 
 
@@ -127,12 +144,12 @@ class _WeightCopier:
         self.copy(layer.post_attn_norm.weight, prefix + "post_attention_layernorm.weight")
         attn = layer.attn
         sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        for part, name in zip(attn.qkv_proj.weight.split(sizes, dim=0), ("q_proj", "k_proj", "v_proj")):
-            self.copy(part, f"{prefix}self_attn.{name}.weight")
+        self.load_linear(attn.qkv_proj, [f"{prefix}self_attn.{name}.weight" for name in ("q_proj", "k_proj", "v_proj")],
+                         sizes)
         if attn.qkv_proj.bias is not None:
             for part, name in zip(attn.qkv_proj.bias.split(sizes, dim=0), ("q_proj", "k_proj", "v_proj")):
                 self.copy(part, f"{prefix}self_attn.{name}.bias")
-        self.copy(attn.o_proj.weight, prefix + "self_attn.o_proj.weight")
+        self.load_linear(attn.o_proj, [prefix + "self_attn.o_proj.weight"])
         if attn.o_proj.bias is not None:
             self.copy(attn.o_proj.bias, prefix + "self_attn.o_proj.bias")
         if attn.q_norm is not None:
@@ -143,11 +160,21 @@ class _WeightCopier:
         else:
             self.load_dense(layer.mlp, prefix + "mlp.")
 
+    def load_linear(self, linear: Linear, keys: list[str], sizes: list[int] | None = None) -> None:
+        """A linear layer's weight from checkpoint tensors stacked along the output dim (q|k|v, gate|up; sizes:
+        their rows, None: equal parts); kept FP8 when all of them are FP8."""
+        sizes = sizes or [linear.out_features // len(keys)] * len(keys)
+        if all(self.reader.is_fp8(key) for key in keys):
+            linear.to_fp8(concat_rows([self.reader.get_fp8(key, (rows, linear.in_features))
+                                       for key, rows in zip(keys, sizes)]))
+            self.bar.update(len(keys))
+            return
+        for part, key in zip(linear.weight.split(sizes, dim=0), keys):
+            self.copy(part, key)
+
     def load_dense(self, mlp: DenseMLP, prefix: str) -> None:
-        gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)                     # [I, H] each
-        self.copy(gate, prefix + "gate_proj.weight")
-        self.copy(up, prefix + "up_proj.weight")
-        self.copy(mlp.down_proj.weight, prefix + "down_proj.weight")
+        self.load_linear(mlp.gate_up_proj, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
+        self.load_linear(mlp.down_proj, [prefix + "down_proj.weight"])
 
     def load_moe(self, moe: MoEBlock, layer_prefix: str) -> None:
         # transformers 5 renames Mixtral's `block_sparse_moe` to `mlp`; accept both.
@@ -155,7 +182,9 @@ class _WeightCopier:
         if not self.reader.has(prefix + "gate.weight") and self.reader.has(layer_prefix + "block_sparse_moe.gate.weight"):
             prefix = layer_prefix + "block_sparse_moe."
         self.copy(moe.router.weight, prefix + "gate.weight")
-        if self.reader.has(prefix + "experts.gate_up_proj"):
+        if self.load_fp8_experts(moe, prefix):
+            pass
+        elif self.reader.has(prefix + "experts.gate_up_proj"):
             self.copy(moe.experts.w_gate_up, prefix + "experts.gate_up_proj")
             self.copy(moe.experts.w_down, prefix + "experts.down_proj")
         else:
@@ -170,3 +199,36 @@ class _WeightCopier:
         if moe.shared_expert is not None:
             self.load_dense(moe.shared_expert, prefix + "shared_expert.")
             self.copy(moe.shared_expert_gate.weight, prefix + "shared_expert_gate.weight")
+
+    def load_fp8_experts(self, moe: MoEBlock, prefix: str) -> bool:
+        """The routed experts as FP8 when the checkpoint holds them so (fused or per-expert tensors); False
+        when it does not (they load as 16-bit tensors)."""
+        experts = moe.experts
+        gate_up_shape, down_shape = tuple(experts.w_gate_up.shape), tuple(experts.w_down.shape)
+        if self.reader.is_fp8(prefix + "experts.gate_up_proj"):
+            experts.to_fp8(self.reader.get_fp8(prefix + "experts.gate_up_proj", gate_up_shape),
+                           self.reader.get_fp8(prefix + "experts.down_proj", down_shape))
+            self.bar.update(2)
+            return True
+        names = next((names for names in _PER_EXPERT_NAMES if self.reader.has(f"{prefix}experts.0.{names[0]}.weight")),
+                     None)
+        if names is None or not self.reader.is_fp8(f"{prefix}experts.0.{names[0]}.weight"):
+            return False
+        inter, hidden = gate_up_shape[1] // 2, gate_up_shape[2]
+        gate_ups, downs = [], []
+        for expert in range(moe.num_experts):
+            key = f"{prefix}experts.{expert}."
+            gate_ups.append(concat_rows([self.reader.get_fp8(key + names[0] + ".weight", (inter, hidden)),
+                                         self.reader.get_fp8(key + names[1] + ".weight", (inter, hidden))]))
+            downs.append(self.reader.get_fp8(key + names[2] + ".weight", down_shape[1:]))
+            self.bar.update(3)
+        experts.to_fp8(*(_stack(parts) for parts in (gate_ups, downs)))
+        return True
+
+
+def _stack(parts: list[Fp8Weight]) -> Fp8Weight:
+    """Per-expert FP8 weights -> one [E, ...] FP8 weight (the experts' blocks must agree)."""
+    blocks = {part.block for part in parts}
+    if len(blocks) != 1:
+        raise ConfigError(f"FP8 experts of one layer have different scale blocks {sorted(blocks)}")
+    return Fp8Weight(torch.stack([p.codes for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block)

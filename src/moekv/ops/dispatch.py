@@ -165,7 +165,9 @@ def moe_experts_path(hidden: torch.Tensor, num_experts: int, inter: int) -> str:
     return choices.moe_kernel_path(hidden, num_experts, inter) if use_triton("moe_experts", hidden) else "reference"
 
 
-def _moe_kernel(hidden, w_gate_up, *rest, **kwargs):
+def _moe_kernel(hidden, w_gate_up, w_down, *rest, **kwargs):
+    if not choices.resolve(_TRI + "moe.decode:supports")(w_gate_up, w_down):     # FP8 scale blocks it cannot tile
+        return None
     num_experts, two_inter, _ = w_gate_up.shape
     return choices.moe_kernel(choices.moe_kernel_path(hidden, num_experts, two_inter // 2))
 
@@ -220,7 +222,14 @@ OPS: dict[str, Op] = {
     "quantize_staged_kv_counted": Op(_quantize_kv_per_side, _TRI + "lowbit.quantize:quantize_staged_kv_counted",
                                      lambda m, *a: m.supports(a[4]) and m.supports(a[5])),
     "stage_decode_tokens": Op(_REF + "lowbit:stage_decode_tokens", _TRI + "lowbit.stage:stage_decode_tokens"),
-    "moe_experts": Op(_REF + "moe:moe_experts_reference", _moe_kernel),
+    "moe_experts": Op(_REF + "moe:moe_experts_reference", _moe_kernel,
+                      unsupported=lambda hidden, w_gate_up, w_down, *a, **k: "moekv: no Triton MoE kernel for these "
+                      f"expert weights ({type(w_gate_up).__name__} / {type(w_down).__name__}, FP8 scale blocks must "
+                      "span the reduced dimension or a multiple of 16 of it); running the reference"),
+    "fp8_linear": Op(_REF + "fp8_linear:fp8_linear", _TRI + "layer.fp8_linear:fp8_linear",
+                     lambda m, x, weight, bias=None: m.supports(x, weight),
+                     unsupported=lambda x, weight, bias=None: f"moekv: no Triton FP8 linear for x {tuple(x.shape)} "
+                     f"{x.dtype}, weight {tuple(weight.shape)} block {weight.block}; running the reference"),
     "moe_align": Op(_REF + "moe:moe_align_reference", _TRI + "moe.align:moe_align"),
     "ep_local_routing": Op(_REF + "ep_routing:ep_local_routing", _TRI + "moe.ep_routing:ep_local_routing",
                            lambda m, table, codes, weights, top_k: m.supports(codes, top_k), tensor_arg=1,
@@ -325,8 +334,14 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
     """See ops.reference.moe.moe_experts_reference. Triton (moe_experts_path): T <= the decode limit runs
     ops.triton.moe.decode (no sort, weights read once per step), larger T ops.triton.moe.grouped (device
     align + grouped GEMM). out_dtype: the output's dtype (None: hidden's); torch.float32 returns the fp32
-    weighted sum unrounded."""
+    weighted sum unrounded. w_gate_up / w_down: tensors, or both moekv.core.fp8.Fp8Weight (W8A16)."""
     return _call("moe_experts", hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=out_dtype)
+
+
+def fp8_linear(x, weight, bias=None):
+    """x [M, K] @ dequantize(weight)[N, K]^T (+ bias) for an FP8 weight (moekv.core.fp8.Fp8Weight): see
+    ops.reference.fp8_linear (Triton: ops.triton.layer.fp8_linear, W8A16, the codes widened in registers)."""
+    return _call("fp8_linear", x, weight, bias)
 
 
 def moe_align(topk_ids, num_experts, block_m):

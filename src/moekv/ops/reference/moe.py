@@ -1,7 +1,10 @@
 """Reference expert compute for a routed MoE block (pure PyTorch, CPU and CUDA).
 
 Expert weights are stacked: w_gate_up [E, 2I, H] (rows 0..I-1 the gate projection, I..2I-1 the up
-projection) and w_down [E, H, I]. This is the layout the fused Triton kernel reads.
+projection) and w_down [E, H, I]. This is the layout the fused Triton kernel reads. Either may be an
+FP8 weight (moekv.core.fp8.Fp8Weight: float8_e4m3fn codes of that shape + block scales, W8A16): each
+expert's weights are then dequantized in fp32 and its matmuls run in fp32 (the kernel's dequantize-in-
+registers with fp32 accumulation), rounding where the 16-bit path rounds.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moekv.core.fp8 import Fp8Weight
 
-def moe_experts_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+
+def moe_experts_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
                           topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
@@ -37,9 +42,16 @@ def moe_experts_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down:
         if count == 0:
             continue
         segment = x[start:start + count]                                     # [n, H]
-        gate_up = F.linear(segment, w_gate_up[expert])                       # [n, 2I]
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]                # [n, I]
-        expert_out[start:start + count] = F.linear(act, w_down[expert])     # [n, H]
+        if isinstance(w_gate_up, Fp8Weight):                                 # W8A16: fp32 matmuls
+            gate_up = F.linear(segment.float(), w_gate_up[expert].dequantize())   # [n, 2I] fp32
+            act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype)   # [n, I]
+        else:
+            gate_up = F.linear(segment, w_gate_up[expert])                   # [n, 2I]
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]            # [n, I]
+        if isinstance(w_down, Fp8Weight):
+            expert_out[start:start + count] = F.linear(act.float(), w_down[expert].dequantize()).to(x.dtype)
+        else:
+            expert_out[start:start + count] = F.linear(act, w_down[expert])  # [n, H]
         start += count
     weighted = expert_out.float() * slot_weight.unsqueeze(-1)                # [T*k, H] fp32
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
@@ -89,7 +101,7 @@ def padded_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) * block_m
 
 
-def moe_activation_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor
+def moe_activation_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, topk_ids: torch.Tensor
                              ) -> torch.Tensor:
     """The first half of the expert compute, per token-slot: act [T*k, I] in hidden's dtype,
     act[t*k + j] = silu(x_t W_gate_e^T) * (x_t W_up_e^T) with e = topk_ids[t, j], computed in fp32.
@@ -97,6 +109,7 @@ def moe_activation_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk
     top_k = topk_ids.shape[1]
     inter = w_gate_up.shape[1] // 2
     x = hidden.float().repeat_interleave(top_k, dim=0)                                # [T*k, H]
-    weights = w_gate_up.float().index_select(0, topk_ids.reshape(-1))                 # [T*k, 2I, H]
+    full = w_gate_up.dequantize() if isinstance(w_gate_up, Fp8Weight) else w_gate_up.float()   # [E, 2I, H]
+    weights = full.index_select(0, topk_ids.reshape(-1))                              # [T*k, 2I, H]
     gate_up = torch.bmm(weights, x.unsqueeze(-1)).squeeze(-1)                         # [T*k, 2I]
     return (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype)        # [T*k, I]

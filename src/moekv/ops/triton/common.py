@@ -19,6 +19,21 @@ def mma(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def weight_dot(x, w, scale_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST: tl.constexpr, FP8: tl.constexpr):
+    """x [BM, BK] @ w [BK, BN] in fp32. FP8: w holds e4m3 codes, widened in registers (exact), and the
+    product is scaled by the scales of K block k0 // scale_block_k at the pointers scale_cols [BN]."""
+    if FP8:
+        if UPCAST:
+            product = mma(x, w.to(tl.float32), UPCAST)
+        else:
+            product = mma(x, w.to(x.dtype), UPCAST)
+        scale = tl.load(scale_cols + (k0 // scale_block_k) * stride_sk, mask=n_mask, other=0.0)   # [BN]
+        return product * scale[None, :]
+    else:
+        return mma(x, w, UPCAST)
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i):
     """Base-2 online softmax over one block of scores s [M, N] -> (p, alpha, new m, new l); a row whose
     scores are all -inf so far gets p = 0 and alpha = 1 instead of NaN."""

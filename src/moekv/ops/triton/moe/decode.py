@@ -17,6 +17,11 @@ Memory-bound: the weights dominate the bytes (Mixtral-8x7B at one token: 2 exper
 14336 x 2 B = 704 MB), so the extra tile rows of tl.dot (BLOCK_T = 16 for one token) cost nothing.
 The K-split of the down projection keeps enough programs in flight when few experts are active
 (H / BLOCK_N blocks alone would leave most of an H200's 132 SMs idle).
+
+FP8 weights (moekv.core.fp8.Fp8Weight, W8A16; FP8 constexpr): the e4m3 codes are read (half the bytes),
+widened to the activation dtype in registers (exact) for the dot, and each BLOCK_K step's fp32 product is
+multiplied by the scales of its columns, so a K tile must lie inside one scale block (the launch caps
+BLOCK_K at the block width: fp8_block_k).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.common import check_launchable, mma
+from moekv.core.fp8 import Fp8Weight
+from moekv.ops.triton.common import check_launchable, weight_dot
 from moekv.ops.triton.moe.configs import get_config
 
 MAX_DECODE_TOKENS = 64     # BLOCK_T = next power of two >= T; beyond this the grouped path is better
@@ -42,12 +48,14 @@ def _owned_expert(ids_ptr, slot, num_slots, SLOTS_PAD: tl.constexpr):
 
 
 @triton.jit
-def gate_up_tile(x_rows, row_mask, w_gate, w_up, hidden, n_mask, stride_wk,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def gate_up_tile(x_rows, row_mask, w_gate, w_up, hidden, n_mask, stride_wk, s_gate, s_up, stride_sk, scale_block_k,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                 FP8: tl.constexpr):
     """silu(x W_gate^T) * (x W_up^T) over the full hidden size, fp32 [BLOCK_M, BLOCK_N].
 
     x_rows [BLOCK_M, 1] row pointers (rows outside row_mask read as 0); w_gate / w_up [1, BLOCK_N]
-    column pointers of the expert's gate and up rows; n_mask [BLOCK_N] valid columns.
+    column pointers of the expert's gate and up rows; n_mask [BLOCK_N] valid columns. FP8: s_gate / s_up
+    [BLOCK_N] pointers to the scale rows of those columns (K block 0), see weight_dot.
     """
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -59,21 +67,23 @@ def gate_up_tile(x_rows, row_mask, w_gate, w_up, hidden, n_mask, stride_wk,
         w_mask = k_mask[:, None] & n_mask[None, :]
         wg = tl.load(w_gate + ks[:, None] * stride_wk, mask=w_mask, other=0.0)              # [BK, BN]
         wu = tl.load(w_up + ks[:, None] * stride_wk, mask=w_mask, other=0.0)                # [BK, BN]
-        acc_gate += mma(x, wg, UPCAST)
-        acc_up += mma(x, wu, UPCAST)
+        acc_gate += weight_dot(x, wg, s_gate, k0, stride_sk, scale_block_k, n_mask, UPCAST, FP8)
+        acc_up += weight_dot(x, wu, s_up, k0, stride_sk, scale_block_k, n_mask, UPCAST, FP8)
     return acc_gate * tl.sigmoid(acc_gate) * acc_up
 
 
 @triton.jit(do_not_specialize=["num_tokens"])      # one binary for every T sharing BLOCK_T
 def _decode_gate_up_kernel(
     x_ptr,                  # [T, H]
-    w_ptr,                  # [E, 2I, H] gate rows then up rows
+    w_ptr,                  # [E, 2I, H] gate rows then up rows (FP8: e4m3 codes)
     ids_ptr,                # [T, k] int (contiguous)
     act_ptr,                # [T*k, I] out, model dtype
+    s_ptr,                  # FP8: [E, 2I / SCALE_BN, H / scale_block_k] fp32 scales (else unused)
     num_tokens, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_wk, stride_at,
+    stride_se, stride_sn, stride_sk, scale_block_k,
     TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
 ):
     slot = tl.program_id(0)
     expert, owner = _owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
@@ -88,8 +98,10 @@ def _decode_gate_up_kernel(
         w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn    # [1, BLOCK_N]
         w_up = w_gate + inter * stride_wn
         x_rows = x_ptr + tokens[:, None].to(tl.int64) * stride_xt                        # [BLOCK_T, 1]
-        act = gate_up_tile(x_rows, routed, w_gate, w_up, hidden, n_mask, stride_wk,
-                           BLOCK_T, BLOCK_N, BLOCK_K, UPCAST).to(act_ptr.dtype.element_ty)   # [BT, BN]
+        s_gate = s_ptr + expert.to(tl.int64) * stride_se + (cols // SCALE_BN) * stride_sn       # [BLOCK_N]
+        s_up = s_ptr + expert.to(tl.int64) * stride_se + ((cols + inter) // SCALE_BN) * stride_sn
+        act = gate_up_tile(x_rows, routed, w_gate, w_up, hidden, n_mask, stride_wk, s_gate, s_up, stride_sk,
+                           scale_block_k, BLOCK_T, BLOCK_N, BLOCK_K, UPCAST, FP8).to(act_ptr.dtype.element_ty)
         for j in tl.static_range(TOP_K):
             hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
             rows = (tokens * TOP_K + j).to(tl.int64)
@@ -99,13 +111,15 @@ def _decode_gate_up_kernel(
 @triton.jit(do_not_specialize=["num_tokens"])
 def _decode_down_kernel(
     act_ptr,                # [T*k, I]
-    w_ptr,                  # [E, H, I]
+    w_ptr,                  # [E, H, I] (FP8: e4m3 codes)
     ids_ptr,                # [T, k] int (contiguous)
     partial_ptr,            # [S, T*k, H] fp32 out
+    s_ptr,                  # FP8: [E, H / SCALE_BN, I / scale_block_k] fp32 scales (else unused)
     num_tokens, hidden, inter, k_per_split,
     stride_at, stride_we, stride_wn, stride_wk, stride_ps, stride_pt,
+    stride_se, stride_sn, stride_sk, scale_block_k,
     TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
 ):
     slot = tl.program_id(0)
     split = tl.program_id(2)
@@ -125,13 +139,14 @@ def _decode_down_kernel(
         k_end = tl.minimum(k_begin + k_per_split, inter)
         w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn      # [1, BLOCK_N]
         a_rows = act_ptr + source[:, None].to(tl.int64) * stride_at                       # [BLOCK_T, 1]
+        s_cols = s_ptr + expert.to(tl.int64) * stride_se + (cols // SCALE_BN) * stride_sn          # [BLOCK_N]
         acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             ks = k0 + offs_k
             k_mask = ks < k_end
             a = tl.load(a_rows + ks[None, :], mask=routed[:, None] & k_mask[None, :], other=0.0)   # [BT, BK]
             w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc += mma(a, w, UPCAST)                                                        # [BT, BN]
+            acc += weight_dot(a, w, s_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST, FP8)   # [BT, BN]
         out = partial_ptr + split.to(tl.int64) * stride_ps
         for j in tl.static_range(TOP_K):
             hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
@@ -188,11 +203,42 @@ def default_split_k(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
     return max(1, min(triton.cdiv(1024, programs), inter // (4 * block_k)))
 
 
-def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor, config: dict | None) -> dict:
+def weight_args(w: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, list, dict]:
+    """(what the kernel reads as the weight, its scale arguments [s_ptr, stride_se, stride_sn, stride_sk,
+    scale_block_k], its constexprs {FP8, SCALE_BN}); a 16-bit weight gets inert ones."""
+    if isinstance(w, Fp8Weight):
+        s = w.scale
+        return w.codes, [s, s.stride(0), s.stride(1), s.stride(2), w.block[1]], dict(FP8=True, SCALE_BN=w.block[0])
+    return w, [w, 0, 0, 0, 1], dict(FP8=False, SCALE_BN=1)
+
+
+def fp8_block_k(part: dict, w: torch.Tensor | Fp8Weight, reduced: int) -> dict:
+    """part's BLOCK_K, capped for FP8 weights so that a K tile never crosses a scale block (blocks narrower
+    than the reduced size `reduced`); `supports` keeps blocks whose width is not a multiple of 16 away."""
+    if isinstance(w, Fp8Weight) and w.block[1] < reduced:
+        part = dict(part, BLOCK_K=min(part["BLOCK_K"], w.block[1] & -w.block[1]))   # largest power of 2 dividing
+    return part
+
+
+def supports(w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight) -> bool:
+    """Whether the kernels take these weights: 16-bit/fp32 tensors, or FP8 weights whose scale blocks span
+    the whole reduced dimension or a multiple of 16 of it (a tl.dot tile is at least 16 deep)."""
+    for w in (w_gate_up, w_down):
+        if isinstance(w, Fp8Weight) and w.block[1] < w.shape[-1] and w.block[1] % 16:
+            return False
+    return isinstance(w_gate_up, Fp8Weight) == isinstance(w_down, Fp8Weight)
+
+
+def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, config: dict | None,
+                    w_down: torch.Tensor | Fp8Weight | None = None) -> dict:
     num_experts, two_inter, hidden_size = w_gate_up.shape
     cfg = get_config("decode", num_experts, hidden_size, two_inter // 2, hidden.shape[0], hidden.dtype, hidden.device)
     config = config or {}
-    return {part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}
+    out = {part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}
+    out["gate_up"] = fp8_block_k(out["gate_up"], w_gate_up, hidden_size)
+    if w_down is not None:
+        out["down"] = fp8_block_k(out["down"], w_down, two_inter // 2)
+    return out
 
 
 def _common(num_tokens: int, top_k: int, hidden: torch.Tensor) -> dict:
@@ -203,7 +249,7 @@ def _common(num_tokens: int, top_k: int, hidden: torch.Tensor) -> dict:
                 UPCAST=upcast_dots(hidden.dtype, hidden.device))
 
 
-def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor,
+def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, topk_ids: torch.Tensor,
                       config: dict | None = None) -> torch.Tensor:
     """The first launch alone: act [T*k, I] (twin: ops.reference.moe.moe_activation_reference)."""
     num_tokens, hidden_size = hidden.shape
@@ -218,25 +264,28 @@ def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: t
         hidden = hidden.contiguous()
     check_launchable(_decode_gate_up_kernel, hidden)
     ids = topk_ids.contiguous()
+    weight, scale_args, quant = weight_args(w_gate_up)
     grid = (num_tokens * top_k, triton.cdiv(inter, cfg["BLOCK_N"]))
     _decode_gate_up_kernel[grid](
-        hidden, w_gate_up, ids, act, num_tokens, hidden_size, inter,
-        hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2), act.stride(0),
-        **_common(num_tokens, top_k, hidden), **cfg)
+        hidden, weight, ids, act, scale_args[0], num_tokens, hidden_size, inter,
+        hidden.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), act.stride(0), *scale_args[1:],
+        **_common(num_tokens, top_k, hidden), **cfg, **quant)
     return act
 
 
-def moe_shapes(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+def moe_shapes(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
+               topk_ids: torch.Tensor,
                topk_weights: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(tokens T, hidden H, experts E, intermediate I, top-k) of a MoE call, with its shapes checked."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
-    assert w_down.shape == (num_experts, hidden_size, inter) and topk_ids.shape == topk_weights.shape
+    assert tuple(w_down.shape) == (num_experts, hidden_size, inter) and topk_ids.shape == topk_weights.shape
     return num_tokens, hidden_size, num_experts, inter, topk_ids.shape[1]
 
 
-def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
+                       topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, config: dict | None = None,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Same contract as ops.reference.moe.moe_experts_reference, for T <= MAX_DECODE_TOKENS.
@@ -252,16 +301,17 @@ def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: to
     if num_tokens == 0:
         return out
     act = decode_activation(hidden, w_gate_up, topk_ids, config)                      # [T*k, I]
-    cfg = _resolve_config(hidden, w_gate_up, config)["down"]
+    cfg = _resolve_config(hidden, w_gate_up, config, w_down)["down"]
     split_k = cfg.pop("SPLIT_K", None) or default_split_k(
         num_tokens, top_k, num_experts, hidden_size, inter, cfg["BLOCK_N"], cfg["BLOCK_K"])
     k_per_split = triton.cdiv(triton.cdiv(inter, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split_k = triton.cdiv(inter, k_per_split)
     num_slots = num_tokens * top_k
     partial = torch.empty((split_k, num_slots, hidden_size), dtype=torch.float32, device=hidden.device)
+    weight, scale_args, quant = weight_args(w_down)
     grid = (num_slots, triton.cdiv(hidden_size, cfg["BLOCK_N"]), split_k)
     _decode_down_kernel[grid](
-        act, w_down, topk_ids.contiguous(), partial, num_tokens, hidden_size, inter, k_per_split,
-        act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), partial.stride(0), partial.stride(1),
-        **_common(num_tokens, top_k, hidden), **cfg)
+        act, weight, topk_ids.contiguous(), partial, scale_args[0], num_tokens, hidden_size, inter, k_per_split,
+        act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), partial.stride(0), partial.stride(1),
+        *scale_args[1:], **_common(num_tokens, top_k, hidden), **cfg, **quant)
     return combine(partial, topk_weights, out)                                       # [T, H]

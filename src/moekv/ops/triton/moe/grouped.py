@@ -12,7 +12,8 @@ grids are sized from shapes alone, blocks past num_padded exit at once):
 4. combine (ops.triton.moe.decode.combine): out[t] = sum_j w[t, j] * y[t*k + j] in fp32, fixed order.
 
 Program ids are swizzled in groups of GROUP_M row blocks so that consecutive programs share weight
-tiles in L2 (row blocks of one expert are adjacent in the aligned layout).
+tiles in L2 (row blocks of one expert are adjacent in the aligned layout). FP8 weights (W8A16) as in
+ops.triton.moe.decode (weight_dot: codes widened in registers, products scaled per K tile).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.core.fp8 import Fp8Weight
 from moekv.ops.reference.moe import padded_capacity
-from moekv.ops.triton.common import check_launchable, mma
+from moekv.ops.triton.common import check_launchable, weight_dot
 from moekv.ops.triton.moe.align import moe_align
 from moekv.ops.triton.moe.configs import get_config
-from moekv.ops.triton.moe.decode import combine, gate_up_tile, moe_shapes, upcast_dots
+from moekv.ops.triton.moe.decode import combine, fp8_block_k, gate_up_tile, moe_shapes, upcast_dots, weight_args
 
 
 @triton.jit
@@ -49,10 +51,12 @@ def _grouped_gate_up_kernel(
     block_experts_ptr,      # [P / BLOCK_M] int32
     num_padded_ptr,         # [1] int32
     act_ptr,                # [N, I] out
+    s_ptr,                  # FP8: [E, 2I / SCALE_BN, H / scale_block_k] fp32 scales (else unused)
     num_slots, hidden, inter, num_row_blocks,
     stride_xt, stride_we, stride_wn, stride_wk, stride_at,
+    stride_se, stride_sn, stride_sk, scale_block_k,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
 ):
     row_block, col_block = _swizzle(num_row_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if row_block * BLOCK_M < tl.load(num_padded_ptr):
@@ -65,8 +69,10 @@ def _grouped_gate_up_kernel(
         x_rows = x_ptr + tokens[:, None] * stride_xt                                        # [BLOCK_M, 1]
         w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn                     # [1, BLOCK_N]
         w_up = w_gate + inter * stride_wn
-        act = gate_up_tile(x_rows, s_mask, w_gate, w_up, hidden, n_mask, stride_wk,
-                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST).to(act_ptr.dtype.element_ty)   # [BM, BN]
+        s_gate = s_ptr + expert * stride_se + (cols // SCALE_BN) * stride_sn                # [BLOCK_N]
+        s_up = s_ptr + expert * stride_se + ((cols + inter) // SCALE_BN) * stride_sn
+        act = gate_up_tile(x_rows, s_mask, w_gate, w_up, hidden, n_mask, stride_wk, s_gate, s_up, stride_sk,
+                           scale_block_k, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, FP8).to(act_ptr.dtype.element_ty)
         rows = act_ptr + slots[:, None].to(tl.int64) * stride_at + cols[None, :]
         tl.store(rows, act, mask=s_mask[:, None] & n_mask[None, :])
 
@@ -77,10 +83,12 @@ def _grouped_down_kernel(
     w_ptr,                  # [E, H, I]
     sorted_ptr, block_experts_ptr, num_padded_ptr,
     y_ptr,                  # [N, H] out: each slot's expert output (unweighted)
+    s_ptr,                  # FP8: [E, H / SCALE_BN, I / scale_block_k] fp32 scales (else unused)
     num_slots, hidden, inter, num_row_blocks,
     stride_at, stride_we, stride_wn, stride_wk, stride_yt,
+    stride_se, stride_sn, stride_sk, scale_block_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
 ):
     row_block, col_block = _swizzle(num_row_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if row_block * BLOCK_M < tl.load(num_padded_ptr):
@@ -92,27 +100,33 @@ def _grouped_down_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         a_rows = act_ptr + slots[:, None].to(tl.int64) * stride_at                          # [BLOCK_M, 1]
         w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn                     # [1, BLOCK_N]
+        s_cols = s_ptr + expert * stride_se + (cols // SCALE_BN) * stride_sn                # [BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             ks = k0 + offs_k
             k_mask = ks < inter
             a = tl.load(a_rows + ks[None, :], mask=s_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
             w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc += mma(a, w, UPCAST)
+            acc += weight_dot(a, w, s_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST, FP8)
         rows = y_ptr + slots[:, None].to(tl.int64) * stride_yt + cols[None, :]
         tl.store(rows, acc.to(y_ptr.dtype.element_ty), mask=s_mask[:, None] & n_mask[None, :])
 
 
-def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor, top_k: int, config: dict | None) -> dict:
+def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, top_k: int, config: dict | None,
+                    w_down: torch.Tensor | Fp8Weight | None = None) -> dict:
     num_experts, two_inter, hidden_size = w_gate_up.shape
     cfg = get_config("grouped", num_experts, hidden_size, two_inter // 2, hidden.shape[0], hidden.dtype,
                      hidden.device, top_k)
     config = config or {}
-    return {"BLOCK_M": config.get("BLOCK_M", cfg["BLOCK_M"]),
-            **{part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}}
+    out = {"BLOCK_M": config.get("BLOCK_M", cfg["BLOCK_M"]),
+           **{part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}}
+    out["gate_up"] = fp8_block_k(out["gate_up"], w_gate_up, hidden_size)
+    if w_down is not None:
+        out["down"] = fp8_block_k(out["down"], w_down, two_inter // 2)
+    return out
 
 
-def grouped_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor,
+def grouped_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, topk_ids: torch.Tensor,
                        config: dict | None = None, aligned: tuple | None = None) -> torch.Tensor:
     """Align (unless `aligned` is given) and the gate_up launch: act [T*k, I]
     (twin: ops.reference.moe.moe_activation_reference)."""
@@ -131,15 +145,18 @@ def grouped_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: 
     check_launchable(_grouped_gate_up_kernel, hidden)
     sorted_slots, block_experts, num_padded = aligned or moe_align(topk_ids, num_experts, block_m)
     num_row_blocks = padded_capacity(num_slots, num_experts, block_m) // block_m
+    weight, scale_args, quant = weight_args(w_gate_up)
     grid = (num_row_blocks * triton.cdiv(inter, part["BLOCK_N"]),)
     _grouped_gate_up_kernel[grid](
-        hidden, w_gate_up, sorted_slots, block_experts, num_padded, act, num_slots, hidden_size, inter,
-        num_row_blocks, hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2),
-        act.stride(0), TOP_K=top_k, BLOCK_M=block_m, UPCAST=upcast_dots(hidden.dtype, hidden.device), **part)
+        hidden, weight, sorted_slots, block_experts, num_padded, act, scale_args[0], num_slots, hidden_size, inter,
+        num_row_blocks, hidden.stride(0), weight.stride(0), weight.stride(1), weight.stride(2),
+        act.stride(0), *scale_args[1:], TOP_K=top_k, BLOCK_M=block_m,
+        UPCAST=upcast_dots(hidden.dtype, hidden.device), **part, **quant)
     return act
 
 
-def moe_experts_grouped(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+def moe_experts_grouped(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
+                        topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor, config: dict | None = None,
                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Same contract as ops.reference.moe.moe_experts_reference, for any T (out_dtype: as there).
@@ -152,7 +169,7 @@ def moe_experts_grouped(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: t
     out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)   # [T, H]
     if num_tokens == 0:
         return out
-    cfg = _resolve_config(hidden, w_gate_up, top_k, config)
+    cfg = _resolve_config(hidden, w_gate_up, top_k, config, w_down)
     block_m, part = cfg["BLOCK_M"], cfg["down"]
     num_slots = num_tokens * top_k
     aligned = moe_align(topk_ids, num_experts, block_m)                               # [P], [P/BM], [1]
@@ -160,9 +177,11 @@ def moe_experts_grouped(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: t
     sorted_slots, block_experts, num_padded = aligned
     num_row_blocks = padded_capacity(num_slots, num_experts, block_m) // block_m
     expert_out = torch.empty((num_slots, hidden_size), dtype=hidden.dtype, device=hidden.device)   # [N, H]
+    weight, scale_args, quant = weight_args(w_down)
     grid = (num_row_blocks * triton.cdiv(hidden_size, part["BLOCK_N"]),)
     _grouped_down_kernel[grid](
-        act, w_down, sorted_slots, block_experts, num_padded, expert_out, num_slots, hidden_size, inter,
-        num_row_blocks, act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), expert_out.stride(0),
-        BLOCK_M=block_m, UPCAST=upcast_dots(hidden.dtype, hidden.device), **part)
+        act, weight, sorted_slots, block_experts, num_padded, expert_out, scale_args[0], num_slots, hidden_size,
+        inter, num_row_blocks, act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2),
+        expert_out.stride(0), *scale_args[1:], BLOCK_M=block_m, UPCAST=upcast_dots(hidden.dtype, hidden.device),
+        **part, **quant)
     return combine(expert_out.unsqueeze(0), topk_weights, out)                       # [T, H]

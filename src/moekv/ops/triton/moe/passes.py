@@ -44,10 +44,11 @@ class DecodePasses:
         act = moe_decode.decode_activation(hidden, w_gate_up, slot_ids, self.config)   # [T*k, I]
         down = {k: v for k, v in self.config["down"].items() if k != "SPLIT_K"}
         grid = (num_tokens * self.top_k, -(-hidden_size // down["BLOCK_N"]), partial.shape[0])
+        weight, scale_args, quant = moe_decode.weight_args(w_down)
         moe_decode._decode_down_kernel[grid](
-            act, w_down, slot_ids.contiguous(), partial, num_tokens, hidden_size, self.inter, self.k_per_split,
-            act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), partial.stride(0),
-            partial.stride(1), **moe_decode._common(num_tokens, self.top_k, hidden), **down)
+            act, weight, slot_ids.contiguous(), partial, scale_args[0], num_tokens, hidden_size, self.inter,
+            self.k_per_split, act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), partial.stride(0),
+            partial.stride(1), *scale_args[1:], **moe_decode._common(num_tokens, self.top_k, hidden), **down, **quant)
 
     def keep_rows(self, target, rows) -> None:
         self.buffer[:, rows] = target[:, rows]
@@ -78,11 +79,12 @@ class GroupedPasses:
         sorted_slots, block_experts, num_padded = aligned
         num_row_blocks = padded_capacity(num_rows, num_slots, block_m) // block_m
         grid = (num_row_blocks * -(-hidden_size // part["BLOCK_N"]),)
+        weight, scale_args, quant = moe_decode.weight_args(w_down)
         moe_grouped._grouped_down_kernel[grid](
-            act, w_down, sorted_slots, block_experts, num_padded, expert_out, num_rows, hidden_size, self.inter,
-            num_row_blocks, act.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
-            expert_out.stride(0), BLOCK_M=block_m, UPCAST=moe_decode.upcast_dots(hidden.dtype, hidden.device),
-            **part)
+            act, weight, sorted_slots, block_experts, num_padded, expert_out, scale_args[0], num_rows, hidden_size,
+            self.inter, num_row_blocks, act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2),
+            expert_out.stride(0), *scale_args[1:], BLOCK_M=block_m,
+            UPCAST=moe_decode.upcast_dots(hidden.dtype, hidden.device), **part, **quant)
 
     def keep_rows(self, target, rows) -> None:
         self.buffer[rows] = target[rows]

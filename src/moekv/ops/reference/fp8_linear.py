@@ -1,0 +1,20 @@
+"""Reference of the W8A16 linear layer: out [M, N] = x [M, K] @ dequantize(weight)[N, K]^T (+ bias).
+
+The twin of ops.triton.layer.fp8_linear: the FP8 weight (moekv.core.fp8.Fp8Weight) dequantized in fp32,
+the matmul in fp32 on the widened activations, the bias added in fp32, one rounding to x.dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekv.core.fp8 import Fp8Weight
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], weight Fp8Weight [N, K], bias [N] or None -> [M, N] in x.dtype (fp32 sums)."""
+    assert x.dim() == 2 and len(weight.shape) == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    out = torch.matmul(x.float(), weight.dequantize().t())            # [M, N] fp32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -1,0 +1,90 @@
+"""W8A16 linear layer: out [M, N] = x [M, K] @ dequantize(weight)[N, K]^T (+ bias), FP8 weight codes.
+
+Same contract as ops.reference.fp8_linear.fp8_linear. One program per (BLOCK_M rows, BLOCK_N output
+features); the K loop reads [BLOCK_K, BLOCK_N] tiles of e4m3 codes (one byte per weight: half the bytes of
+a bf16 projection), widens them in registers for the dot (exact) and scales each tile's fp32 product by its
+columns' scales (common.weight_dot; BLOCK_K is capped so a tile never crosses a scale block). Bias in fp32,
+one rounding to x.dtype (EMULATE_BF16 under the CPU interpreter, whose bf16 cast truncates). No host reads:
+CUDA-graph safe. Launch shapes are reasoned, not tuned: BLOCK_M 16 at decode sizes (M <= 16), else 64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekv.core.fp8 import Fp8Weight
+from moekv.ops.triton.common import check_launchable, weight_dot
+from moekv.ops.triton.layer.norm import round_to
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_linear_kernel(
+    x_ptr,                  # [M, K]
+    w_ptr,                  # [N, K] e4m3 codes
+    s_ptr,                  # [N / SCALE_BN, K / scale_block_k] fp32 scales
+    b_ptr,                  # [N] or a dummy (HAS_BIAS False)
+    out_ptr,                # [M, N] x.dtype
+    M, N, K,
+    stride_xm, stride_wn, stride_wk, stride_sn, stride_sk, scale_block_k, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_BN: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rows < M
+    n_mask = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm                                   # [BM, 1]
+    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn                                   # [1, BN]
+    s_cols = s_ptr + (cols // SCALE_BN) * stride_sn                                           # [BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
+        w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)   # [BK, BN]
+        acc += weight_dot(x, w, s_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST, True)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    offs = rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_ptr + offs, round_to(acc, out_ptr.dtype.element_ty, EMULATE_BF16),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def supports(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """2-D activations of a float dtype and an FP8 weight whose scale blocks span K or a multiple of 16 of it."""
+    return (isinstance(weight, Fp8Weight) and x.dim() == 2 and len(weight.shape) == 2 and x.dtype in DTYPES
+            and x.shape[1] == weight.shape[1] and (weight.block[1] >= weight.shape[1] or weight.block[1] % 16 == 0))
+
+
+def default_config(num_rows: int) -> dict:
+    return dict(BLOCK_M=16 if num_rows <= 16 else 64, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """Same contract as ops.reference.fp8_linear.fp8_linear; config overrides default_config's entries."""
+    num_rows, _ = x.shape
+    out_features, in_features = weight.shape
+    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)                 # [M, N]
+    if num_rows == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    check_launchable(_fp8_linear_kernel, x)
+    cfg = {**default_config(num_rows), **(config or {})}
+    if weight.block[1] < in_features:             # a K tile must not cross a scale block
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], weight.block[1] & -weight.block[1])
+    codes, scale = weight.codes, weight.scale
+    grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
+    _fp8_linear_kernel[grid](
+        x, codes, scale, bias if bias is not None else scale, out, num_rows, out_features, in_features,
+        x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), weight.block[1],
+        out.stride(0), HAS_BIAS=bias is not None, SCALE_BN=weight.block[0],
+        UPCAST=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda),
+        EMULATE_BF16=not x.is_cuda, **cfg)
+    return out
