@@ -6,6 +6,8 @@ with Hugging Face transformers on the same shape and the same weights, plus the 
     PYTHONPATH=src:. python benchmarks/bench_decode.py --enforce-eager --tag eager     # every step eager
     PYTHONPATH=src:. python benchmarks/bench_decode.py --scenarios 64x16384:int3 --no-hf --moe-tokens "" --tag b64
     PYTHONPATH=src:. python benchmarks/bench_decode.py --tiny                          # CPU: code paths only
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --quantization none,fp8 --scenarios 1x16384:bf16 --no-hf
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --model qwen3-30b-a3b --quantization none,fp8 --no-hf
 
 Sections (each in the JSON and the markdown written to --out, default benchmarks/results):
   decode      time per output token = wall time of one engine step with B running sequences of about
@@ -29,6 +31,9 @@ Sections (each in the JSON and the markdown written to --out, default benchmarks
 The transformers model is built on the meta device and its parameters are views of moekv's (no copy:
 Mixtral-8x7B twice would not fit one H200). Targets (reported, not asserted): MoE layer at 1 token
 >= 80% of copy bandwidth; B=1 16k int3 <= 7.0 ms per token (Mixtral-8x7B).
+--quantization none,fp8: the whole run once per weight format, one model after the other (the FP8 model is
+the random bf16 one quantized per output channel, moekv.models.quantize; transformers only for bf16), rows
+tagged with their `weights`; the weights' floor (all weights read once per step) is reported per row.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ TINY_ARCH = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head
                  expert_intermediate_size=48, vocab_size=256)
 TINY_SCENARIOS = "1x96:bf16,int3;4x48:bf16,int3;8x64:int3"
 TARGET_MOE_PCT_COPY, TARGET_TPOT_MS, TARGET_TPOT_B64_MS = 80.0, 7.0, 33.0
+# issue 19: Mixtral-8x7B B=1 16k bf16 KV per weight format (ms), any shape's B=1 share of its floor (%)
+TARGET_TPOT_BY_WEIGHTS, TARGET_PCT_OF_FLOOR_B1 = {"bf16": 7.0, "fp8": 4.5}, 70.0
 
 
 def parse_scenarios(text: str) -> list[tuple[int, int, str]]:
@@ -364,6 +371,32 @@ def prefill_cell(row: dict) -> str:
     return f"{row['prefill_tokens_per_s']:.0f}"
 
 
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes of the routed experts of one MoE layer's one expert, bytes of everything else read per step): FP8
+    codes count 1 byte, their fp32 scales 4; the embedding counts one row per token (not here: negligible)."""
+    arch = model.arch
+    experts = next(layer.mlp.experts for layer in model.layers if layer.is_moe)
+    expert_ids = {id(t) for layer in model.layers if layer.is_moe for t in layer.mlp.experts.parameters()}
+    per_expert = sum(t.numel() * t.element_size() for t in experts.parameters()) // arch.num_experts
+    rest = sum(t.numel() * t.element_size() for name, t in model.named_parameters()
+               if id(t) not in expert_ids and not name.startswith("embed_tokens"))
+    return per_expert, rest
+
+
+def floor_ms(model, batch: int, context: int, kv_bits: float, copy_tbps: float | None) -> float | None:
+    """The step's time at the copy bandwidth if it read every byte it needs once: the non-expert weights,
+    the distinct routed experts of each MoE layer (uniform routing: E (1 - (1 - k/E)^B) of them) and the KV
+    cache of B sequences of `context` tokens at kv_bits per value."""
+    if not copy_tbps:
+        return None
+    arch = model.arch
+    per_expert, rest = weight_bytes(model)
+    touched = arch.num_experts * (1 - (1 - arch.top_k / arch.num_experts) ** batch)
+    moe_layers = sum(1 for layer in model.layers if layer.is_moe)
+    kv = batch * context * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2 * kv_bits / 8
+    return (rest + moe_layers * touched * per_expert + kv) / (copy_tbps * 1e9)
+
+
 def markdown(result: dict) -> list[str]:
     env = result["env"]
     lines = [f"# Decode benchmark: {result['model']} ({result['dtype']}, {result.get('num_layers', '?')} layers, random weights)", "",
@@ -374,19 +407,20 @@ def markdown(result: dict) -> list[str]:
     lines += ["## Decode: time per output token", "",
               "GPU busy: union of profiled kernel intervals / wall (a lower bound; the trace undercounts graph "
               "kernels); graph replay: CUDA-event time of the step's graph replay (ms, and / wall).", "",
-              "| B | context | system | KV | ms / token | tokens/s | GPU busy | graph replay | prefill tok/s "
-              "| KV bits/value |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| B | context | system | weights | KV | ms / token | % of floor | tokens/s | GPU busy | graph replay "
+              "| prefill tok/s | KV bits/value |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["decode"]:
         busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
         replay = "-" if r.get("graph_replay_ms") is None else \
             f"{r['graph_replay_ms']:.3f} ms ({100 * r['gpu_busy_replay']:.1f}%)"
-        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r['kv']} | {r['tpot_ms']:.3f} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('weights', 'bf16')} | {r['kv']} "
+                     f"| {r['tpot_ms']:.3f} | {'-' if r.get('pct_of_floor') is None else format(r['pct_of_floor'], '.1f') + '%'} | "
                      f"{r['tokens_per_s']:.1f} | {busy} | {replay} | {prefill_cell(r)} | "
                      f"{r['kv_bits_per_value']:.2f} |")
     for r in result["errors"]:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r['kv']} | failed: {r['error'][:80]} "
-                     "| | | | | |")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('weights', 'bf16')} | {r['kv']} "
+                     f"| failed: {r['error'][:80]} | | | | | | |")
     for row in result["decode"]:
         bd = row.get("kernel_breakdown")
         if not bd:
@@ -426,7 +460,92 @@ def targets(result: dict) -> list[str]:
             if base["context"] == r["context"]:
                 out.append(f"B=1 {r['context']} {r['kv']}: {base['tpot_ms'] / r['tpot_ms']:.1f}x faster than HF "
                            f"grouped_mm ({base['tpot_ms']:.1f} ms; target >= 5x)")
+    for r in result["decode"]:
+        if r["system"] != "moekv" or r["context"] != 16384:
+            continue
+        weights, floor = r.get("weights", "bf16"), r.get("pct_of_floor")
+        floor_text = "" if floor is None else f", {floor:.1f}% of its floor ({r['floor_ms']:.3f} ms)"
+        goal = TARGET_TPOT_BY_WEIGHTS.get(weights) if (r["batch"], r["kv"]) == (1, "bf16") and \
+            result["model"].startswith("mixtral") else None
+        goal_text = "" if goal is None else f" (target <= {goal} ms)"
+        if r["batch"] == 1 and not result["model"].startswith("mixtral"):
+            goal_text = f" (target >= {TARGET_PCT_OF_FLOOR_B1:.0f}% of floor)"
+        out.append(f"{weights} weights, B={r['batch']} 16k {r['kv']} KV: {r['tpot_ms']:.3f} ms per token"
+                   f"{goal_text}{floor_text}")
+    for weights in sorted({r.get("weights", "bf16") for r in result["moe_layer"]}):
+        for r in result["moe_layer"]:
+            if r.get("weights", "bf16") == weights and r["impl"] == "moekv" and r["pct_copy"] is not None:
+                out.append(f"MoE layer, {weights} weights, {r['tokens']} token(s): {r['tbps']:.2f} TB/s = "
+                           f"{r['pct_copy']:.1f}% of copy (issue 19 target >= 85% of 4.3 TB/s at 1 token)")
     return out or ["(no target-bearing rows in this run)"]
+
+
+def run_weights(arch, quantization: str | None, scenarios, args, dtype, device, copy_tbps, result: dict) -> None:
+    """Every scenario (and the MoE-layer section) on one random model in one weight format; rows appended to
+    result, tagged with `weights`."""
+    label = quantization or args.dtype
+    print(f"{result['env']['gpu']}: building random {args.model}{' (tiny)' if args.tiny else ''} "
+          f"({arch.num_layers} layers) in {args.dtype}, weights {label} ...")
+    model = build_random_model(arch, dtype=dtype, device=device, seed=0, quantization=quantization)
+    if args.parity_only:
+        scenarios, args.no_hf, args.moe_tokens, args.hf = [], False, "", args.hf or "eager"
+    hf = None
+    if not args.no_hf and args.hf and quantization is None:
+        try:
+            hf = hf_model_sharing(model)
+            result["parity"] = parity(model, hf, args.parity_tokens)
+            print("parity with transformers:", result["parity"])
+        except Exception as exc:                                      # noqa: BLE001 (reported in the results)
+            print(f"transformers side-by-side unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+            hf = None
+    systems = (["moekv", "moekv-eager"] if args.eager_too else
+               ["moekv-eager"] if args.enforce_eager else ["moekv"])
+    runs = [(system, b, c, kv) for b, c, kv in scenarios for system in systems]
+    if hf is not None:
+        pairs = sorted({(b, c) for b, c, kv in scenarios if kv == "bf16"})
+        runs += [(f"transformers-{impl}", b, c, "bf16") for b, c in pairs for impl in args.hf.split(",")]
+    for system, batch, context, kv in runs:
+        print(f"{system} B={batch} L={context} kv={kv} weights={label} ...", flush=True)
+        try:
+            if system.startswith("moekv"):
+                row = run_moekv(model, batch, context, kv, args, device, graphs=system == "moekv")
+            else:
+                row = run_hf(hf, system.split("-", 1)[1], batch, context, args, device)
+        except Exception as exc:                                      # noqa: BLE001 (e.g. out of memory)
+            free_memory(device)
+            print(f"  failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+            result["errors"].append({"system": system, "batch": batch, "context": context, "kv": kv, "weights": label,
+                                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
+        row["weights"] = label
+        row["floor_ms"] = floor_ms(model, batch, context, row["kv_bits_per_value"], copy_tbps)
+        row["pct_of_floor"] = None if row["floor_ms"] is None else 100 * row["floor_ms"] / row["tpot_ms"]
+        busy = "-" if row["gpu_busy"] is None else f"{100 * row['gpu_busy']:.1f}%"
+        graphs = "" if "cuda_graphs" not in row else \
+            (", CUDA graphs" if row["cuda_graphs"] else f", eager ({row['graph_fallback']})")
+        if row.get("graph_replay_ms") is not None:
+            graphs += f" (replay {row['graph_replay_ms']:.3f} ms = {100 * row['gpu_busy_replay']:.1f}% of the step)"
+        floor = "" if row["floor_ms"] is None else f", {row['pct_of_floor']:.1f}% of its floor {row['floor_ms']:.3f} ms"
+        print(f"  {row['tpot_ms']:.3f} ms/token, {row['tokens_per_s']:.1f} tok/s, GPU busy {busy}, "
+              f"prefill {prefill_cell(row)} tok/s{graphs}{floor}")
+        result["decode"].append(row)
+
+    moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t]
+    if moe_tokens:
+        layer = next(layer for layer in model.layers if layer.is_moe).mlp
+        weights = (*layer.experts.weights(), layer.router.weight.data)
+        shape = {"num_experts": arch.num_experts, "hidden_size": arch.hidden_size,
+                 "expert_intermediate_size": arch.expert_intermediate_size, "top_k": arch.top_k}
+        if args.tiny:
+            from dataclasses import replace
+
+            from moekv.ops import dispatch
+            dispatch.install(replace(dispatch.kernel_config(), backend="triton"))
+        rows = bench_moe.bench_layer(shape, moe_tokens, dtype, device, bench_moe.Timer(device), copy_tbps,
+                                     tiny=args.tiny, weights=weights)
+        result["moe_layer"] += [{**row, "weights": label} for row in rows]
+    del model, hf
+    free_memory(device)
 
 
 def main(argv=None) -> int:
@@ -456,6 +575,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny Mixtral-shaped model on the CPU (code paths)")
     parser.add_argument("--enforce-eager", action="store_true", help="moekv without CUDA graphs (every step eager)")
     parser.add_argument("--eager-too", action="store_true", help="run moekv both with CUDA graphs and eagerly")
+    parser.add_argument("--quantization", default="none",
+                        help="model weights: none (16-bit), fp8 (quantized per output channel, W8A16), or "
+                             "none,fp8 (both, one after the other, in one result file)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
@@ -471,72 +593,23 @@ def main(argv=None) -> int:
     else:
         arch = named_arch(args.model, **overrides)
     scenarios = parse_scenarios(args.scenarios or DEFAULT_SCENARIOS)
+    quantizations = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    if not quantizations or any(q not in ("none", "fp8") for q in quantizations):
+        parser.error(f"--quantization takes none, fp8 or none,fp8; got {args.quantization!r}")
     env = bench_moe.environment(["benchmarks/bench_decode.py", *argv], device)
     copy_tbps = bench_moe.copy_bandwidth(device)
-    print(f"{env['gpu']}: building random {args.model}{' (tiny)' if args.tiny else ''} "
-          f"({arch.num_layers} layers) in {args.dtype} ...")
-    model = build_random_model(arch, dtype=dtype, device=device, seed=0)
-    if args.parity_only:
-        scenarios, args.no_hf, args.moe_tokens, args.hf = [], False, "", args.hf or "eager"
     result = {"env": env, "model": args.model + ("-tiny" if args.tiny else ""), "dtype": args.dtype,
-              "num_layers": arch.num_layers,
+              "num_layers": arch.num_layers, "quantization": quantizations,
               "copy_bandwidth_tbps": copy_tbps, "decode": [], "errors": [], "moe_layer": [], "parity": None}
-
-    hf = None
-    if not args.no_hf and args.hf:
-        try:
-            hf = hf_model_sharing(model)
-            result["parity"] = parity(model, hf, args.parity_tokens)
-            print("parity with transformers:", result["parity"])
-        except Exception as exc:                                      # noqa: BLE001 (reported in the results)
-            print(f"transformers side-by-side unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
-            hf = None
-    systems = (["moekv", "moekv-eager"] if args.eager_too else
-               ["moekv-eager"] if args.enforce_eager else ["moekv"])
-    runs = [(system, b, c, kv) for b, c, kv in scenarios for system in systems]
-    if hf is not None:
-        pairs = sorted({(b, c) for b, c, kv in scenarios if kv == "bf16"})
-        runs += [(f"transformers-{impl}", b, c, "bf16") for b, c in pairs for impl in args.hf.split(",")]
-    for system, batch, context, kv in runs:
-        print(f"{system} B={batch} L={context} kv={kv} ...", flush=True)
-        try:
-            if system.startswith("moekv"):
-                row = run_moekv(model, batch, context, kv, args, device, graphs=system == "moekv")
-            else:
-                row = run_hf(hf, system.split("-", 1)[1], batch, context, args, device)
-        except Exception as exc:                                      # noqa: BLE001 (e.g. out of memory)
-            free_memory(device)
-            print(f"  failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
-            result["errors"].append({"system": system, "batch": batch, "context": context, "kv": kv,
-                                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-            continue
-        busy = "-" if row["gpu_busy"] is None else f"{100 * row['gpu_busy']:.1f}%"
-        graphs = "" if "cuda_graphs" not in row else \
-            (", CUDA graphs" if row["cuda_graphs"] else f", eager ({row['graph_fallback']})")
-        if row.get("graph_replay_ms") is not None:
-            graphs += f" (replay {row['graph_replay_ms']:.3f} ms = {100 * row['gpu_busy_replay']:.1f}% of the step)"
-        print(f"  {row['tpot_ms']:.3f} ms/token, {row['tokens_per_s']:.1f} tok/s, GPU busy {busy}, "
-              f"prefill {prefill_cell(row)} tok/s{graphs}")
-        result["decode"].append(row)
-
-    moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t]
-    if moe_tokens:
-        layer = next(layer for layer in model.layers if layer.is_moe).mlp
-        weights = (layer.experts.w_gate_up.data, layer.experts.w_down.data, layer.router.weight.data)
-        shape = {"num_experts": arch.num_experts, "hidden_size": arch.hidden_size,
-                 "expert_intermediate_size": arch.expert_intermediate_size, "top_k": arch.top_k}
-        if args.tiny:
-            from dataclasses import replace
-
-            from moekv.ops import dispatch
-            dispatch.install(replace(dispatch.kernel_config(), backend="triton"))
-        result["moe_layer"] = bench_moe.bench_layer(shape, moe_tokens, dtype, device, bench_moe.Timer(device),
-                                                    copy_tbps, tiny=args.tiny, weights=weights)
+    for quantization in quantizations:
+        run_weights(arch, None if quantization == "none" else quantization, scenarios, args, dtype, device,
+                    copy_tbps, result)
     result["targets"] = targets(result)
     out = args.out or (Path(tempfile.mkdtemp()) if args.tiny else Path("benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
     gpu = env["gpu"].split(" (")[0].replace(" ", "_")
-    stem = f"decode-bench-{result['model']}-{gpu}" + (f"-{args.tag}" if args.tag else "")
+    weights = "" if quantizations == ["none"] else "-" + "+".join("bf16" if q == "none" else q for q in quantizations)
+    stem = f"decode-bench-{result['model']}{weights}-{gpu}" + (f"-{args.tag}" if args.tag else "")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{stem}.md").write_text("\n".join(markdown(result)) + "\n")
     print("\n".join(result["targets"]))

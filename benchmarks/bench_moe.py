@@ -5,6 +5,8 @@ eager) on one layer of a named shape with random weights.
     PYTHONPATH=src:. python benchmarks/bench_moe.py --model mixtral-8x7b --tokens 1,8,128
     PYTHONPATH=src:. python benchmarks/bench_moe.py --model qwen3-30b-a3b --tokens 1,8,128,1024
     PYTHONPATH=src:. python benchmarks/bench_moe.py --tiny      # CPU: the code paths under the interpreter
+    PYTHONPATH=src:. python benchmarks/bench_moe.py --model mixtral-8x7b,qwen3-30b-a3b --quantization none,fp8
+    PYTHONPATH=src:. python benchmarks/bench_moe.py --quantization fp8 --fp8-block 128x128   # checkpoints' blocks
 
 Timing (CUDA): median of CUDA-graph replays with L2 flushed (a 256 MiB buffer zeroed) before every
 call, the flush timed alone and subtracted; a path that cannot be captured (the reference syncs with
@@ -13,7 +15,11 @@ layer must read (the weights of the distinct routed experts + the input) plus th
 over the time; "% copy" compares that with the measured device-to-device copy bandwidth
 ((read + write) / time of a 2 GiB copy). Every implementation's output is compared with the fp32
 reference (max error relative to max |ref|). Writes moe-bench-<model>-<gpu>.{json,md}; asserts
-nothing about speed.
+nothing about speed. --quantization fp8: the same layer's experts quantized to FP8 (per output channel, or
+--fp8-block BNxBK block scales as FP8 checkpoints hold them); the W8A16 kernels read the e4m3 codes and their
+fp32 scales (counted in the bytes), the oracle is the fp32 reference on the dequantized weights; transformers'
+experts take 16-bit weights only. Several --model / --quantization values run one after the other, into one
+result file.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ if "--tiny" in sys.argv:                     # the Triton paths on a CPU: the in
 import torch  # noqa: E402
 from benchmarks.timing import cuda_graph_ms  # noqa: E402
 
+from moekv.core.fp8 import Fp8Weight, quantize_fp8  # noqa: E402
 from moekv.models.registry import NAMED_SHAPES  # noqa: E402
 from moekv.ops import dispatch  # noqa: E402
 from moekv.ops.reference.moe import moe_experts_reference  # noqa: E402
@@ -135,10 +142,29 @@ def routed_inputs(num_tokens: int, router: torch.Tensor, top_k: int, dtype: torc
     return hidden, ids, weights
 
 
-def layer_bytes(w_gate_up: torch.Tensor, w_down: torch.Tensor, hidden: torch.Tensor, topk_ids: torch.Tensor) -> int:
-    """Bytes the layer cannot avoid moving: every distinct routed expert's weights once, input, output."""
+def quantize_layer(w_gate_up: torch.Tensor, w_down: torch.Tensor, block: tuple[int, int] | None):
+    """The layer's experts as FP8 (moekv.core.fp8), one expert at a time: per output channel, or block scales."""
+    def one(weight):
+        parts = [quantize_fp8(weight[e], block) for e in range(weight.shape[0])]
+        return Fp8Weight(torch.stack([p.codes for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block)
+    return one(w_gate_up), one(w_down)
+
+
+def _expert_bytes(weight) -> int:
+    if isinstance(weight, Fp8Weight):
+        return weight.codes[0].numel() * weight.codes.element_size() + weight.scale[0].numel() * 4
+    return weight[0].numel() * weight.element_size()
+
+
+def _dequantized(weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, Fp8Weight) else weight.float()
+
+
+def layer_bytes(w_gate_up, w_down, hidden: torch.Tensor, topk_ids: torch.Tensor) -> int:
+    """Bytes the layer cannot avoid moving: every distinct routed expert's weights once (FP8: codes and
+    scales), input, output."""
     experts = torch.unique(topk_ids).numel()
-    per_expert = (w_gate_up[0].numel() + w_down[0].numel()) * w_gate_up.element_size()
+    per_expert = _expert_bytes(w_gate_up) + _expert_bytes(w_down)
     return experts * per_expert + 2 * hidden.numel() * hidden.element_size()
 
 
@@ -173,6 +199,8 @@ def implementations(w_gate_up, w_down, num_tokens: int) -> dict:
         fns["moekv-decode"] = lambda h, i, w: moe_decode.moe_experts_decode(h, w_gate_up, w_down, i, w)
     fns["moekv-grouped"] = lambda h, i, w: moe_grouped.moe_experts_grouped(h, w_gate_up, w_down, i, w)
     fns["reference"] = lambda h, i, w: moe_experts_reference(h, w_gate_up, w_down, i, w)
+    if isinstance(w_gate_up, Fp8Weight):         # transformers' experts take 16-bit tensors
+        return fns
     for implementation in ("grouped_mm", "eager"):
         experts = hf_experts(w_gate_up, w_down, implementation)
         if experts is not None:
@@ -182,14 +210,21 @@ def implementations(w_gate_up, w_down, num_tokens: int) -> dict:
 
 @torch.inference_mode()
 def bench_layer(shape: dict, token_counts: list[int], dtype: torch.dtype, device: torch.device, timer: Timer,
-                copy_tbps: float | None, tiny: bool = False, weights=None, only: set[str] | None = None) -> list[dict]:
+                copy_tbps: float | None, tiny: bool = False, weights=None, only: set[str] | None = None,
+                quantization: str | None = None, fp8_block: tuple[int, int] | None = None) -> list[dict]:
     """One row per (token count, implementation). `weights`: (w_gate_up, w_down, router) of a model layer
-    to reuse (bench_decode passes its model's); else random ones."""
+    to reuse (bench_decode passes its model's, FP8 ones as Fp8Weight); else random ones, quantized to FP8
+    when `quantization` is "fp8" (per output channel, or fp8_block scales)."""
     w_gate_up, w_down, router = weights or random_layer(shape, dtype, device)
+    if quantization == "fp8" and not isinstance(w_gate_up, Fp8Weight):
+        w_gate_up, w_down = quantize_layer(w_gate_up, w_down, fp8_block)
+    reference_weights = (_dequantized(w_gate_up), _dequantized(w_down))
+    label = "fp8" if isinstance(w_gate_up, Fp8Weight) else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype))
     rows = []
     for num_tokens in token_counts:
         hidden, ids, weights_ = routed_inputs(num_tokens, router, shape["top_k"], dtype)
-        expected = moe_experts_reference(hidden.float(), w_gate_up.float(), w_down.float(), ids, weights_)
+        expected = moe_experts_reference(hidden.float(), *reference_weights, ids, weights_)
         moved = layer_bytes(w_gate_up, w_down, hidden, ids)
         for name, fn in implementations(w_gate_up, w_down, num_tokens).items():
             if only and name not in only:
@@ -201,10 +236,10 @@ def bench_layer(shape: dict, token_counts: list[int], dtype: torch.dtype, device
                 print(f"  {name} T={num_tokens}: failed: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
                 continue
             tbps = moved / ms / 1e9
-            rows.append({"impl": name, "tokens": num_tokens, "ms": ms, "bytes": moved, "tbps": tbps,
+            rows.append({"impl": name, "weights": label, "tokens": num_tokens, "ms": ms, "bytes": moved, "tbps": tbps,
                          "pct_copy": None if copy_tbps is None else 100 * tbps / copy_tbps, "cuda_graph": graph,
                          "experts_touched": int(torch.unique(ids).numel()), "max_rel_err": error})
-            print(f"  T={num_tokens:5d} {name:15s} {ms:9.4f} ms  {tbps:6.3f} TB/s  err {error:.1e}"
+            print(f"  T={num_tokens:5d} {label:5s} {name:15s} {ms:9.4f} ms  {tbps:6.3f} TB/s  err {error:.1e}"
                   + ("" if graph or device.type != "cuda" else "  (eager timing)"))
     return rows
 
@@ -225,11 +260,11 @@ def environment(argv: list[str], device: torch.device) -> dict:
 
 
 def layer_table(rows: list[dict]) -> list[str]:
-    lines = ["| tokens | implementation | ms | experts read | MB moved | TB/s | % copy | max rel err | timing |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | weights | tokens | implementation | ms | experts read | MB moved | TB/s | % copy | max rel err "
+             "| timing |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pct = "-" if r["pct_copy"] is None else f"{r['pct_copy']:.1f}%"
-        lines.append(f"| {r['tokens']} | {r['impl']} | {r['ms']:.4f} | {r['experts_touched']} | {r['bytes'] / 1e6:.1f} "
+        lines.append(f"| {r.get('model', '-')} | {r.get('weights', 'bf16')} | {r['tokens']} | {r['impl']} | {r['ms']:.4f} | {r['experts_touched']} | {r['bytes'] / 1e6:.1f} "
                      f"| {r['tbps']:.3f} | {pct} | {r['max_rel_err']:.1e} | {'graph' if r['cuda_graph'] else 'eager'} |")
     return lines
 
@@ -256,35 +291,70 @@ def tiny_shape() -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="mixtral-8x7b", choices=sorted(NAMED_SHAPES))
+    parser.add_argument("--model", default="mixtral-8x7b",
+                        help=f"named shape(s), comma-separated: {', '.join(sorted(NAMED_SHAPES))}")
     parser.add_argument("--tokens", default="1,8,128", help="comma-separated token counts")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--quantization", default="none", help="expert weights: none (16-bit), fp8 or none,fp8")
+    parser.add_argument("--fp8-block", default="channel",
+                        help="FP8 scales: channel (per output channel, as --quantization fp8 loads) or BNxBK "
+                             "blocks, e.g. 128x128 (DeepSeek-V3 / Qwen3 FP8 checkpoints)")
     parser.add_argument("--impl", help="comma-separated subset of implementations to run")
     parser.add_argument("--out", type=Path, help="result folder (default benchmarks/results; --tiny: a temp dir)")
     parser.add_argument("--tiny", action="store_true", help="tiny shape on the CPU (Triton interpreter)")
     args = parser.parse_args(argv)
+    models = [m.strip() for m in args.model.split(",") if m.strip()]
+    unknown = [m for m in models if m not in NAMED_SHAPES]
+    if unknown or not models:
+        parser.error(f"unknown model shape(s) {unknown}; known: {', '.join(sorted(NAMED_SHAPES))}")
+    quantizations = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    if not quantizations or any(q not in ("none", "fp8") for q in quantizations):
+        parser.error(f"--quantization takes none, fp8 or none,fp8; got {args.quantization!r}")
+    fp8_block = parse_block(parser, args.fp8_block)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA device: use --tiny to check the code paths on the CPU")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    shape = tiny_shape() if args.tiny else NAMED_SHAPES[args.model]
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.tiny:
         dispatch.install(dataclasses.replace(dispatch.kernel_config(), backend="triton"))   # the kernels behind "moekv"
     env = environment(["benchmarks/bench_moe.py", *argv], device)
     copy_tbps = copy_bandwidth(device)
-    print(f"{env['gpu']}: copy bandwidth {copy_tbps or float('nan'):.2f} TB/s; E={shape['num_experts']} "
-          f"H={shape['hidden_size']} I={shape['expert_intermediate_size']} top-{shape['top_k']}")
-    rows = bench_layer(shape, tokens, dtype, device, Timer(device), copy_tbps, tiny=args.tiny,
-                       only=set(args.impl.split(",")) if args.impl else None)
-    name = "tiny" if args.tiny else args.model
+    rows, shapes = [], {}
+    for model in models:
+        shape = tiny_shape() if args.tiny else NAMED_SHAPES[model]
+        shapes[model] = {k: shape[k] for k in TINY_SHAPE}
+        for quantization in quantizations:
+            print(f"{env['gpu']}: copy bandwidth {copy_tbps or float('nan'):.2f} TB/s; {model}: E={shape['num_experts']} "
+                  f"H={shape['hidden_size']} I={shape['expert_intermediate_size']} top-{shape['top_k']}, "
+                  f"weights {args.dtype if quantization == 'none' else quantization}")
+            layer = bench_layer(shape, tokens, dtype, device, Timer(device), copy_tbps, tiny=args.tiny,
+                                only=set(args.impl.split(",")) if args.impl else None,
+                                quantization=None if quantization == "none" else quantization, fp8_block=fp8_block)
+            rows += [{**row, "model": model} for row in layer]
+    name = "tiny" if args.tiny else "+".join(models)
+    weights = "" if quantizations == ["none"] else "-" + "+".join(args.dtype if q == "none" else q for q in quantizations)
     gpu = env["gpu"].split(" (")[0].replace(" ", "_")
-    result = {"env": env, "model": name, "shape": {k: shape[k] for k in TINY_SHAPE}, "dtype": args.dtype,
-              "copy_bandwidth_tbps": copy_tbps, "moe_layer": rows}
+    result = {"env": env, "model": name, "shape": shapes, "dtype": args.dtype, "quantization": quantizations,
+              "fp8_block": args.fp8_block, "copy_bandwidth_tbps": copy_tbps, "moe_layer": rows}
     out = args.out or (Path(tempfile.mkdtemp()) if args.tiny else Path("benchmarks/results"))
-    paths = write_results(out, f"moe-bench-{name}-{gpu}", result, f"MoE layer alone: {name}, {args.dtype}")
+    paths = write_results(out, f"moe-bench-{name}{weights}-{gpu}", result, f"MoE layer alone: {name}, {args.dtype}"
+                          + (f", weights {' and '.join(quantizations)}" if weights else ""))
     print("wrote", *paths)
     return 0
+
+
+def parse_block(parser, text: str) -> tuple[int, int] | None:
+    """"channel" -> None; "128x128" -> (128, 128)."""
+    if text == "channel":
+        return None
+    try:
+        rows, cols = (int(v) for v in text.lower().split("x"))
+        if rows < 1 or cols < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--fp8-block takes channel or BNxBK (e.g. 128x128), got {text!r}")
+    return rows, cols
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ COMMANDS = [
     (("generate",), "moekv.entrypoints.generate_cli", "generate text from a prompt and print stats"),
     (("serve",), "moekv.entrypoints.openai.cli", "run the OpenAI-compatible HTTP server"),
     (("eval", "kv"), "moekv.eval.kv_fidelity", "KV-cache fidelity: perplexity and KL per cache format"),
+    (("eval", "weights"), "moekv.eval.weight_fidelity", "FP8 weight fidelity: perplexity and KL, 16-bit vs FP8"),
     (("bench", "serve"), "moekv.bench.serve", "load-test a running server"),
 ]
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moekv.config import ArchConfig
+from moekv.config import FP8_EXPERT_PARALLEL_ERROR, ArchConfig
+from moekv.errors import ConfigError
 from moekv.distributed.expert_parallel import ExpertParallelExperts, ExpertParallelRuntime
 from moekv.distributed.balancer import balance
 from moekv.distributed.placement import ExpertPlacement
@@ -38,6 +39,8 @@ def shard_experts(model: torch.nn.Module, runtime: ExpertParallelRuntime,
                   placements: dict[int, ExpertPlacement], device: torch.device) -> torch.nn.Module:
     """Swap every MoE block's experts for this rank's ExpertParallelExperts; move the model to `device`."""
     arch = model.arch
+    if any(getattr(block.experts, "quantized", False) for block in moe_blocks(model)):
+        raise ConfigError(FP8_EXPERT_PARALLEL_ERROR)
     for block in moe_blocks(model):
         placement = placements[block.layer_idx]
         full = block.experts

@@ -54,7 +54,7 @@ class Engine:
             # With expert offloading, load on the CPU: install_routing moves the experts to host memory
             # and the rest of the model to the device, so the whole model never has to fit on it.
             load_device = "cpu" if config.offload.cpu_offload_experts else self.device
-            model = load_model(model_dir, dtype=dtype, device=load_device)
+            model = load_model(model_dir, dtype=dtype, device=load_device, quantization=config.model.quantization)
             tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         from moekv.moe.prefetch import install_routing
 

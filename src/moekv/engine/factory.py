@@ -80,7 +80,8 @@ def build_lockstep_engine(config: EngineConfig, time_comm: bool = False) -> Lock
     model_dir = Path(config.model.model)
     dtype = None if config.model.dtype == "auto" else torch_dtype(config.model.dtype)
     with collective_section("building the engine", unreported=(ConfigError,)):
-        model = load_model(model_dir, dtype=dtype, device="cpu", progress=None if group.rank == 0 else False)
+        model = load_model(model_dir, dtype=dtype, device="cpu", progress=None if group.rank == 0 else False,
+                           quantization=config.model.quantization)
         runtime = make_runtime(config.parallel, group, time_comm)
         placements = initial_placements(model.arch, group.world_size, config.parallel.num_redundant_experts)
         model = shard_experts(model, runtime, placements, group.device)

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="auto (model dtype), bf16, fp16, fp32, int4, int3, int2 (default auto)")
     parser.add_argument("--dtype", default="auto", help="model weights dtype: auto, bf16, fp16, fp32")
+    parser.add_argument("--quantization", default=None, choices=("none", "fp8"),
+                        help="fp8: quantize the projections and experts to FP8 at load time (W8A16, per output "
+                             "channel); FP8 checkpoints load as FP8 without it")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     parser.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs "
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed)
     started = time.perf_counter()
     llm = LLM(model=args.model or default_model_dir(), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              device=args.device, max_model_len=args.max_model_len,
+              device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
               cpu_offload_experts=args.cpu_offload_experts, expert_cache_size=args.expert_cache_size,
               prefetch=not args.no_prefetch, track_prediction=True,
               expert_parallel_size=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
@@ -115,6 +118,10 @@ def print_stats(engine, request, load_seconds, elapsed, ttft, bits) -> None:
     table.add_column("value", justify="right")
     table.add_row("model", f"{arch.architecture}, {arch.num_layers} layers, {arch.num_experts} experts top-{arch.top_k}")
     table.add_row("device / dtype", f"{engine.device} / {engine.model_dtype}".replace("torch.", ""))
+    from moekv.models.quantize import is_quantized
+
+    if is_quantized(engine.model):
+        table.add_row("weights", "fp8 (W8A16: e4m3 projections and experts)")
     table.add_row("load time", f"{load_seconds:.2f} s")
     table.add_row("prompt tokens", str(request.num_prompt_tokens))
     table.add_row("generated tokens", f"{generated} (finish: {request.finish_reason})")

@@ -24,12 +24,15 @@ class LLM:
     `expert_dispatch` (ParallelConfig: run under torchrun, docs/expert-parallel.md);
     `cpu_offload_experts`, `expert_cache_size`, `prefetch`, `lookahead`, `extra_candidates`,
     `eviction`, `track_prediction` (OffloadConfig); `cuda_graphs` (DeviceConfig: False runs every step
-    eagerly, like `--enforce-eager`), `cpu_threads`.
+    eagerly, like `--enforce-eager`), `cpu_threads`. `quantization="fp8"` quantizes the projections and
+    experts of a 16-bit checkpoint to FP8 at load time (W8A16, per output channel; FP8 checkpoints load as
+    FP8 without it): docs/weight-quantization.md.
     """
 
     def __init__(self, model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, seed: int = 0, **kwargs):
-        config = make_engine_config(model, dtype, kv_cache_dtype, device, max_model_len, seed, **kwargs)
+                 max_model_len: int | None = None, seed: int = 0, quantization: str | None = None, **kwargs):
+        config = make_engine_config(model, dtype, kv_cache_dtype, device, max_model_len, seed,
+                                    quantization=quantization, **kwargs)
         self.engine = build_engine(config)    # expert parallel: this rank's LockstepEngine (under torchrun)
 
     @property
@@ -96,7 +99,8 @@ class LLM:
 
 
 def make_engine_config(model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",
-                       max_model_len: int | None = None, seed: int = 0, **kwargs) -> EngineConfig:
+                       max_model_len: int | None = None, seed: int = 0, quantization: str | None = None,
+                       **kwargs) -> EngineConfig:
     """Sort keyword arguments into the config dataclass they belong to (unknown names are an error)."""
     groups = {CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}, OffloadConfig: {}, DeviceConfig: {}}
     for key, value in kwargs.items():
@@ -105,7 +109,7 @@ def make_engine_config(model: str, dtype: str = "auto", kv_cache_dtype: str = "a
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
         groups[owner][key] = value
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
         cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, **groups[CacheConfig]),
         scheduler=SchedulerConfig(**groups[SchedulerConfig]),
         parallel=ParallelConfig(**groups[ParallelConfig]),

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="auto (model dtype), bf16, fp16, fp32, int4, int3, int2 (default auto)")
     parser.add_argument("--dtype", default="auto", help="model weights dtype: auto, bf16, fp16, fp32")
+    parser.add_argument("--quantization", default=None, choices=("none", "fp8"),
+                        help="fp8: quantize the projections and experts to FP8 at load time (W8A16, per output "
+                             "channel); FP8 checkpoints load as FP8 without it")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         extra.update(expert_parallel_size=args.expert_parallel_size,
                      num_redundant_experts=args.num_redundant_experts, expert_dispatch=args.expert_dispatch)
     config = make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
-                                args.seed, **extra)
+                                args.seed, quantization=args.quantization, **extra)
     engine = build_serving_engine(config)   # expert parallel: rank 0's LeaderEngine; ranks > 0 step with it
     if engine is None:                      # inside, until it stops them
         return 0

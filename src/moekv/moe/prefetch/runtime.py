@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.config import OffloadConfig
+from moekv.config import FP8_OFFLOAD_ERROR, OffloadConfig
 from moekv.errors import ConfigError
 from moekv.moe.load_stats import ExpertLoadTracker
 from moekv.moe.prefetch.manager import ExpertOffload, expert_bytes, resolve_cache_slots
@@ -72,6 +72,8 @@ def install_routing(model: torch.nn.Module, config: OffloadConfig, device: torch
         raise ConfigError("cpu_offload_experts / track_prediction need a model with routed MoE layers")
     predictor = offload = None
     if config.cpu_offload_experts:
+        if any(getattr(model.layers[i].mlp.experts, "quantized", False) for i in moe_layer_ids(model)):
+            raise ConfigError(FP8_OFFLOAD_ERROR)
         arch = model.arch
         slots = resolve_cache_slots(config.expert_cache_size, arch.num_experts,
                                     expert_bytes(arch, model.dtype), len(moe_layer_ids(model)))

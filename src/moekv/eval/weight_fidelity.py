@@ -1,0 +1,95 @@
+"""`moekv eval weights`: how much FP8 weights change the model's predictions.
+
+The validation text runs through the model twice, in chunks through a full-precision KV cache in the
+model dtype: with its 16-bit weights (the reference) and with the projections and experts quantized to FP8
+at load time (`--quantization fp8`: W8A16, per output channel). Reported per row: perplexity, its change
+against the reference in percent (issue 19's target: within 1%), mean KL(reference || fp8) of the next-token
+distributions, top-1 agreement and the weight bytes. An FP8 checkpoint compares against itself (no row to
+add), so give this the 16-bit checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moekv.errors import ConfigError
+from moekv.provenance import git_commit
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="16-bit checkpoint folder (default: the bundled "
+                        "tiny-shakespeare-moe)")
+    parser.add_argument("--context", type=int, default=2048, help="tokens per window (default 2048)")
+    parser.add_argument("--windows", type=int, default=4, help="validation windows, run as one batch (default 4)")
+    parser.add_argument("--chunk", type=int, default=64, help="tokens per sequence per step (default 64)")
+    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
+                        help="activation / KV dtype of both runs (default bf16)")
+    parser.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tokenizers import Tokenizer
+
+    from moekv.datasets import bundled_model_dir, validation_text
+    from moekv.eval.kv_fidelity import Variant
+    from moekv.eval.kv_runner import compare, run_windows
+    from moekv.models.loader import load_model
+    from moekv.models.quantize import is_quantized
+
+    if args.context < 2 or args.chunk < 1 or args.windows < 1:
+        raise ConfigError("--context must be >= 2, --chunk and --windows >= 1")
+    model_dir = Path(args.model) if args.model else bundled_model_dir()
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"{model_dir}: no tokenizer.json (is this a moekv checkpoint folder?)")
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(validation_text()).ids
+    if len(ids) < args.context * args.windows:
+        raise ConfigError(f"the validation text has {len(ids)} tokens, fewer than {args.windows} x {args.context}")
+    windows = torch.tensor(ids[:args.context * args.windows]).view(args.windows, args.context)   # [W, C]
+    started = time.perf_counter()
+    rows, reference = [], None
+    for weights in ("16-bit", "fp8"):
+        model = load_model(model_dir, dtype=args.dtype, device="cpu",
+                           quantization="fp8" if weights == "fp8" else None)
+        if weights == "16-bit" and is_quantized(model):
+            raise ConfigError(f"{model_dir} holds FP8 weights already: give the 16-bit checkpoint")
+        result = run_windows(model, windows, Variant(args.dtype), args.chunk)
+        reference = reference or result
+        metrics = compare(result, reference)
+        rows.append({"weights": weights if weights == "fp8" else args.dtype, **metrics,
+                     "ppl_delta_pct": 100.0 * (metrics["perplexity"] / math.exp(reference.nll_mean) - 1.0),
+                     "weight_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
+                     "seconds": round(result.seconds, 1)})
+        print(f"{rows[-1]['weights']}: ppl {rows[-1]['perplexity']:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%) "
+              f"kl {rows[-1]['kl']:.5f} top-1 {rows[-1]['top1_agreement']:.2f}%", file=sys.stderr, flush=True)
+        del model
+    _print_table(rows, model_dir, args, time.perf_counter() - started)
+    if args.json:
+        meta = {"model": model_dir.name, "context": args.context, "windows": args.windows, "chunk": args.chunk,
+                "dtype": args.dtype, "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "commit": git_commit(short=False) or "unknown", "command": "moekv " + " ".join(sys.argv[1:])}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([{**row, **meta} for row in rows], indent=1) + "\n")
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+def _print_table(rows: list[dict], model_dir: Path, args, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Weight fidelity: {model_dir.name}, {args.windows} x {args.context} tokens ({seconds:.0f} s)")
+    columns = [("weights", "weights", "{}"), ("MB", "weight_bytes", "{:.1f}"), ("ppl", "perplexity", "{:.4f}"),
+               ("Δppl %", "ppl_delta_pct", "{:+.3f}"), ("KL", "kl", "{:.5f}"), ("top1 %", "top1_agreement", "{:.2f}")]
+    for name, _, _ in columns:
+        table.add_column(name, justify="right")
+    for row in rows:
+        row = {**row, "weight_bytes": row["weight_bytes"] / 1e6}
+        table.add_row(*[fmt.format(row[key]) for _, key, fmt in columns])
+    Console(width=120).print(table)

@@ -1,0 +1,32 @@
+"""`moekv eval weights` on a short context of the bundled model (skipped without it)."""
+
+import argparse
+import json
+
+import pytest
+
+from moekv.eval import weight_fidelity
+from tests.eval.test_kv_fidelity import bundled_model
+
+
+@pytest.mark.skipif(bundled_model() is None, reason="the bundled checkpoint is not in this checkout")
+def test_eval_weights_writes_the_rows(tmp_path):
+    parser = argparse.ArgumentParser()
+    weight_fidelity.add_arguments(parser)
+    out = tmp_path / "rows.json"
+    assert weight_fidelity.run(parser.parse_args(["--context", "96", "--windows", "2", "--chunk", "48",
+                                                  "--json", str(out)])) == 0
+    reference, fp8 = json.loads(out.read_text())
+    assert (reference["weights"], fp8["weights"]) == ("bf16", "fp8")
+    assert reference["kl"] == 0 and reference["ppl_delta_pct"] == 0 and reference["top1_agreement"] == 100
+    assert 0 < fp8["kl"] < 0.01 and abs(fp8["ppl_delta_pct"]) < 2 and fp8["top1_agreement"] > 90
+    assert fp8["weight_bytes"] < 0.7 * reference["weight_bytes"]
+
+
+def test_eval_weights_argument_errors():
+    from moekv.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    weight_fidelity.add_arguments(parser)
+    with pytest.raises(ConfigError, match="--context"):
+        weight_fidelity.run(parser.parse_args(["--context", "1"]))
