@@ -17,6 +17,7 @@ import triton.language as tl
 from moekv.core.fp8 import Fp8Weight
 from moekv.ops.triton.common import check_launchable, weight_dot
 from moekv.ops.triton.layer.norm import round_to
+from moekv.ops.triton.moe.decode import fp8_runs_on
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -56,8 +57,9 @@ def _fp8_linear_kernel(
 
 
 def supports(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    """2-D activations of a float dtype and an FP8 weight whose scale blocks span K or a multiple of 16 of it."""
-    return (isinstance(weight, Fp8Weight) and x.dim() == 2 and len(weight.shape) == 2 and x.dtype in DTYPES
+    """2-D activations of a float dtype and an FP8 weight whose scale blocks span K or a multiple of 16 of it, on
+    a GPU that converts e4m3 in registers (compute capability >= 8.9) or the CPU interpreter."""
+    return (isinstance(weight, Fp8Weight) and fp8_runs_on(x.device) and x.dim() == 2 and len(weight.shape) == 2 and x.dtype in DTYPES
             and x.shape[1] == weight.shape[1] and (weight.block[1] >= weight.shape[1] or weight.block[1] % 16 == 0))
 
 

@@ -220,11 +220,18 @@ def fp8_block_k(part: dict, w: torch.Tensor | Fp8Weight, reduced: int) -> dict:
     return part
 
 
+def fp8_runs_on(device: torch.device) -> bool:
+    """Triton converts e4m3 in registers on compute capability >= 8.9 (Ada, Hopper), and in the CPU interpreter."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def supports(w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight) -> bool:
-    """Whether the kernels take these weights: 16-bit/fp32 tensors, or FP8 weights whose scale blocks span
-    the whole reduced dimension or a multiple of 16 of it (a tl.dot tile is at least 16 deep)."""
+    """Whether the kernels take these weights: 16-bit/fp32 tensors, or FP8 weights (on a GPU that converts
+    e4m3) whose scale blocks span the whole reduced dimension or a multiple of 16 of it (a tl.dot tile is at
+    least 16 deep)."""
     for w in (w_gate_up, w_down):
-        if isinstance(w, Fp8Weight) and w.block[1] < w.shape[-1] and w.block[1] % 16:
+        if isinstance(w, Fp8Weight) and (not fp8_runs_on(w.codes.device)
+                                         or (w.block[1] < w.shape[-1] and w.block[1] % 16)):
             return False
     return isinstance(w_gate_up, Fp8Weight) == isinstance(w_down, Fp8Weight)
 
