@@ -1,0 +1,81 @@
+"""A/B of the v7 low-bit decode kernel on the GPU: a baseline copy of `ops/cuda/lowbit_decode.py` + its `csrc/`
+(folder --a-dir, e.g. from `git show <rev>:...` / `git archive <rev> src/moekv/ops/cuda/csrc`; its extension name
+must differ from this checkout's, e.g. `sed -i s/moekv_lowbit_decode_v7_sm/moekv_v7A_sm/`) against this checkout's
+kernel; both built side by side, timed on the same data (median of CUDA-graph replays, cold L2; Hq=32, Hkv=8,
+D=128, the cache's default format), written as attention-ab-<tag>.{json,md} under --out.
+
+    PYTHONPATH=src:. python3 benchmarks/ab_decode_kernel.py --a-dir ab/A --tag tail --out <dir>
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+import torch
+
+SHAPES = [(1, 2048, (3, 4)), (1, 16384, (3, 4)), (1, 131072, (3, 4)), (8, 32768, (3,)), (32, 16384, (3,))]
+
+
+def load_baseline(folder: pathlib.Path):
+    spec = importlib.util.spec_from_file_location("lowbit_decode_baseline", folder / "lowbit_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--a-dir", required=True, type=pathlib.Path)
+    ap.add_argument("--a-name", default="baseline")
+    ap.add_argument("--b-name", default="this checkout")
+    ap.add_argument("--tag", default="ab")
+    ap.add_argument("--title", default="v7 decode kernel A/B")
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    args = ap.parse_args(argv)
+    import benchmarks.bench_attention as ba        # after argument parsing (it reads no argv at import)
+    from moekv.ops.cuda import lowbit_decode as mod_b
+
+    mods = {"A": load_baseline(args.a_dir), "B": mod_b}
+    device = torch.device("cuda")
+    with cf.ThreadPoolExecutor(2) as ex:             # both extensions build in parallel
+        list(ex.map(lambda m: m.module(device), mods.values()))
+    timer = ba.Timer(cold=True)
+    rows = []
+    for batch, length, widths in SHAPES:
+        for bits in widths:
+            gen = torch.Generator()
+            gen.manual_seed(0)
+            lb_args, _ = ba.build_lowbit(batch, length, bits, gen)
+            ref = mods["A"].paged_attention_lowbit_decode(*lb_args, scale=0.088)
+            row = {"batch": batch, "length": length, "bits": bits}
+            for name, module in mods.items():
+                out = module.paged_attention_lowbit_decode(*lb_args, scale=0.088)
+                row[f"{name}_ms"] = round(timer(lambda m=module: m.paged_attention_lowbit_decode(*lb_args, scale=0.088)), 4)
+                row[f"{name}_max_abs_diff_vs_A"] = (out.float() - ref.float()).abs().max().item()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    env = {"gpu": torch.cuda.get_device_name(0), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "commit": os.environ.get("MOEKV_COMMIT", "?"), "command": " ".join(["python3"] + sys.argv),
+           "A": args.a_name, "B": args.b_name}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"attention-ab-{args.tag}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    lines = [f"# {args.title}", "", f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}; A = {env['A']}, "
+             f"B = {env['B']}", f"Command: `{env['command']}` (median of CUDA-graph replays, cold L2, Hq=32 Hkv=8 "
+             "D=128, default format)", "", "| B | L | bits | A ms | B ms | B / A | max abs diff B vs A |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['length']} | int{r['bits']} | {r['A_ms']} | {r['B_ms']} | "
+                     f"{r['B_ms'] / r['A_ms']:.3f} | {r['B_max_abs_diff_vs_A']:.2e} |")
+    (args.out / f"attention-ab-{args.tag}.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
