@@ -175,9 +175,12 @@ class CacheConfig:
                                         # filled page, plus sink pages); None: max_num_seqs * (2 +
                                         # fp_sink_pages) + 1 (the CUDA-graph padding rows' scratch
                                         # page), at most num_pages (engine)
+    enable_prefix_caching: bool = True  # reuse full pages across requests by their token prefix (every dtype)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.page_size is not None and (not isinstance(self.page_size, int) or not 1 <= self.page_size <= 4096):
             raise ConfigError(f"page_size must be an integer in [1, 4096], got {self.page_size!r}")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 1):

@@ -40,6 +40,8 @@ class EngineStats:
     kv_cache_usage: float = 0.0      # share of KV pages in use, 0..1
     num_preemptions: int = 0         # preemptions since start
     kv_bits_per_value: float = 0.0   # all-in bits per stored key/value element at the current lengths
+    prefix_cache_queries: int = 0    # prompt tokens looked up in the prefix cache at admission, since start
+    prefix_cache_hits: int = 0       # ... of which were found cached (their prefill was skipped)
 
 
 class ServerMetrics:
@@ -139,6 +141,10 @@ class _EngineCollector:
         yield gauge("moekv:kv_cache_bits_per_value", "All-in bits per stored key/value element.",
                     stats.kv_bits_per_value)
         yield counter("moekv:num_preemptions", "Preemptions (recompute) since start.", stats.num_preemptions)
+        yield counter("moekv:prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
+                      stats.prefix_cache_queries)
+        yield counter("moekv:prefix_cache_hits", "Tokens found in the prefix cache (prefill skipped).",
+                      stats.prefix_cache_hits)
         kv_stats = m._kv_stats_source() if m._kv_stats_source is not None else {}
         yield counter("moekv:kv_outlier_budget_hits", "Page-heads whose outlier budget overflowed (low-bit formats).",
                       outlier_budget_hits(kv_stats))

@@ -298,10 +298,12 @@ class AsyncEngine:
                 bits = float(engine.kv_cache.bits_per_value([engine.max_model_len]))
             except Exception:
                 logger.debug("kv_cache.bits_per_value failed", exc_info=True)
+        prefix = engine.kv_manager.prefix_cache
         self.stats = EngineStats(
             num_running=engine.scheduler.num_running, num_waiting=engine.scheduler.num_waiting,
             kv_cache_usage=float(engine.kv_manager.usage), num_preemptions=engine.scheduler.num_preemptions,
-            kv_bits_per_value=bits)
+            kv_bits_per_value=bits, prefix_cache_queries=prefix.queries if prefix is not None else 0,
+            prefix_cache_hits=prefix.hits if prefix is not None else 0)
 
     # -- read at scrape time, from the scrape's thread (device reads never stall the engine thread) --
     def _kv_stats(self) -> dict[str, float]:

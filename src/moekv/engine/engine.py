@@ -25,6 +25,7 @@ from moekv.engine.sampling_step import SamplingStep
 from moekv.engine.step_result import usable_rows
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError, NotAvailableError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
+from moekv.kvcache.prefix_cache import PrefixCache
 from moekv.ops import dispatch
 from moekv.sampling import SampleResult, SamplingParams
 from moekv.scheduler.scheduler import Scheduler
@@ -92,7 +93,10 @@ class Engine:
         if self.cache_config.is_low_bit and self.cache_config.staging_pages > num_pages:
             self.cache_config = replace(self.cache_config, staging_pages=num_pages)
         self.kv_cache = create_kv_cache(self.cache_config, spec, num_pages, self.device)
-        self.kv_manager = KVCacheManager(num_pages, spec.page_size, on_pages_freed=self.kv_cache.pages_freed)
+        prefix_cache = PrefixCache(spec.page_size, self._prefix_salt(spec)) \
+            if self.cache_config.enable_prefix_caching else None
+        self.kv_manager = KVCacheManager(num_pages, spec.page_size, on_pages_freed=self.kv_cache.pages_freed,
+                                         prefix_cache=prefix_cache, keeps_freed_page=self.kv_cache.keeps_freed_page)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
         if self._wants_cuda_graphs():
@@ -127,6 +131,14 @@ class Engine:
         if asked > limit:
             raise ConfigError(f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}")
         return asked
+
+    def _prefix_salt(self, spec: KVCacheSpec) -> bytes:
+        """What besides the tokens decides a page's keys/values: the model, its dtype, the page format."""
+        c = self.cache_config
+        knobs = (c.kv_cache_dtype, c.key_axis, c.key_outlier_fraction, c.value_outlier_fraction, c.outlier_tau,
+                 c.fp_sink_pages, c.token_group_size)
+        return repr((str(Path(self.config.model.model).resolve()), self.arch, str(self.model_dtype), spec,
+                     knobs)).encode()
 
     def _wants_cuda_graphs(self) -> bool:
         """Config-level: graphs asked for, on CUDA, experts local (the runner checks the rest)."""
@@ -384,6 +396,11 @@ class Engine:
         return outputs
 
     # -- stats --------------------------------------------------------------------------------
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prefix-cache counters since start, in tokens (queries, hits) and cached pages; {} when off."""
+        cache = self.kv_manager.prefix_cache
+        return cache.stats() if cache is not None else {}
+
     def kv_bits_per_value(self) -> float:
         lengths = [r.num_computed_tokens for r in self.scheduler.running]
         return self.kv_cache.bits_per_value(lengths or [0])

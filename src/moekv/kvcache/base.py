@@ -111,6 +111,12 @@ class KVCache(ABC):
     def pages_freed(self, pages: list[int]) -> None:
         """The block pool released these pages (a format with per-page side state resets it)."""
 
+    def keeps_freed_page(self, page: int) -> bool:
+        """Whether a full page's keys/values stay readable after its last holder frees it, until
+        pages_freed (prefix caching retains such pages; a format answers False for pages whose
+        contents live in per-sequence side storage)."""
+        return True
+
     # -- accounting ---------------------------------------------------------------------------
     @abstractmethod
     def bits_per_value(self, num_tokens_per_seq: list[int]) -> float:

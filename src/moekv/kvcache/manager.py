@@ -1,7 +1,13 @@
-"""Per-sequence block tables on top of the block pool.
+"""Per-sequence block tables on top of the block pool, with optional prefix caching.
 
 The scheduler asks whether a sequence can grow, the manager allocates pages as tokens arrive and
 frees them (telling the cache format) when a sequence finishes, is aborted or is preempted.
+
+With a `PrefixCache` (kvcache/prefix_cache.py), a sequence being admitted first looks up its longest
+cached prefix (`match_prefix`), then `admit` takes a reference on those pages and allocates the rest;
+`cache_computed` registers a sequence's full, computed pages. A freed registered page stays readable in
+the pool's evictable LRU (if the format keeps its contents: `keeps_freed_page`) until an allocation
+evicts it; only then is the format told (`on_pages_freed`). Pages with holders are never evicted.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 from moekv.kvcache.block_pool import BlockPool
+from moekv.kvcache.prefix_cache import CachedPage, PrefixCache, TokenSlice
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -19,11 +26,18 @@ class KVCacheManager:
     """Maps sequence ids to lists of page ids."""
 
     def __init__(self, num_pages: int, page_size: int,
-                 on_pages_freed: Callable[[list[int]], None] | None = None):
+                 on_pages_freed: Callable[[list[int]], None] | None = None,
+                 prefix_cache: PrefixCache | None = None,
+                 keeps_freed_page: Callable[[int], bool] | None = None):
+        if prefix_cache is not None and prefix_cache.page_size != page_size:
+            raise ValueError(f"the prefix cache names pages of {prefix_cache.page_size} tokens, the manager "
+                             f"holds pages of {page_size}")
         self.page_size = page_size
-        self.pool = BlockPool(num_pages)
+        self.pool = BlockPool(num_pages, on_evict=self._evicted)
+        self.prefix_cache = prefix_cache
         self._tables: dict[str, list[int]] = {}
         self._on_pages_freed = on_pages_freed
+        self._keeps_freed_page = keeps_freed_page
 
     @property
     def num_free_pages(self) -> int:
@@ -55,14 +69,75 @@ class KVCacheManager:
         table.extend(new_pages)
         return table
 
+    # -- prefix caching ---------------------------------------------------------------------------
+    def match_prefix(self, seq_id: str, num_tokens: int, token_ids: TokenSlice) -> list[CachedPage]:
+        """The cached pages a sequence without pages may start from ([] without prefix caching)."""
+        if self.prefix_cache is None or seq_id in self._tables:
+            return []
+        return self.prefix_cache.match(seq_id, num_tokens, token_ids)
+
+    def can_admit(self, seq_id: str, total_tokens: int, hits: list[CachedPage]) -> bool:
+        """Whether a sequence starting from `hits` can hold `total_tokens` (hit pages waiting in the LRU are
+        taken by the hit itself, so they do not count as free for the rest)."""
+        retained_hits = sum(1 for entry in hits if self.pool.ref_count(entry.page) == 0)
+        needed = pages_needed(total_tokens, self.page_size) - len(hits)
+        return needed <= self.pool.num_free - retained_hits
+
+    def admit(self, seq_id: str, hits: list[CachedPage], total_tokens: int, num_tokens: int) -> list[int]:
+        """Start a sequence of `num_tokens` tokens from its cached pages `hits` and make its table hold
+        `total_tokens`; returns its table. Counts the prefix-cache query and hits."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds pages")
+        if hits:
+            pages = [entry.page for entry in hits]
+            self.pool.reuse(pages)                           # before allocating: eviction cannot take them
+            self._tables[seq_id] = pages
+        if self.prefix_cache is not None:
+            self.prefix_cache.adopt(seq_id, hits, num_tokens)
+        try:
+            return self.grow(seq_id, total_tokens)
+        except Exception:
+            self.free(seq_id)
+            raise
+
+    def cache_computed(self, seq_id: str, num_computed: int, token_ids: TokenSlice) -> None:
+        """Register the sequence's full pages whose tokens are all computed (no-op without prefix caching)."""
+        table = self._tables.get(seq_id)
+        if self.prefix_cache is None or not table or num_computed < self.page_size:
+            return
+        dropped = self.prefix_cache.register(seq_id, table, num_computed, token_ids)
+        freed = [page for page in dropped if self.pool.discard(page)]
+        if freed and self._on_pages_freed is not None:
+            self._on_pages_freed(freed)
+
+    def _retain(self, page: int) -> bool:
+        return self.prefix_cache.is_cached(page) and (self._keeps_freed_page is None or self._keeps_freed_page(page))
+
+    def _evicted(self, pages: list[int]) -> None:
+        """The pool evicts retained pages to hand them out again."""
+        self.prefix_cache.evicted(pages)
+        if self._on_pages_freed is not None:
+            self._on_pages_freed(pages)
+
+    # -- lifecycle --------------------------------------------------------------------------------
     def free(self, seq_id: str) -> int:
-        """Release a sequence's pages; returns how many returned to the pool."""
+        """Release a sequence's pages; returns how many lost their last holder. With prefix caching, those
+        that are registered stay retained (the tail first in line for eviction); the rest are freed."""
         table = self._tables.pop(seq_id, None)
-        if not table:
-            return 0
-        released = self.pool.free(table)
-        if released and self._on_pages_freed is not None:
-            self._on_pages_freed(released)
+        if self.prefix_cache is None:
+            if not table:
+                return 0
+            released = self.pool.free(table)
+            freed = released
+        else:
+            self.prefix_cache.release(seq_id)
+            if not table:
+                return 0
+            released = self.pool.free(table[::-1], retain=self._retain)
+            freed = [page for page in released if not self.pool.is_evictable(page)]
+            self.prefix_cache.evicted(freed)                 # registered pages the format does not keep
+        if freed and self._on_pages_freed is not None:
+            self._on_pages_freed(freed)
         return len(released)
 
     def has(self, seq_id: str) -> bool:

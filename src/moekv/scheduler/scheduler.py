@@ -6,6 +6,10 @@ Each step:
    freed; it goes back to the front of the queue and is recomputed later) until the chunk fits.
 2. Waiting requests are admitted in arrival order while the token budget, `max_num_seqs` and the
    free pages allow; a long prompt is split into chunks under the token budget.
+With prefix caching (the KV manager holds a PrefixCache), a waiting request starts from its longest
+cached prefix of full pages: it is admitted at its first uncached token and its prefill computes only the
+rest. Pages are registered once the step that computed them has committed (at the next schedule, or when
+the request leaves), so a failed step never publishes a page.
 Nothing is ever dropped: a request that can never fit is rejected when it is added (engine). The token
 budget covers a decode token for every running sequence: SchedulerConfig rejects max_num_batched_tokens <
 max_num_seqs, which would leave the last running sequences waiting while the first ones decode.
@@ -43,6 +47,7 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
+        self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids)
         self.kv.free(request.request_id)
 
     @property
@@ -60,6 +65,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        for request in self.running:        # pages the previous steps filled can now be found by others
+            self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -82,21 +89,25 @@ class Scheduler:
             index += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = request.num_computed_tokens + num_new
-            if not self.kv.can_grow(request.request_id, total):
+            request = self.waiting[0]           # holds no pages: new, preempted or recovering
+            hits = self.kv.match_prefix(request.request_id, request.num_tokens, request.token_ids)
+            start = len(hits) * self.kv.page_size
+            num_new = min(request.num_tokens - start, budget)
+            total = start + num_new
+            if not self.kv.can_admit(request.request_id, total, hits):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self.kv.grow(request.request_id, total)
+            self.kv.admit(request.request_id, hits, total, request.num_tokens)
+            request.num_computed_tokens = start
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
         return out
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids)
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

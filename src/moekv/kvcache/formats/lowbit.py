@@ -386,6 +386,10 @@ class LowBitKVCache(KVCache):
             self._plan, self._plan_hooked = None, False
         self.slots.give_back(list(pages))
 
+    def keeps_freed_page(self, page: int) -> bool:
+        """Quantized pages do; a page still in a staging slot (an fp sink page) gives the slot back when freed."""
+        return self.slots.slot_of_page[page] < 0
+
     # -- accounting ---------------------------------------------------------------------------
     def bits_per_value(self, num_tokens_per_seq: list[int]) -> float:
         element = torch.empty((), dtype=self.spec.dtype).element_size()
