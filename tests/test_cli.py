@@ -55,3 +55,13 @@ def test_enforce_eager_flag(command):
         pytest.skip("the serve dependencies are not installed")
     assert parser.parse_args(command).enforce_eager is False
     assert parser.parse_args(command + ["--enforce-eager"]).enforce_eager is True
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_prefix_caching_flag_defaults_on(command):
+    parser = build_parser()
+    if getattr(parser.parse_args(command), "_missing", None):
+        pytest.skip("the serve dependencies are not installed")
+    assert parser.parse_args(command).enable_prefix_caching is True
+    assert parser.parse_args(command + ["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parser.parse_args(command + ["--enable-prefix-caching"]).enable_prefix_caching is True

@@ -13,7 +13,8 @@ from moekv import LLM
 from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moekv.engine.engine import Engine
 from moekv.errors import ConfigError
-from moekv.metrics import EngineStats, ServerMetrics, parse_metrics
+from moekv.engine.async_engine import AsyncEngine
+from moekv.metrics import ServerMetrics, parse_metrics
 from moekv.paths import default_model_dir
 from moekv.sampling import SamplingParams
 from tests.engine.test_engine_mock import GREEDY, run_all
@@ -73,7 +74,7 @@ def test_hits_are_counted_in_tokens_and_exported_as_vllm_names_them():
     stats = engine.prefix_cache_stats()
     assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (9 + 10, 8)
     metrics = ServerMetrics("m")
-    metrics.bind(lambda: EngineStats(prefix_cache_queries=19, prefix_cache_hits=8))
+    AsyncEngine(engine, metrics)._publish_stats()               # the snapshot the engine thread publishes
     values = parse_metrics(metrics.render().decode())
     assert values["moekv:prefix_cache_queries_total"] == 19 and values["moekv:prefix_cache_hits_total"] == 8
 

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "expert slots for replicas of hot experts (default 0)")
     parser.add_argument("--expert-dispatch", default="auto", choices=("auto", "all_to_all", "allgather"),
                         help="with --expert-parallel-size: how tokens reach their experts' ranks (default auto)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse cached KV pages of a shared prompt prefix (default on)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
               cpu_offload_experts=args.cpu_offload_experts, expert_cache_size=args.expert_cache_size,
               prefetch=not args.no_prefetch, track_prediction=True,
               expert_parallel_size=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
-              expert_dispatch=args.expert_dispatch, cuda_graphs=not args.enforce_eager)
+              expert_dispatch=args.expert_dispatch, cuda_graphs=not args.enforce_eager,
+              enable_prefix_caching=args.enable_prefix_caching)
     load_seconds = time.perf_counter() - started
     engine = llm.engine
     prompt = args.prompt

@@ -19,7 +19,8 @@ class LLM:
     """Load a Hugging Face MoE checkpoint folder and generate from batches of prompts.
 
     Extra keyword arguments go to the config they belong to: `page_size`, `num_pages`,
-    `memory_fraction`, `outlier_fraction`, `key_axis` (CacheConfig); `max_num_seqs`,
+    `memory_fraction`, `outlier_fraction`, `key_axis`, `enable_prefix_caching` (CacheConfig; default True:
+    full KV pages of prompt prefixes are shared across requests); `max_num_seqs`,
     `max_num_batched_tokens` (SchedulerConfig); `expert_parallel_size`, `num_redundant_experts`,
     `expert_dispatch` (ParallelConfig: run under torchrun, docs/expert-parallel.md);
     `cpu_offload_experts`, `expert_cache_size`, `prefetch`, `lookahead`, `extra_candidates`,

@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
     parser.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs "
                         "for decode steps)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse cached KV pages of prompt prefixes shared across requests (default on; "
+                        "--no-enable-prefix-caching turns it off)")
     parser.add_argument("--cpu-offload-experts", action="store_true",
                         help="keep routed experts in host memory with a device expert cache (docs/expert-offload.md)")
     parser.add_argument("--expert-cache-size", default=None,
@@ -97,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                                            ("num_pages", args.num_pages), ("page_size", args.page_size))
              if value is not None}
     extra.update(cpu_offload_experts=args.cpu_offload_experts, prefetch=not args.no_prefetch,
-                 track_prediction=not args.no_expert_prediction_stats, cuda_graphs=not args.enforce_eager)
+                 track_prediction=not args.no_expert_prediction_stats, cuda_graphs=not args.enforce_eager,
+                 enable_prefix_caching=args.enable_prefix_caching)
     if args.expert_cache_size is not None:
         extra["expert_cache_size"] = int(args.expert_cache_size) if args.expert_cache_size.isdigit() \
             else args.expert_cache_size
