@@ -79,6 +79,20 @@ def test_hits_are_counted_in_tokens_and_exported_as_vllm_names_them():
     assert values["moekv:prefix_cache_queries_total"] == 19 and values["moekv:prefix_cache_hits_total"] == 8
 
 
+def test_requests_arriving_together_prefill_their_shared_prefix_once():
+    engine = mock_engine()
+    ids = [engine.add_request(list(range(1, 13)) + [30 + i], SamplingParams(max_tokens=2, **GREEDY))
+           for i in range(4)]
+    engine.step()
+    assert engine.model.forward_calls == [13]        # the others wait: their next page is computed in this step
+    engine.step()
+    assert engine.model.forward_calls[1] == 1 + 3    # the first decodes, the others hit 12 and prefill 1 each
+    run_all(engine)
+    assert [engine.requests[rid].output_token_ids for rid in ids] == [[31 + i, 32 + i] for i in range(4)]
+    assert engine.prefix_cache_stats()["prefix_cache_hits"] == 3 * 12
+    assert_idle(engine)
+
+
 def test_generated_pages_are_cached_for_the_next_turn():
     engine = mock_engine()
     first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=10, **GREEDY))
@@ -187,10 +201,10 @@ def test_low_bit_sink_pages_are_shared_while_held_and_freed_after(text_ids):
     llm = bundled(True, "int3", fp_sink_pages=1)
     prompt = text_ids[:300]
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    together = llm.generate([prompt, prompt], params)          # computed together: neither hits
-    assert together[0].outputs[0].token_ids == together[1].outputs[0].token_ids
+    together = llm.generate([prompt, prompt], params)          # the second waits a step and hits both pages
+    assert llm.engine.prefix_cache_stats()["prefix_cache_hits"] == 256   # the fp sink page while it was held
     again = llm.generate([prompt], params)[0].outputs[0]         # the sink page went with its holders
-    assert llm.engine.prefix_cache_stats()["prefix_cache_hits"] == 0
-    assert again.token_ids == together[0].outputs[0].token_ids
+    assert llm.engine.prefix_cache_stats()["prefix_cache_hits"] == 256
+    assert again.token_ids == together[0].outputs[0].token_ids   # computed alone from scratch, both times
     assert_idle(llm.engine)
     assert llm.engine.kv_cache.stats()["staging_pages_used"] == 0

@@ -100,6 +100,20 @@ class KVCacheManager:
             self.free(seq_id)
             raise
 
+    def pages_computing(self, seq_id: str, start: int, end: int, token_ids: TokenSlice) -> list[bytes]:
+        """Digests of the full pages a chunk of tokens [start, end) completes (in-batch prefix sharing: a
+        request waiting for one of them should wait a step and hit it); [] without prefix caching."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.digests(seq_id, -(-start // self.page_size), end // self.page_size, token_ids)
+
+    def next_uncached_page(self, seq_id: str, num_hits: int, num_tokens: int, token_ids: TokenSlice) -> bytes | None:
+        """Digest of the first page after a sequence's `num_hits` hit pages that a later hit could cover
+        (None when there is none, or without prefix caching)."""
+        if self.prefix_cache is None or num_hits >= (num_tokens - 1) // self.page_size:
+            return None
+        return self.prefix_cache.digests(seq_id, num_hits, num_hits + 1, token_ids)[0]
+
     def cache_computed(self, seq_id: str, num_computed: int, token_ids: TokenSlice) -> None:
         """Register the sequence's full pages whose tokens are all computed (no-op without prefix caching)."""
         table = self._tables.get(seq_id)

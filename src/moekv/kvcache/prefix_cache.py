@@ -94,6 +94,10 @@ class PrefixCache:
             parent = entry.serial
         return hits
 
+    def digests(self, seq_id: str, first: int, end: int, token_ids: TokenSlice) -> list[bytes]:
+        """Digests of the sequence's pages first..end-1 (memoised)."""
+        return [self._digest(seq_id, index, token_ids) for index in range(first, end)]
+
     def adopt(self, seq_id: str, hits: list[CachedPage], num_tokens: int) -> None:
         """The sequence now holds `hits` as its first pages (the manager took the references)."""
         self._chains[seq_id] = [entry.serial for entry in hits]

@@ -9,7 +9,9 @@ Each step:
 With prefix caching (the KV manager holds a PrefixCache), a waiting request starts from its longest
 cached prefix of full pages: it is admitted at its first uncached token and its prefill computes only the
 rest. Pages are registered once the step that computed them has committed (at the next schedule, or when
-the request leaves), so a failed step never publishes a page.
+the request leaves), so a failed step never publishes a page. A waiting request whose next uncached page
+another request completes in this very step waits one step (and then hits it) instead of computing a copy
+(in-batch prefix sharing: 64 requests arriving at once with one long prefix prefill it once).
 Nothing is ever dropped: a request that can never fit is rejected when it is added (engine). The token
 budget covers a decode token for every running sequence: SchedulerConfig rejects max_num_batched_tokens <
 max_num_seqs, which would leave the last running sequences waiting while the first ones decode.
@@ -68,6 +70,7 @@ class Scheduler:
         for request in self.running:        # pages the previous steps filled can now be found by others
             self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids)
 
+        pending: set[bytes] = set()         # digests of the full pages this step completes
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -85,6 +88,8 @@ class Scheduler:
                 continue  # preempted itself; `running` shrank, index now points past it
             self.kv.grow(request.request_id, total)
             out.chunks.append(ScheduledChunk(request, num_new))
+            pending.update(self.kv.pages_computing(request.request_id, request.num_computed_tokens, total,
+                                                   request.token_ids))
             budget -= num_new
             index += 1
 
@@ -96,11 +101,15 @@ class Scheduler:
             total = start + num_new
             if not self.kv.can_admit(request.request_id, total, hits):
                 break
+            if pending and self.kv.next_uncached_page(request.request_id, len(hits), request.num_tokens,
+                                                      request.token_ids) in pending:
+                break                           # its next page is being computed now: hit it next step
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.kv.admit(request.request_id, hits, total, request.num_tokens)
             request.num_computed_tokens = start
+            pending.update(self.kv.pages_computing(request.request_id, start, total, request.token_ids))
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
         return out
