@@ -101,11 +101,12 @@ class KVCacheManager:
             raise
 
     def pages_computing(self, seq_id: str, start: int, end: int, token_ids: TokenSlice) -> list[bytes]:
-        """Digests of the full pages a chunk of tokens [start, end) completes (in-batch prefix sharing: a
-        request waiting for one of them should wait a step and hit it); [] without prefix caching."""
-        if self.prefix_cache is None:
+        """Digests of the pages a chunk of tokens [start, end) fills (in-batch prefix sharing: a request
+        waiting for one of them should wait a step and hit it); [] without prefix caching."""
+        first, last = start // self.page_size, end // self.page_size
+        if self.prefix_cache is None or first >= last:      # a decode step: mostly no page completes
             return []
-        return self.prefix_cache.digests(seq_id, -(-start // self.page_size), end // self.page_size, token_ids)
+        return self.prefix_cache.digests(seq_id, first, last, token_ids)
 
     def next_uncached_page(self, seq_id: str, num_hits: int, num_tokens: int, token_ids: TokenSlice) -> bytes | None:
         """Digest of the first page after a sequence's `num_hits` hit pages that a later hit could cover

@@ -17,16 +17,17 @@ never written again. Reference counts and the LRU of freed cached pages belong t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
-from array import array
+import struct
 from dataclasses import dataclass
 from typing import Callable
 
 TokenSlice = Callable[[int, int], list[int]]    # (start, end) -> the sequence's token ids [start, end)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CachedPage:
     """One registered page: which pool page holds it and what it holds."""
 
@@ -43,7 +44,13 @@ def chain_digest(previous: bytes, tokens: bytes) -> bytes:
 
 
 def page_tokens(token_ids: TokenSlice, index: int, page_size: int) -> bytes:
-    return array("q", token_ids(index * page_size, (index + 1) * page_size)).tobytes()
+    """The token ids of a sequence's page `index`, as bytes (int64, little-endian)."""
+    return _page_struct(page_size).pack(*token_ids(index * page_size, (index + 1) * page_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _page_struct(page_size: int) -> struct.Struct:
+    return struct.Struct(f"<{page_size}q")
 
 
 class PrefixCache:
@@ -56,7 +63,7 @@ class PrefixCache:
         self._of_page: dict[int, CachedPage] = {}       # pool page -> its entry
         self._by_serial: dict[int, CachedPage] = {}     # live entries
         self._serials = itertools.count(1)
-        self._digests: dict[str, list[bytes]] = {}      # seq -> digests of its first pages (memo)
+        self._digests: dict[str, list[tuple[bytes, bytes]]] = {}   # seq -> (digest, tokens) of its first pages
         # seq -> serial of the entry standing for each of its first full pages (its own page's entry, or an
         # equal page registered first by another sequence); None: unregistrable from here on (a collision)
         self._chains: dict[str, list[int | None]] = {}
@@ -70,14 +77,13 @@ class PrefixCache:
     def is_cached(self, page: int) -> bool:
         return page in self._of_page
 
-    def _digest(self, seq_id: str, index: int, token_ids: TokenSlice, tokens: bytes | None = None) -> bytes:
-        """Digest of the sequence's page `index` (memoised; computes the ones before it first)."""
-        digests = self._digests.setdefault(seq_id, [])
-        while len(digests) <= index:
-            i = len(digests)
-            data = tokens if tokens is not None and i == index else page_tokens(token_ids, i, self.page_size)
-            digests.append(chain_digest(digests[-1] if digests else self.salt, data))
-        return digests[index]
+    def _page(self, seq_id: str, index: int, token_ids: TokenSlice) -> tuple[bytes, bytes]:
+        """(digest, tokens) of the sequence's page `index` (memoised; computes the pages before it first)."""
+        pages = self._digests.setdefault(seq_id, [])
+        while len(pages) <= index:
+            tokens = page_tokens(token_ids, len(pages), self.page_size)
+            pages.append((chain_digest(pages[-1][0] if pages else self.salt, tokens), tokens))
+        return pages[index]
 
     # -- lookup -------------------------------------------------------------------------------------
     def match(self, seq_id: str, num_tokens: int, token_ids: TokenSlice) -> list[CachedPage]:
@@ -86,8 +92,8 @@ class PrefixCache:
         hits: list[CachedPage] = []
         parent = 0
         for index in range((num_tokens - 1) // self.page_size):
-            tokens = page_tokens(token_ids, index, self.page_size)
-            entry = self._index.get(self._digest(seq_id, index, token_ids, tokens))
+            digest, tokens = self._page(seq_id, index, token_ids)
+            entry = self._index.get(digest)
             if entry is None or entry.parent != parent or entry.tokens != tokens:
                 break
             hits.append(entry)
@@ -96,7 +102,7 @@ class PrefixCache:
 
     def digests(self, seq_id: str, first: int, end: int, token_ids: TokenSlice) -> list[bytes]:
         """Digests of the sequence's pages first..end-1 (memoised)."""
-        return [self._digest(seq_id, index, token_ids) for index in range(first, end)]
+        return [self._page(seq_id, index, token_ids)[0] for index in range(first, end)]
 
     def adopt(self, seq_id: str, hits: list[CachedPage], num_tokens: int) -> None:
         """The sequence now holds `hits` as its first pages (the manager took the references)."""
@@ -109,13 +115,15 @@ class PrefixCache:
         """Register the sequence's full, computed pages not registered yet. Returns pages whose entries were
         dropped because their parent had been evicted (nothing could reach them any more)."""
         chain = self._chains.setdefault(seq_id, [])
+        full = min(num_computed // self.page_size, len(table))
+        if len(chain) >= full:                              # nothing new (most decode steps)
+            return []
         dropped: list[int] = []
-        for index in range(len(chain), min(num_computed // self.page_size, len(table))):
+        for index in range(len(chain), full):
             parent = chain[-1] if chain else 0
             if parent is None:
                 break
-            tokens = page_tokens(token_ids, index, self.page_size)
-            digest = self._digest(seq_id, index, token_ids, tokens)
+            digest, tokens = self._page(seq_id, index, token_ids)
             existing = self._index.get(digest)
             if existing is not None and existing.parent and existing.parent not in self._by_serial:
                 self._drop(existing)                        # stale: its parent page was evicted

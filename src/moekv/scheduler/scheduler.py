@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._completing: list[Request] = []    # requests whose last scheduled chunk filled a page
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -67,7 +68,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        for request in self.running:        # pages the previous steps filled can now be found by others
+        completed, self._completing = self._completing, []
+        for request in completed:           # pages the last step filled can now be found by others
             self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids)
 
         pending: set[bytes] = set()         # digests of the full pages this step completes
@@ -88,8 +90,7 @@ class Scheduler:
                 continue  # preempted itself; `running` shrank, index now points past it
             self.kv.grow(request.request_id, total)
             out.chunks.append(ScheduledChunk(request, num_new))
-            pending.update(self.kv.pages_computing(request.request_id, request.num_computed_tokens, total,
-                                                   request.token_ids))
+            self._track_pages(request, request.num_computed_tokens, total, pending)
             budget -= num_new
             index += 1
 
@@ -109,10 +110,19 @@ class Scheduler:
             self.running.append(request)
             self.kv.admit(request.request_id, hits, total, request.num_tokens)
             request.num_computed_tokens = start
-            pending.update(self.kv.pages_computing(request.request_id, start, total, request.token_ids))
+            self._track_pages(request, start, total, pending)
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
         return out
+
+    def _track_pages(self, request: Request, start: int, end: int, pending: set[bytes]) -> None:
+        """A chunk [start, end) that fills pages (prefix caching): register them after the step and note
+        their digests for in-batch sharing. Most decode chunks fill none and cost one division."""
+        page_size = self.kv.page_size
+        if self.kv.prefix_cache is None or end // page_size == start // page_size:
+            return
+        self._completing.append(request)
+        pending.update(self.kv.pages_computing(request.request_id, start, end, request.token_ids))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
