@@ -1,7 +1,8 @@
 """Prefix caching: time to first token with and without it, on two agentic workloads.
 
     PYTHONPATH=src:. python benchmarks/bench_prefix_cache.py                       # bundled model, CPU
-    PYTHONPATH=src:. python benchmarks/bench_prefix_cache.py --model mixtral-8x7b --prefix 4096   # GPU, synthetic
+    PYTHONPATH=src:. python benchmarks/bench_prefix_cache.py --model mixtral-8x7b --prefix 4096 \
+        --kv-cache-dtype bf16,int3                                                  # GPU, synthetic weights
     PYTHONPATH=src:. python benchmarks/bench_prefix_cache.py --tiny                # CPU: code paths only
 
 Workloads (each run with --enable-prefix-caching and without, per --kv-cache-dtype):
@@ -72,16 +73,16 @@ class Source:
         rng = random.Random(offset)
         return [rng.randrange(1, self.vocab) for _ in range(count)]
 
-    def engine(self, kv: str, caching: bool, max_model_len: int, max_num_seqs: int, graphs: bool) -> Engine:
+    def engine(self, kv: str, caching: bool, max_model_len: int, max_num_seqs: int, args) -> Engine:
         page = 128 if kv.startswith("int") else 16
-        num_pages = None
-        if self.device.type == "cpu":   # room for every sequence at once without caching (and the graph page)
+        num_pages = args.num_pages
+        if num_pages is None and self.device.type == "cpu":   # every sequence at once without caching
             num_pages = max_num_seqs * -(-max_model_len // page) + 2
         cache = CacheConfig(kv_cache_dtype=kv, num_pages=num_pages, enable_prefix_caching=caching)
+        budget = max(args.max_num_batched_tokens, max_num_seqs)
         config = EngineConfig(model=ModelConfig(model=self.model_path, max_model_len=max_model_len), cache=cache,
-                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                        max_num_batched_tokens=max(8192, max_num_seqs)),
-                              device=DeviceConfig(str(self.device), cuda_graphs=graphs))
+                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+                              device=DeviceConfig(str(self.device), cuda_graphs=not args.enforce_eager))
         return Engine(config, model=self.model)
 
 
@@ -138,7 +139,7 @@ def run(source: Source, workload: str, kv: str, caching: bool, args) -> dict:
     turns = args.turns if workload == "agentic" else 1
     max_model_len = min(source.max_position, args.prefix + turns * (args.user + args.answer) + 64)
     seqs = args.concurrency if workload == "concurrent" else 1
-    engine = source.engine(kv, caching, max_model_len, seqs, graphs=not args.enforce_eager)
+    engine = source.engine(kv, caching, max_model_len, seqs, args)
     warm_up(engine, source, args)
     before = engine.prefix_cache_stats()
     started = time.perf_counter()
@@ -219,6 +220,9 @@ def main(argv=None) -> int:
     parser.add_argument("--answer", type=int, default=24, help="generated tokens per turn / per request")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="KV pages (default: all sequences at full length on the CPU, sized from memory on a GPU)")
     parser.add_argument("--tiny", action="store_true", help="a tiny random shape on the CPU (code paths only)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tag", default=None, help="result file stem (default prefix-cache-<machine>-<model>)")
