@@ -83,10 +83,13 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once():
     engine = mock_engine()
     ids = [engine.add_request(list(range(1, 13)) + [30 + i], SamplingParams(max_tokens=2, **GREEDY))
            for i in range(4)]
+    other = engine.add_request(list(range(40, 45)), SamplingParams(max_tokens=2, **GREEDY))
     engine.step()
-    assert engine.model.forward_calls == [13]        # the others wait: their next page is computed in this step
+    assert engine.model.forward_calls == [13 + 5]    # the sharers wait (their next page is computed in this
+    assert [r.request_id for r in engine.scheduler.waiting] == ids[1:]   # step), keeping their place; `other` runs
     engine.step()
-    assert engine.model.forward_calls[1] == 1 + 3    # the first decodes, the others hit 12 and prefill 1 each
+    assert engine.model.forward_calls[1] == 2 + 3    # two decode, the others hit 12 and prefill 1 each
+    assert engine.requests[other].num_computed_tokens == 6
     run_all(engine)
     assert [engine.requests[rid].output_token_ids for rid in ids] == [[31 + i, 32 + i] for i in range(4)]
     assert engine.prefix_cache_stats()["prefix_cache_hits"] == 3 * 12

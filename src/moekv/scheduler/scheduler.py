@@ -11,7 +11,8 @@ cached prefix of full pages: it is admitted at its first uncached token and its 
 rest. Pages are registered once the step that computed them has committed (at the next schedule, or when
 the request leaves), so a failed step never publishes a page. A waiting request whose next uncached page
 another request completes in this very step waits one step (and then hits it) instead of computing a copy
-(in-batch prefix sharing: 64 requests arriving at once with one long prefix prefill it once).
+(in-batch prefix sharing: 64 requests arriving at once with one long prefix prefill it once); it keeps its
+place at the front of the queue, and requests behind it that share nothing are admitted meanwhile.
 Nothing is ever dropped: a request that can never fit is rejected when it is added (engine). The token
 budget covers a decode token for every running sequence: SchedulerConfig rejects max_num_batched_tokens <
 max_num_seqs, which would leave the last running sequences waiting while the first ones decode.
@@ -94,6 +95,7 @@ class Scheduler:
             budget -= num_new
             index += 1
 
+        deferred: list[Request] = []        # wait a step for a page being computed now; keep their place
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]           # holds no pages: new, preempted or recovering
             hits = self.kv.match_prefix(request.request_id, request.num_tokens, request.token_ids)
@@ -104,7 +106,8 @@ class Scheduler:
                 break
             if pending and self.kv.next_uncached_page(request.request_id, len(hits), request.num_tokens,
                                                       request.token_ids) in pending:
-                break                           # its next page is being computed now: hit it next step
+                deferred.append(self.waiting.popleft())   # its next page is computed now: hit it next step
+                continue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -113,6 +116,7 @@ class Scheduler:
             self._track_pages(request, start, total, pending)
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
         return out
 
     def _track_pages(self, request: Request, start: int, end: int, pending: set[bytes]) -> None:
