@@ -13,8 +13,12 @@ Workloads (each run with --enable-prefix-caching and without, per --kv-cache-dty
               --answer tokens each. TTFT per request.
 TTFT = the request's first token time - its arrival (Engine.add_request), stepping the engine directly
 (no HTTP). Hit rate = prefix-cache hits / queries (tokens) over the workload. `identical`: greedy outputs
-equal with and without caching (expected with bf16 KV; a low-bit cache reads a hit prefix from quantized
-pages where a cold prefill attends to its own tokens in full precision, so outputs may differ there).
+equal with and without caching (`matching`: how many requests' answers are; agentic turns see the earlier
+answers, so one difference carries on). Keys/values of a token are computed with a different batch shape
+with and without a hit (a hit's prefix came from an earlier prefill or from decode steps), so with bf16
+model compute, whose matmul rounding depends on the batch shape, near-tied greedy picks can flip; --dtype
+fp32 with bf16 KV checks that the cache itself changes nothing. A low-bit cache reads a hit prefix from
+quantized pages where a cold prefill attends to its own tokens in full precision: outputs may differ.
 The bundled model (default, `--model bundled`) tokenizes its validation text; a named shape (`--model
 mixtral-8x7b`, needs a GPU) gets random weights (moekv.models.loader.build_random_model) and random token
 ids. Results: JSON + markdown in --out (default benchmarks/results), with machine, date, commit, command.
@@ -80,7 +84,9 @@ class Source:
             num_pages = max_num_seqs * -(-max_model_len // page) + 2
         cache = CacheConfig(kv_cache_dtype=kv, num_pages=num_pages, enable_prefix_caching=caching)
         budget = max(args.max_num_batched_tokens, max_num_seqs)
-        config = EngineConfig(model=ModelConfig(model=self.model_path, max_model_len=max_model_len), cache=cache,
+        dtype = args.dtype if self.model is None else "auto"        # a random model is built in bf16
+        config = EngineConfig(model=ModelConfig(model=self.model_path, dtype=dtype, max_model_len=max_model_len),
+                              cache=cache,
                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
                               device=DeviceConfig(str(self.device), cuda_graphs=not args.enforce_eager))
         return Engine(config, model=self.model)
@@ -178,7 +184,9 @@ def summarise(rows: list[dict]) -> list[dict]:
             continue
         out.append({"workload": row["workload"], "kv_cache_dtype": row["kv_cache_dtype"],
                     "ttft_p50_speedup": base["ttft_p50_ms"] / row["ttft_p50_ms"], "hit_rate": row["hit_rate"],
-                    "identical": base["answers"] == row["answers"]})
+                    "identical": base["answers"] == row["answers"],
+                    "matching": sum(a == b for a, b in zip(base["answers"], row["answers"])),
+                    "requests": len(row["answers"])})
     return out
 
 
@@ -202,7 +210,8 @@ def write_results(out_dir: Path, stem: str, result: dict) -> tuple[Path, Path]:
     lines += ["", "| workload | kv | TTFT p50 speed-up | hit rate | greedy outputs identical |", "|---|---|---|---|---|"]
     for s in result["summary"]:
         lines.append(f"| {s['workload']} | {s['kv_cache_dtype']} | {s['ttft_p50_speedup']:.1f}x | "
-                     f"{100 * s['hit_rate']:.1f}% | {'yes' if s['identical'] else 'no'} |")
+                     f"{100 * s['hit_rate']:.1f}% | {'yes' if s['identical'] else 'no'} "
+                     f"({s['matching']} of {s['requests']} answers equal) |")
     md_path.write_text("\n".join(lines) + "\n")
     return json_path, md_path
 
@@ -213,6 +222,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="bundled", choices=["bundled", *sorted(NAMED_SHAPES)],
                         help="bundled (tiny-shakespeare-moe) or a named shape with random weights (GPU)")
     parser.add_argument("--kv-cache-dtype", default="bf16", help="comma-separated, e.g. bf16,int3")
+    parser.add_argument("--dtype", default="auto", help="the bundled model's weights/compute dtype (auto: bf16); "
+                        "fp32 compute with bf16 KV takes the batch-shape rounding of bf16 matmuls out of the "
+                        "identical-outputs check")
     parser.add_argument("--workloads", default="agentic,concurrent")
     parser.add_argument("--prefix", type=int, default=2048, help="shared system+tools prefix tokens")
     parser.add_argument("--turns", type=int, default=32)
@@ -232,7 +244,7 @@ def main(argv=None) -> int:
         parser.error(f"{args.model} with random weights needs a GPU (or --tiny for the code paths)")
     source = Source(args, device)
     result = {"env": environment(["benchmarks/bench_prefix_cache.py", *argv], device),
-              "model": args.model + ("-tiny" if args.tiny else ""),
+              "model": args.model + ("-tiny" if args.tiny else "") + ("" if args.dtype == "auto" else f"-{args.dtype}"),
               "config": {k: getattr(args, k) for k in ("prefix", "turns", "user", "answer", "concurrency")},
               "runs": []}
     for workload in args.workloads.split(","):
@@ -249,7 +261,7 @@ def main(argv=None) -> int:
         print(f"{s['workload']} {s['kv_cache_dtype']}: TTFT p50 {s['ttft_p50_speedup']:.1f}x lower with caching, "
               f"hit rate {100 * s['hit_rate']:.1f}%, greedy outputs identical: {s['identical']}")
     machine = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1].lower()
-    stem = args.tag or f"prefix-cache-{machine}-{result['model']}"
+    stem = args.tag or f"prefix-cache-{machine}-{result['model']}"   # bundled-fp32: --dtype fp32
     paths = write_results(args.out, stem, result)
     print("wrote", *paths)
     return 0
