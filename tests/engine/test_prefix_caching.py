@@ -36,6 +36,11 @@ def assert_idle(engine):
     assert engine.kv_manager.usage == 0.0
     assert all(pool.ref_count(page) == 0 for page in range(pool.num_pages))
     assert pool.num_free == pool.num_pages
+    cache = engine.kv_manager.prefix_cache
+    if cache is not None:               # every registered page is retained (or in use): none was lost or freed
+        registered = [page for page in range(pool.num_pages) if cache.is_cached(page)]
+        assert len(registered) == cache.num_cached_pages == pool.num_evictable
+        assert all(pool.is_evictable(page) for page in registered)
 
 
 def test_config_switch_and_validation():
