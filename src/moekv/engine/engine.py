@@ -133,12 +133,13 @@ class Engine:
         return asked
 
     def _prefix_salt(self, spec: KVCacheSpec) -> bytes:
-        """What besides the tokens decides a page's keys/values: the model, its dtype, the page format."""
+        """What besides the tokens decides a page's keys/values: the model, its dtype and weight quantization,
+        the page format."""
         c = self.cache_config
         knobs = (c.kv_cache_dtype, c.key_axis, c.key_outlier_fraction, c.value_outlier_fraction, c.outlier_tau,
                  c.fp_sink_pages, c.token_group_size)
-        return repr((str(Path(self.config.model.model).resolve()), self.arch, str(self.model_dtype), spec,
-                     knobs)).encode()
+        return repr((str(Path(self.config.model.model).resolve()), self.arch, str(self.model_dtype),
+                     self.config.model.quantization, spec, knobs)).encode()
 
     def _wants_cuda_graphs(self) -> bool:
         """Config-level: graphs asked for, on CUDA, experts local (the runner checks the rest)."""
