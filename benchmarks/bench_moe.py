@@ -41,7 +41,7 @@ if "--tiny" in sys.argv:                     # the Triton paths on a CPU: the in
 import torch  # noqa: E402
 from benchmarks.timing import cuda_graph_ms  # noqa: E402
 
-from moekv.core.fp8 import Fp8Weight, quantize_fp8  # noqa: E402
+from moekv.core.fp8 import Fp8Weight, quantize_per_expert  # noqa: E402
 from moekv.models.registry import NAMED_SHAPES  # noqa: E402
 from moekv.ops import dispatch  # noqa: E402
 from moekv.ops.reference.moe import moe_experts_reference  # noqa: E402
@@ -144,10 +144,7 @@ def routed_inputs(num_tokens: int, router: torch.Tensor, top_k: int, dtype: torc
 
 def quantize_layer(w_gate_up: torch.Tensor, w_down: torch.Tensor, block: tuple[int, int] | None):
     """The layer's experts as FP8 (moekv.core.fp8), one expert at a time: per output channel, or block scales."""
-    def one(weight):
-        parts = [quantize_fp8(weight[e], block) for e in range(weight.shape[0])]
-        return Fp8Weight(torch.stack([p.codes for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block)
-    return one(w_gate_up), one(w_down)
+    return quantize_per_expert(w_gate_up, block), quantize_per_expert(w_down, block)
 
 
 def _expert_bytes(weight) -> int:

@@ -19,6 +19,7 @@ Routing is uniform random top-k (distinct experts per token), seeded. Timing: tr
     python tools/tune_moe.py --model qwen3-30b-a3b --tokens 1,4,16,64,256,1024
     python tools/tune_moe.py --shape 8,4096,14336 --top-k 2 --max-minutes 8
     python tools/tune_moe.py --tiny                                   # CPU: checks the logic in ~1 minute
+    python tools/tune_moe.py --model mixtral-8x7b --quantization fp8   # FP8 experts (W8A16): their own file
 
 A run writes the file after every T, so a run cut short (--max-minutes, or killed) keeps what it
 measured; run it again to fill in the rest (tuned T are skipped unless --overwrite).
@@ -45,6 +46,7 @@ if not torch.cuda.is_available():                    # before moekv.ops.triton d
 
 import triton  # noqa: E402
 
+from moekv.core.fp8 import Fp8Weight, quantize_per_expert  # noqa: E402
 from moekv.models.registry import NAMED_SHAPES  # noqa: E402
 from moekv.ops.reference.moe import moe_experts_reference  # noqa: E402
 from moekv.ops.triton.moe import configs as moe_configs  # noqa: E402
@@ -80,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shape", help="E,H,I (instead of --model)")
     parser.add_argument("--top-k", type=int, help="routed experts per token (default: the model's, else 2)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                        help="fp8: tune the W8A16 path on FP8 experts (per output channel scales; written to the "
+                             "weights=fp8 file)")
     parser.add_argument("--tokens", help=f"comma-separated token counts (default {DEFAULT_TOKENS})")
     parser.add_argument("--rep-ms", type=int, default=20, help="do_bench measuring time per config")
     parser.add_argument("--max-minutes", type=float, default=9.0, help="stop after this long (writes what is done)")
@@ -116,6 +121,9 @@ class Problem:
         E, H, I = args.experts, args.hidden, args.inter
         self.w_gate_up = (torch.randn(E, 2 * I, H, generator=gen, device=device) / H ** 0.5).to(self.dtype)
         self.w_down = (torch.randn(E, H, I, generator=gen, device=device) / I ** 0.5).to(self.dtype)
+        self.weights = None if args.quantization == "none" else args.quantization    # the config file's key
+        if self.weights == "fp8":                 # per output channel, as --quantization fp8 loads them
+            self.w_gate_up, self.w_down = quantize_per_expert(self.w_gate_up), quantize_per_expert(self.w_down)
         self.seed = args.seed
 
     def inputs(self, num_tokens: int):
@@ -213,7 +221,8 @@ def tune_grouped(problem: Problem, num_tokens: int, space: dict, rep_ms: int) ->
 
 def check(problem: Problem, num_tokens: int, run) -> None:
     hidden, w_gate_up, w_down, ids, weights = problem.inputs(num_tokens)
-    expected = moe_experts_reference(hidden.float(), w_gate_up.float(), w_down.float(), ids, weights)
+    widen = lambda w: w.dequantize() if isinstance(w, Fp8Weight) else w.float()
+    expected = moe_experts_reference(hidden.float(), widen(w_gate_up), widen(w_down), ids, weights)
     error = (run().float() - expected).abs().max().item()
     tolerance = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[problem.dtype]
     scale = expected.abs().max().item()
@@ -243,7 +252,8 @@ def main(argv=None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = DTYPES[args.dtype]
     name = moe_configs.device_name(device)
-    path = out_dir / moe_configs.config_filename(args.experts, args.hidden, args.inter, dtype, name)
+    weights = None if args.quantization == "none" else args.quantization
+    path = out_dir / moe_configs.config_filename(args.experts, args.hidden, args.inter, dtype, name, weights)
     table = json.loads(path.read_text()) if path.is_file() else {}
     table.setdefault("decode", {})
     table.setdefault("grouped", {})
@@ -264,7 +274,7 @@ def main(argv=None) -> Path:
             table["grouped"][key], times["grouped"][key] = tune_grouped(problem, num_tokens, space, args.rep_ms)
         table["decode_max_tokens"] = crossover({int(k): v for k, v in times["decode"].items()},
                                                {int(k): v for k, v in times["grouped"].items()})
-        meta.update(device=name, dtype=args.dtype, num_experts=args.experts, hidden=args.hidden, inter=args.inter,
+        meta.update(device=name, dtype=args.dtype, weights=weights or "16-bit", num_experts=args.experts, hidden=args.hidden, inter=args.inter,
                     top_k=args.top_k, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     commit=git_commit(), command=" ".join(["python", "tools/tune_moe.py", *(argv or sys.argv[1:])]),
                     torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
@@ -288,11 +298,12 @@ def read_back(out_dir: Path, args, dtype: torch.dtype, device: torch.device, tab
     moe_configs._cached_config.cache_clear()
     try:
         shape = (args.experts, args.hidden, args.inter)
-        assert moe_configs.decode_max_tokens(*shape, dtype, device) == table["decode_max_tokens"]
+        weights = None if args.quantization == "none" else args.quantization
+        assert moe_configs.decode_max_tokens(*shape, dtype, device, weights) == table["decode_max_tokens"]
         for num_tokens, entry in table["grouped"].items():
-            assert moe_configs.get_config("grouped", *shape, int(num_tokens), dtype, device) == entry
+            assert moe_configs.get_config("grouped", *shape, int(num_tokens), dtype, device, weights=weights) == entry
         for num_tokens, entry in table["decode"].items():
-            assert moe_configs.get_config("decode", *shape, int(num_tokens), dtype, device) == entry
+            assert moe_configs.get_config("decode", *shape, int(num_tokens), dtype, device, weights=weights) == entry
     finally:
         moe_configs.CONFIG_DIR = saved
         moe_configs.load_tuned.cache_clear()

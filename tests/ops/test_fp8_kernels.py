@@ -139,3 +139,33 @@ def test_dispatch_takes_fp8_and_falls_back_for_narrow_blocks(device):
         with pytest.warns(RuntimeWarning, match="no Triton FP8 linear"):
             out = dispatch.fp8_linear(x, linear_weight)
         assert torch.equal(out, fp8_linear_reference(x, linear_weight))
+
+
+def test_fp8_tuned_configs_have_their_own_file(tmp_path, monkeypatch):
+    """FP8 experts read the weights=fp8 table, and the 16-bit one where they have none."""
+    import json
+
+    from moekv.ops.triton.moe import configs as moe_configs
+
+    sixteen = {"decode_max_tokens": 8, "decode": {"1": {"gate_up": {"BLOCK_N": 64}, "down": {}}}, "grouped": {}}
+    fp8 = {"decode_max_tokens": 32, "decode": {"1": {"gate_up": {"BLOCK_N": 128}, "down": {}}}, "grouped": {}}
+    assert moe_configs.config_filename(4, 32, 16, torch.bfloat16, "cpu", "fp8") == \
+        "E=4,H=32,I=16,dtype=bf16,weights=fp8,device=cpu.json"
+    (tmp_path / moe_configs.config_filename(4, 32, 16, torch.bfloat16, "cpu")).write_text(json.dumps(sixteen))
+    monkeypatch.setattr(moe_configs, "CONFIG_DIR", tmp_path)
+    for clear in (moe_configs.load_tuned.cache_clear, moe_configs._cached_config.cache_clear):
+        clear()
+    try:
+        assert moe_configs.decode_max_tokens(4, 32, 16, torch.bfloat16, "cpu", "fp8") == 8      # falls back
+        (tmp_path / moe_configs.config_filename(4, 32, 16, torch.bfloat16, "cpu", "fp8")).write_text(json.dumps(fp8))
+        moe_configs.load_tuned.cache_clear()
+        moe_configs._cached_config.cache_clear()
+        assert moe_configs.decode_max_tokens(4, 32, 16, torch.bfloat16, "cpu", "fp8") == 32
+        assert moe_configs.decode_max_tokens(4, 32, 16, torch.bfloat16, "cpu") == 8
+        assert moe_configs.get_config("decode", 4, 32, 16, 1, torch.bfloat16, "cpu", weights="fp8")["gate_up"] == \
+            {"BLOCK_N": 128}
+        x, w_gate_up, _, _, _ = fp8_case(1, 2, 4, 32, 16, torch.bfloat16, None)
+        assert moe_decode._resolve_config(x, w_gate_up, None)["gate_up"]["BLOCK_N"] == 128
+    finally:
+        moe_configs.load_tuned.cache_clear()
+        moe_configs._cached_config.cache_clear()

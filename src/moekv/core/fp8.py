@@ -101,6 +101,12 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None = None) -> 
     return Fp8Weight(codes.contiguous(), scale.contiguous(), block)
 
 
+def quantize_per_expert(weight: torch.Tensor, block: tuple[int, int] | None = None) -> Fp8Weight:
+    """quantize_fp8 of weight [E, N, K], one expert at a time (bounds the fp32 temporaries to one expert)."""
+    parts = [quantize_fp8(weight[expert], block) for expert in range(weight.shape[0])]
+    return Fp8Weight(torch.stack([p.codes for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block)
+
+
 def encode_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
     """weight [..., N, K] with given block scales: codes = clamp(weight / scale, +-448) (static scales; spikes
     beyond 448 * scale saturate at +-448, as e4m3 has no inf)."""

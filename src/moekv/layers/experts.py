@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekv.core.fp8 import FP8_DTYPE, Fp8Weight, quantize_fp8
+from moekv.core.fp8 import FP8_DTYPE, Fp8Weight, quantize_per_expert
 from moekv.errors import ConfigError
 from moekv.layers.linear import empty_parameter
 from moekv.ops import dispatch
@@ -61,8 +61,8 @@ class LocalExperts(Experts):
     def to_fp8(self, w_gate_up: Fp8Weight | None = None, w_down: Fp8Weight | None = None) -> None:
         """Hold the experts in FP8: the given codes and scales (a checkpoint's), or, when None, these experts'
         own weights quantized per output channel."""
-        w_gate_up = w_gate_up or _quantize_per_expert(self.w_gate_up.data)
-        w_down = w_down or _quantize_per_expert(self.w_down.data)
+        w_gate_up = w_gate_up or quantize_per_expert(self.w_gate_up.data)
+        w_down = w_down or quantize_per_expert(self.w_down.data)
         for name, new in (("w_gate_up", w_gate_up), ("w_down", w_down)):
             if tuple(new.shape) != tuple(getattr(self, name).shape):
                 raise ConfigError(f"FP8 {name} of shape {list(new.shape)} for experts of "
@@ -78,8 +78,3 @@ class LocalExperts(Experts):
     def forward(self, hidden, topk_ids, topk_weights):
         return dispatch.moe_experts(hidden, *self.weights(), topk_ids, topk_weights)   # [T, H]
 
-
-def _quantize_per_expert(weight: torch.Tensor) -> Fp8Weight:
-    """quantize_fp8 per output channel, one expert at a time (bounds the fp32 temporaries to one expert)."""
-    parts = [quantize_fp8(weight[expert]) for expert in range(weight.shape[0])]
-    return Fp8Weight(torch.stack([p.codes for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block)

@@ -59,12 +59,12 @@ def _lowbit_decode_module(name: str, key_spec, value_spec, head_dim: int):
     return module if module.supports(key_spec, value_spec, head_dim) else None
 
 
-def moe_kernel_path(hidden: torch.Tensor, num_experts: int, inter: int) -> str:
-    """"decode" up to the decode limit of this shape and GPU (tuned crossover in ops/triton/moe/configs,
-    default 16 tokens), else "grouped"."""
+def moe_kernel_path(hidden: torch.Tensor, num_experts: int, inter: int, weights: str | None = None) -> str:
+    """"decode" up to the decode limit of this shape, GPU and weight format (None: 16-bit, "fp8"; tuned
+    crossover in ops/triton/moe/configs, default 16 tokens), else "grouped"."""
     decode = resolve(_TRI + "moe.decode")
     limit = min(resolve(_TRI + "moe.configs:decode_max_tokens")(num_experts, hidden.shape[-1], inter, hidden.dtype,
-                                                                 hidden.device), decode.MAX_DECODE_TOKENS)
+                                                                 hidden.device, weights), decode.MAX_DECODE_TOKENS)
     return "decode" if hidden.shape[0] <= limit else "grouped"
 
 

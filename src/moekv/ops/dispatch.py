@@ -169,7 +169,8 @@ def _moe_kernel(hidden, w_gate_up, w_down, *rest, **kwargs):
     if not choices.resolve(_TRI + "moe.decode:supports")(w_gate_up, w_down):     # FP8 scale blocks it cannot tile
         return None
     num_experts, two_inter, _ = w_gate_up.shape
-    return choices.moe_kernel(choices.moe_kernel_path(hidden, num_experts, two_inter // 2))
+    weights = choices.resolve(_TRI + "moe.decode:weight_format")(w_gate_up)
+    return choices.moe_kernel(choices.moe_kernel_path(hidden, num_experts, two_inter // 2, weights))
 
 
 def _quantize_kv_per_side(staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out, value_out,

@@ -212,6 +212,11 @@ def weight_args(w: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, list, dict]:
     return w, [w, 0, 0, 0, 1], dict(FP8=False, SCALE_BN=1)
 
 
+def weight_format(w: torch.Tensor | Fp8Weight) -> str | None:
+    """The tuned-config key of the expert weights: None (16-bit) or "fp8" (ops.triton.moe.configs)."""
+    return "fp8" if isinstance(w, Fp8Weight) else None
+
+
 def fp8_block_k(part: dict, w: torch.Tensor | Fp8Weight, reduced: int) -> dict:
     """part's BLOCK_K, capped for FP8 weights so that a K tile never crosses a scale block (blocks narrower
     than the reduced size `reduced`); `supports` keeps blocks whose width is not a multiple of 16 away."""
@@ -239,7 +244,8 @@ def supports(w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weig
 def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, config: dict | None,
                     w_down: torch.Tensor | Fp8Weight | None = None) -> dict:
     num_experts, two_inter, hidden_size = w_gate_up.shape
-    cfg = get_config("decode", num_experts, hidden_size, two_inter // 2, hidden.shape[0], hidden.dtype, hidden.device)
+    cfg = get_config("decode", num_experts, hidden_size, two_inter // 2, hidden.shape[0], hidden.dtype, hidden.device,
+                     weights=weight_format(w_gate_up))
     config = config or {}
     out = {part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}
     out["gate_up"] = fp8_block_k(out["gate_up"], w_gate_up, hidden_size)

@@ -27,7 +27,8 @@ from moekv.ops.reference.moe import padded_capacity
 from moekv.ops.triton.common import check_launchable, weight_dot
 from moekv.ops.triton.moe.align import moe_align
 from moekv.ops.triton.moe.configs import get_config
-from moekv.ops.triton.moe.decode import combine, fp8_block_k, gate_up_tile, moe_shapes, upcast_dots, weight_args
+from moekv.ops.triton.moe.decode import (combine, fp8_block_k, gate_up_tile, moe_shapes, upcast_dots, weight_args,
+                                         weight_format)
 
 
 @triton.jit
@@ -116,7 +117,7 @@ def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, t
                     w_down: torch.Tensor | Fp8Weight | None = None) -> dict:
     num_experts, two_inter, hidden_size = w_gate_up.shape
     cfg = get_config("grouped", num_experts, hidden_size, two_inter // 2, hidden.shape[0], hidden.dtype,
-                     hidden.device, top_k)
+                     hidden.device, top_k, weights=weight_format(w_gate_up))
     config = config or {}
     out = {"BLOCK_M": config.get("BLOCK_M", cfg["BLOCK_M"]),
            **{part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}}

@@ -2,7 +2,7 @@
 
 tools/tune_moe.py writes one JSON file per shape and GPU into this folder:
 
-    E={E},H={H},I={I},dtype={bf16|fp16|fp32},device={torch.cuda.get_device_name, spaces as _}.json
+    E={E},H={H},I={I},dtype={bf16|fp16|fp32}[,weights=fp8],device={torch.cuda.get_device_name, spaces as _}.json
     {
       "decode_max_tokens": 16,                  # T <= this takes the decode path (measured crossover)
       "decode":  {"<T>": {"gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages},
@@ -13,7 +13,8 @@ tools/tune_moe.py writes one JSON file per shape and GPU into this folder:
     }
 
 A call with T tokens takes the entry whose key is nearest to T. Shapes or GPUs without a file get
-`default_config` (sane, untuned). Files are read once per process.
+`default_config` (sane, untuned). Files are read once per process. FP8 experts (W8A16) have their own files
+(`weights=fp8`, `tools/tune_moe.py --quantization fp8`); without one they take the 16-bit file's entries.
 """
 
 from __future__ import annotations
@@ -43,16 +44,20 @@ def _cuda_name(index: int) -> str:
     return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
-def config_filename(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str) -> str:
-    return f"E={num_experts},H={hidden},I={inter},dtype={_DTYPE_NAMES[dtype]},device={device}.json"
+def config_filename(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str,
+                    weights: str | None = None) -> str:
+    """weights: None (16-bit expert weights, the activation dtype) or "fp8"."""
+    quantized = f",weights={weights}" if weights else ""
+    return f"E={num_experts},H={hidden},I={inter},dtype={_DTYPE_NAMES[dtype]}{quantized},device={device}.json"
 
 
 @functools.lru_cache(maxsize=None)
-def load_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str) -> dict | None:
-    """The tuned table of a shape on a GPU, or None."""
-    path = CONFIG_DIR / config_filename(num_experts, hidden, inter, dtype, device)
+def load_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str,
+               weights: str | None = None) -> dict | None:
+    """The tuned table of a shape on a GPU, or None (FP8 weights without their own file: the 16-bit one's)."""
+    path = CONFIG_DIR / config_filename(num_experts, hidden, inter, dtype, device, weights)
     if not path.is_file():
-        return None
+        return load_tuned(num_experts, hidden, inter, dtype, device) if weights else None
     return json.loads(path.read_text())
 
 
@@ -85,23 +90,24 @@ def default_config(kind: str, num_experts: int, hidden: int, inter: int, num_tok
 
 
 def get_config(kind: str, num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype,
-               device: torch.device | str, top_k: int = 2) -> dict:
-    """The tuned entry nearest to num_tokens for this shape and GPU, else default_config.
-    The result is cached and shared: copy before changing it."""
-    return _cached_config(kind, num_experts, hidden, inter, num_tokens, dtype, device_name(device), top_k)
+               device: torch.device | str, top_k: int = 2, weights: str | None = None) -> dict:
+    """The tuned entry nearest to num_tokens for this shape, GPU and weight format (None: 16-bit, "fp8"),
+    else default_config. The result is cached and shared: copy before changing it."""
+    return _cached_config(kind, num_experts, hidden, inter, num_tokens, dtype, device_name(device), top_k, weights)
 
 
 @functools.lru_cache(maxsize=4096)
 def _cached_config(kind: str, num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype,
-                   device: str, top_k: int) -> dict:
-    tuned = load_tuned(num_experts, hidden, inter, dtype, device)
+                   device: str, top_k: int, weights: str | None = None) -> dict:
+    tuned = load_tuned(num_experts, hidden, inter, dtype, device, weights)
     table = tuned.get(kind) if tuned else None
     if table:
         return _nearest(table, num_tokens)
     return default_config(kind, num_experts, hidden, inter, num_tokens, top_k)
 
 
-def decode_max_tokens(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str) -> int:
+def decode_max_tokens(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str,
+                      weights: str | None = None) -> int:
     """The largest T that takes the decode path: the tuned crossover, else DEFAULT_DECODE_MAX_TOKENS."""
-    tuned = load_tuned(num_experts, hidden, inter, dtype, device_name(device))
+    tuned = load_tuned(num_experts, hidden, inter, dtype, device_name(device), weights)
     return int(tuned.get("decode_max_tokens", DEFAULT_DECODE_MAX_TOKENS)) if tuned else DEFAULT_DECODE_MAX_TOKENS
