@@ -11,7 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+# The `code` an error carries when the raiser names none: every error body has a non-null code.
+DEFAULT_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                 413: "request_too_large", 499: "client_closed_request", 500: "internal_error",
+                 503: "engine_unavailable"}
 
 
 # -- errors -------------------------------------------------------------------------------------------
@@ -21,6 +27,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
+        code = code if code is not None else DEFAULT_CODES.get(status, f"http_{status}")
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
@@ -45,6 +52,26 @@ NOT_IMPLEMENTED = {
 }
 
 
+def _find_surrogate(value: Any) -> tuple | None:
+    """The path to the first string (value or key) holding a lone surrogate, else None (no recursion:
+    JSON may nest as deep as the parser allows)."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(item, dict):
+            stack.extend((v, path + (k,)) for k, v in reversed(item.items()))
+            stack.extend((k, path + (k,)) for k in item)
+        elif isinstance(item, list):   # token ids are most of a big body: skip numbers cheaply
+            stack.extend((v, path + (i,)) for i, v in reversed(list(enumerate(item)))
+                         if isinstance(v, (str, dict, list)))
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -66,6 +93,17 @@ class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON may spell lone surrogates (`"\\ud800"`), which no tokenizer or UTF-8 encoder takes: a 400."""
+        path = _find_surrogate(data)
+        if path is not None:
+            param = str(path[0] if path else "body").encode("utf-8", "backslashreplace").decode("ascii")
+            raise PydanticCustomError("invalid_unicode", "{param}: the text holds a lone UTF-16 surrogate "
+                                      "(not valid Unicode)", {"param": param})
+        return data
 
     model: str | None = None                  # None: the served model
     temperature: float | None = None          # default 1.0

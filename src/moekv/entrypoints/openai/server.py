@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moekv.engine.async_engine import AsyncEngine
 from moekv.entrypoints.openai.protocol import (
+    DEFAULT_CODES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,7 +51,7 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMe
         finally:
             async_engine.shutdown()
 
-    app = FastAPI(title="moekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = ContainedApp(title="moekv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     completions = OpenAICompletions(async_engine, config)
@@ -87,6 +88,40 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMe
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
+
+
+class ContainedApp(FastAPI):
+    """FastAPI whose exceptions never reach the server: Starlette answers 500 (`unexpected` below logs it)
+    and then re-raises, which makes uvicorn log a second traceback and drop the keep-alive connection.
+    Here the re-raise stops; a response cut mid-body is at least ended properly."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        started = ended = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, tracking_send)
+        except Exception:
+            try:
+                if not started:   # the 500 itself could not be sent
+                    logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+                    body = JSONResponse(error_body("internal server error", "server_error", code="internal_error"),
+                                        500)
+                    await body(scope, receive, send)
+                elif not ended:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except Exception:     # the connection is gone
+                pass
 
 
 def _respond(result) -> Response:
@@ -139,6 +174,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body("the request body is not valid JSON", code="invalid_json"), 400)
+        if first.get("type") == "invalid_unicode":
+            param = (first.get("ctx") or {}).get("param")
+            return JSONResponse(error_body(str(first.get("msg")), param=param, code="invalid_unicode"), 400)
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = location[0] if location else None
         same_param = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == location[:1]]
@@ -151,7 +189,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        # FastAPI's own 400 means the body could not be parsed (e.g. JSON nested too deep)
+        code = "invalid_json" if exc.status_code == 400 else DEFAULT_CODES.get(exc.status_code,
+                                                                               f"http_{exc.status_code}")
         return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code)
 
     @app.exception_handler(Exception)

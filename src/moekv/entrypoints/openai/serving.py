@@ -75,7 +75,7 @@ class OpenAIServing:
                                 f"`{self.config.served_model_name}`", param="model", code="model_not_found")
         problem = body.unsupported()
         if problem is not None:
-            raise APIError(400, problem[1], param=problem[0])
+            raise APIError(400, problem[1], param=problem[0], code="unsupported_parameter")
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -84,6 +84,17 @@ class OpenAIServing:
         if not token_ids:
             raise APIError(400, "the prompt is empty", param=param)
         return token_ids
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
+        """Token ids in [0, vocab_size), checked before anything (the tokenizer's decode) touches them."""
+        vocab_size = self.engine.arch.vocab_size
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab_size:
+                shown = token_id if abs(token_id) < 1 << 64 else ("a huge negative number" if token_id < 0
+                                                                 else "a huge number")
+                raise APIError(400, f"token id {shown} is outside the vocabulary [0, {vocab_size})",
+                               param=param, code="invalid_value")
+        return list(token_ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
@@ -283,4 +294,4 @@ def new_request_id(prefix: str) -> str:
 
 
 def wrap_invalid(exc: InvalidRequestError) -> APIError:
-    return APIError(400, str(exc), param=exc.param)
+    return APIError(400, str(exc), param=exc.param, code="invalid_value")

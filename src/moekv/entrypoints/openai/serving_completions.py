@@ -75,13 +75,15 @@ class OpenAICompletions(OpenAIServing):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if isinstance(prompt[0], int):
-            return [Prompt(list(prompt), self.decode(list(prompt)))]
+            token_ids = self.check_token_ids(prompt, "prompt")
+            return [Prompt(token_ids, self.decode(token_ids))]
         out = []
         for item in prompt:
             if isinstance(item, str):
                 out.append(Prompt(self.encode(item, "prompt"), item))
             elif item:
-                out.append(Prompt(list(item), self.decode(list(item))))
+                token_ids = self.check_token_ids(item, "prompt")
+                out.append(Prompt(token_ids, self.decode(token_ids)))
             else:
                 raise APIError(400, "a prompt in the list is empty", param="prompt")
         return out
