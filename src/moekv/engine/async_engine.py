@@ -122,7 +122,7 @@ class AsyncEngine:
                     self._step()
                 self._publish_stats()
             self._dead_reason = "the server is shutting down"
-            self._end_all(self._dead_reason)
+            self._end_all(self._dead_reason, finish_reason="abort")
         except BaseException as exc:  # the loop itself broke: report it and end every stream
             self._dead_reason = f"the engine loop died: {type(exc).__name__}: {exc}"
             logger.exception("engine loop died")
@@ -264,14 +264,17 @@ class AsyncEngine:
         self._tracked.pop(request_id, None)
         self.engine.release(request_id)
 
-    def _end_all(self, reason: str) -> None:
-        """End every open request with an error (shutdown, or the loop died)."""
+    def _end_all(self, reason: str, finish_reason: str = "error") -> None:
+        """End every open request: "abort" at shutdown (the server answers 503 `aborted`), "error" when
+        the loop died. One log line per request ended."""
         for request_id in list(self._tracked):
             self._recovery.forget(request_id)
             self.engine.abort(request_id)
             request = self.engine.requests.get(request_id)
             if request is not None:
-                request.finish_reason, request.error = "error", reason
+                request.finish_reason, request.error = finish_reason, reason
+                logger.warning("request %s ended unfinished (%s) after %d generated tokens: %s", request_id,
+                               finish_reason, len(request.output_token_ids), reason)
         self._deliver(list(self._tracked))
         self._publish_stats()
 

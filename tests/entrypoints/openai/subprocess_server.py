@@ -14,7 +14,7 @@ import httpx
 from moekv.datasets import bundled_model_dir
 from tests.entrypoints.openai.helpers import free_port, write_char_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]   # the checkout root (PYTHONPATH=src resolves from here)
 
 
 def bundled_model() -> Path | None:

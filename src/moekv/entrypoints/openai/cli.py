@@ -1,16 +1,19 @@
 """`moekv serve`: load a checkpoint and serve it over an OpenAI-compatible HTTP API (uvicorn).
 
-SIGINT and SIGTERM shut down gracefully: open streams get `--shutdown-timeout` seconds to finish,
-then are cut; the engine thread stops; the process exits with status 0.
+SIGINT and SIGTERM shut down gracefully: no new connections; running requests get `--shutdown-timeout`
+seconds to finish; then each open stream ends with an error event and `data: [DONE]` (a pending
+non-streamed answer with a 503), one log line per request ended; the process exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 
 from moekv.errors import ConfigError
@@ -118,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                 capacity, engine.cache_config.kv_cache_dtype, engine.max_model_len, capacity / engine.max_model_len)
     name = args.served_model_name or Path(model).resolve().name
     metrics = ServerMetrics(name)
-    app = build_app(AsyncEngine(engine, metrics), ServerConfig(
+    async_engine = AsyncEngine(engine, metrics)
+    app = build_app(async_engine, ServerConfig(
         served_model_name=name, model_path=str(model), api_key=args.api_key,
         max_request_bytes=args.max_request_bytes, chat_template=chat_template,
         tool_call_parser=args.tool_call_parser))
@@ -127,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout,
                             lifespan="on")
-    server = _graceful_server(config)
+    server = _graceful_server(config, async_engine)
     logger.info("serving %s as %r on http://%s:%d/v1", model, name, args.host, args.port)
     try:
         server.run()
@@ -136,9 +140,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def _graceful_server(config):
-    """uvicorn's server, minus re-raising the captured signal after a graceful shutdown (uvicorn does
-    that so the process dies by the signal; a clean stop should exit with status 0)."""
+FINAL_GRACE_S = 5.0   # after --shutdown-timeout: time for the aborted streams to send their last events
+
+
+def _graceful_server(config, async_engine):
+    """uvicorn's server with moekv's shutdown: stop accepting, let running requests finish within
+    --shutdown-timeout, then end the rest through the engine (a stream gets an error event and
+    `data: [DONE]`, a pending answer a 503 `aborted`, one log line each) instead of cancelling their tasks
+    mid-body; and no re-raising of the captured signal afterwards (uvicorn does that so the process dies by
+    the signal; a clean stop exits with status 0)."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -153,5 +163,33 @@ def _graceful_server(config):
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
+
+        async def shutdown(self, sockets=None) -> None:
+            timeout = self.config.timeout_graceful_shutdown or 0.0
+            logger.info("shutting down: no new connections; running requests get %.1f s (--shutdown-timeout)",
+                        timeout)
+            for server in self.servers:
+                server.close()
+            for sock in sockets or []:
+                sock.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()   # idle keep-alive connections close now, busy ones after their response
+            if not await self._drain(timeout):
+                logger.warning("shutdown timeout reached: ending %d open request(s)", len(self.server_state.tasks))
+                await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+                if not await self._drain(FINAL_GRACE_S):
+                    for task in self.server_state.tasks:
+                        task.cancel(msg="the shutdown timeout was exceeded")
+            if not self.force_exit:
+                await self.lifespan.shutdown()
+
+        async def _drain(self, timeout_s: float) -> bool:
+            """Wait until no connection is open and no request task runs; False at the timeout."""
+            deadline = time.monotonic() + timeout_s
+            while (self.server_state.connections or self.server_state.tasks) and not self.force_exit:
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(0.05)
+            return True
 
     return GracefulServer(config)
