@@ -305,6 +305,24 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ServerLimits:
+    """What one HTTP client may hold of `moekv serve` (docs/serving.md, "Limits")."""
+
+    max_connections: int = 1024         # open connections; one more gets a 503 and is closed
+    header_timeout_s: float = 10.0      # from the first byte of a request to the end of its headers
+    read_timeout_s: float = 30.0        # longest wait for the next piece of a request body (408)
+    keep_alive_timeout_s: float = 5.0   # an idle keep-alive connection is closed after this
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise ConfigError(f"max_connections must be a positive integer, got {self.max_connections!r}")
+        for name in ("header_timeout_s", "read_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
 class KernelConfig:
     """Which kernels `ops.dispatch` runs; the engine installs it (`ops.dispatch.install`).
 

@@ -109,15 +109,15 @@ def free_port() -> int:
 
 
 class ThreadedServer:
-    """A real uvicorn serving `app` on a free port in a background thread."""
+    """A real uvicorn serving `app` on a free port in a background thread (`options`: more uvicorn.Config)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
         import uvicorn
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=2))
+                                                    lifespan="on", timeout_graceful_shutdown=2, **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ThreadedServer:

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from moekv.config import ServerLimits
 from moekv.errors import ConfigError
 from moekv.paths import default_model_dir
 
@@ -74,6 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted request body in bytes (default 1 MiB; larger -> 413)")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds open streams may run after SIGINT/SIGTERM (default 5)")
+    defaults = ServerLimits()
+    parser.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                        help=f"most open HTTP connections; one more gets a 503 (default {defaults.max_connections})")
+    parser.add_argument("--header-timeout", type=float, default=defaults.header_timeout_s, metavar="S",
+                        help=f"close a connection whose request headers take longer (408; default "
+                             f"{defaults.header_timeout_s:g})")
+    parser.add_argument("--read-timeout", type=float, default=defaults.read_timeout_s, metavar="S",
+                        help=f"longest wait for the next piece of a request body (408; default "
+                             f"{defaults.read_timeout_s:g})")
+    parser.add_argument("--keep-alive-timeout", type=float, default=defaults.keep_alive_timeout_s, metavar="S",
+                        help=f"close idle keep-alive connections after S seconds (default "
+                             f"{defaults.keep_alive_timeout_s:g})")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -85,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from moekv.engine.async_engine import AsyncEngine
     from moekv.engine.factory import build_serving_engine
     from moekv.entrypoints.llm import make_engine_config
+    from moekv.entrypoints.openai.http_limits import uvicorn_options
     from moekv.entrypoints.openai.server import build_app
     from moekv.entrypoints.openai.serving import ServerConfig
     from moekv.metrics import ServerMetrics
@@ -98,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         chat_template = path.read_text()
     if args.max_request_bytes < 1:
         raise ConfigError("--max-request-bytes must be positive")
+    limits = ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                          read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
     extra = {key: value for key, value in (("max_num_seqs", args.max_num_seqs),
                                            ("max_num_batched_tokens", args.max_num_batched_tokens),
                                            ("num_pages", args.num_pages), ("page_size", args.page_size))
@@ -125,12 +141,12 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(async_engine, ServerConfig(
         served_model_name=name, model_path=str(model), api_key=args.api_key,
         max_request_bytes=args.max_request_bytes, chat_template=chat_template,
-        tool_call_parser=args.tool_call_parser))
+        tool_call_parser=args.tool_call_parser, limits=limits))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use it", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout,
-                            lifespan="on")
+                            lifespan="on", **uvicorn_options(limits))
     server = _graceful_server(config, async_engine)
     logger.info("serving %s as %r on http://%s:%d/v1", model, name, args.host, args.port)
     try:

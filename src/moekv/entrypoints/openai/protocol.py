@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 
 # The `code` an error carries when the raiser names none: every error body has a non-null code.
 DEFAULT_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-                 413: "request_too_large", 499: "client_closed_request", 500: "internal_error",
+                 408: "request_timeout", 413: "request_too_large", 499: "client_closed_request", 500: "internal_error",
                  503: "engine_unavailable"}
 
 

@@ -6,6 +6,7 @@ Every error leaves as `{"error": {"message", "type", "param", "code"}}` with no 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -84,7 +85,8 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMe
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return _respond(await chat.create(body, request))
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes,
+                       read_timeout_s=config.limits.read_timeout_s)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
@@ -202,31 +204,48 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 # -- middleware (pure ASGI, so streaming and disconnect detection pass through untouched) ---------------
 class BodyLimitMiddleware:
-    """413 for a request body over `max_bytes`, by its Content-Length or as it streams in."""
+    """The request body's guard: 400 for ambiguous framing (both Content-Length and Transfer-Encoding, or
+    several Content-Lengths: a request-smuggling vector), 413 for a body over `max_bytes` (by its
+    Content-Length or as it streams in), 408 when the next piece of the body takes over `read_timeout_s`."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float | None = None):
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+        headers = scope.get("headers") or []
+        lengths = [value for name, value in headers if name == b"content-length"]
+        if len(lengths) > 1 or (lengths and any(name == b"transfer-encoding" for name, _ in headers)):
+            response = JSONResponse(error_body("ambiguous request framing: send either Content-Length or "
+                                               "Transfer-Encoding, once", code="ambiguous_framing"),
+                                    status_code=400, headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        if lengths and lengths[0].isdigit() and int(lengths[0]) > self.max_bytes:
             await self._too_large(scope, receive, send)
             return
-        received = 0
+        received, body_done = 0, False
 
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
+        async def guarded_receive():
+            nonlocal received, body_done
+            if body_done or self.read_timeout_s is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), self.read_timeout_s)
+                except asyncio.TimeoutError:
+                    raise HTTPException(408, f"the request body stalled for {self.read_timeout_s:g} s "
+                                             f"(--read-timeout)") from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise HTTPException(413, self._message())  # FastAPI re-raises its own
             return message
 
-        await self.app(scope, limited_receive, send)
+        await self.app(scope, guarded_receive, send)
 
     def _message(self) -> str:
         return f"the request body exceeds {self.max_bytes} bytes (--max-request-bytes)"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request as HTTPRequest
 
+from moekv.config import ServerLimits
 from moekv.engine.async_engine import AsyncEngine
 from moekv.engine.streams import EngineDeadError, RequestStream, StreamDelta
 from moekv.entrypoints.openai.protocol import APIError, UsageInfo, _SamplingRequest, error_body
@@ -37,6 +38,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     chat_template: str | None = None        # template text overriding the tokenizer's (--chat-template)
     tool_call_parser: str | None = None     # --tool-call-parser: hermes, qwen, mistral (tool_choice auto)
+    limits: ServerLimits = field(default_factory=ServerLimits)   # connections and timeouts
 
 
 @dataclass(frozen=True)
