@@ -284,6 +284,9 @@ class DeviceConfig:
                                         # ~20x slower on a loaded 2-core machine), else torch's default
     cuda_graphs: bool = True            # decode-only steps replay CUDA graphs (per batch-size bucket) on CUDA;
                                         # False (--enforce-eager): every step runs eagerly
+    cpu_kernel_cache_entries: int | None = 128   # CPU: entries of oneDNN's (and ideep's) caches of compiled
+                                        # matmuls, keyed by shape, ~1 MB each: at their default 1024, batches of
+                                        # ever-new shapes grew a server's RSS by ~1 GB (issue 20). None: theirs.
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -292,6 +295,10 @@ class DeviceConfig:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ConfigError(f"cpu_threads must be a positive integer or None, got {self.cpu_threads!r}")
+        if self.cpu_kernel_cache_entries is not None and (not isinstance(self.cpu_kernel_cache_entries, int)
+                                                          or self.cpu_kernel_cache_entries < 1):
+            raise ConfigError(f"cpu_kernel_cache_entries must be a positive integer or None (0 crashes oneDNN), "
+                              f"got {self.cpu_kernel_cache_entries!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
 

@@ -20,6 +20,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_COMMIT | `commit` | the commit a measurement reports (GPU machines) |
 | MOEKV_EP_TIMEOUT_S | `ep_timeout_s` | the expert-parallel device group's timeout |
 | MOEKV_EP_EXIT_GRACE_S, MOEKV_EP_POLL_S | `ep_exit_grace_s`, `ep_poll_s` | peer-failure handling |
+| LRU_CACHE_CAPACITY, ONEDNN_PRIMITIVE_CACHE_CAPACITY | `limit_onednn_caches` | written (unless set): oneDNN's kernel caches (`DeviceConfig.cpu_kernel_cache_entries`) |
 | RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT | `torchrun_*` | set by torchrun |
 """
 
@@ -149,3 +150,15 @@ def torchrun_int(name: str, default: int | None = None) -> int:
 
 def torchrun_restart_count() -> str:
     return get("TORCHELASTIC_RESTART_COUNT") or "0"
+
+
+ONEDNN_CACHE_VARS = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")   # ideep's, oneDNN's
+
+
+def limit_onednn_caches(entries: int) -> dict[str, str]:
+    """Bound oneDNN's caches of compiled CPU kernels (the only variables moekv writes). They read these
+    once, at the process's first oneDNN matmul, so this acts only before it; a value the user set wins.
+    Returns the values in effect."""
+    for name in ONEDNN_CACHE_VARS:
+        os.environ.setdefault(name, str(entries))
+    return {name: os.environ[name] for name in ONEDNN_CACHE_VARS}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from moekv import envs
 from moekv.config import EngineConfig, torch_dtype
 from moekv.core.request import Request, RequestOutput
 from moekv.engine.batch import GenerationOutput, run_batch
@@ -63,6 +64,8 @@ class Engine:
         self.model = model.eval()
         self.arch = model.arch
         if self.device.type == "cpu":
+            if config.device.cpu_kernel_cache_entries is not None:
+                envs.limit_onednn_caches(config.device.cpu_kernel_cache_entries)
             threads = config.device.cpu_threads
             torch.set_num_threads(threads if threads is not None else
                                   (1 if self.arch.hidden_size < 2048 else torch.get_num_threads()))
