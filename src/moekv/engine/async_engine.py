@@ -194,9 +194,11 @@ class AsyncEngine:
             logger.exception("engine step failed; isolating the request that caused it")
             self._recovery.step_failed(exc)
             # Requests that finished inside the failed step, or were ended by recovery, still owe a delta.
+            self._publish_stats()
             self._deliver([rid for rid in self._tracked if self._is_finished(rid)])
             return
         self._recovery.step_succeeded()
+        self._publish_stats()   # before the deltas: a client that scrapes after its last chunk sees this step
         self._deliver([out.request_id for out in outputs])
 
     def _is_finished(self, request_id: str) -> bool:

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest accepted request body in bytes (default 1 MiB; larger -> 413)")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds open streams may run after SIGINT/SIGTERM (default 5)")
+    parser.add_argument("--max-tokens-default", type=int, default=None, metavar="N",
+                        help="chat requests without max_tokens generate at most N tokens (default: the rest of the "
+                             "context, as vLLM does)")
     defaults = ServerLimits()
     parser.add_argument("--max-connections", type=int, default=defaults.max_connections,
                         help=f"most open HTTP connections; one more gets a 503 (default {defaults.max_connections})")
@@ -112,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         chat_template = path.read_text()
     if args.max_request_bytes < 1:
         raise ConfigError("--max-request-bytes must be positive")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise ConfigError("--max-tokens-default must be positive")
     limits = ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                           read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
     extra = {key: value for key, value in (("max_num_seqs", args.max_num_seqs),
@@ -141,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(async_engine, ServerConfig(
         served_model_name=name, model_path=str(model), api_key=args.api_key,
         max_request_bytes=args.max_request_bytes, chat_template=chat_template,
-        tool_call_parser=args.tool_call_parser, limits=limits))
+        tool_call_parser=args.tool_call_parser, limits=limits,
+        default_max_tokens=args.max_tokens_default))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use it", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -73,7 +73,7 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMe
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=config.served_model_name, root=config.model_path or None,
+        card = ModelCard(id=config.served_model_name, root=config.served_model_name,
                          max_model_len=async_engine.engine.max_model_len)
         return dump(ModelList(data=[card]))
 

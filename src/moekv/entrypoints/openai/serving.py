@@ -39,6 +39,7 @@ class ServerConfig:
     chat_template: str | None = None        # template text overriding the tokenizer's (--chat-template)
     tool_call_parser: str | None = None     # --tool-call-parser: hermes, qwen, mistral (tool_choice auto)
     limits: ServerLimits = field(default_factory=ServerLimits)   # connections and timeouts
+    default_max_tokens: int | None = None   # chat without max_tokens (--max-tokens-default); None: the context
 
 
 @dataclass(frozen=True)

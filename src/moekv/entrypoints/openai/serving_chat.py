@@ -37,7 +37,7 @@ class OpenAIChat(OpenAIServing):
         plan = plan_tools(body, self.config.tool_call_parser, self._renders_tools)
         prompt = self.render(body, plan)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        budget = self.max_tokens(asked, None, len(prompt.token_ids), "messages")
+        budget = self.max_tokens(asked, self.config.default_max_tokens, len(prompt.token_ids), "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         request_id = new_request_id("chatcmpl")
         extra = {"structured_outputs": plan.structured} if plan.structured is not None else {}
