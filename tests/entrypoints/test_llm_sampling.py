@@ -93,3 +93,33 @@ def test_chat_renders_with_the_template(tmp_path):
     two = llm.chat([[{"role": "user", "content": "a"}], [{"role": "system", "content": "b"}]],
                    SamplingParams(max_tokens=1, temperature=0))
     assert [o.prompt for o in two] == ["<user>a\n<assistant>", "<system>b\n<assistant>"]
+
+
+def test_chat_passes_tools_to_the_template(tmp_path):
+    from moekv.tokenizer import Tokenizer
+    from tests.entrypoints.openai.helpers import write_char_tokenizer
+
+    template = ("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]{% endif %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    tokenizer = Tokenizer(write_char_tokenizer(tmp_path, chat_template=template))
+    llm = mock_llm(tokenizer, vocab=tokenizer.vocab_size)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), tools=tools)
+    assert out[0].prompt == "[get_weather,get_time]<user>hi<assistant>"
+    assert tokenizer.template_renders_tools() and not Tokenizer(
+        write_char_tokenizer(tmp_path / "plain")).template_renders_tools()
+
+
+def test_structured_outputs_without_xgrammar_is_the_requests_error(monkeypatch, tmp_path):
+    import moekv.structured
+    from moekv.sampling import StructuredOutputParams
+    from moekv.tokenizer import Tokenizer
+    from tests.entrypoints.openai.helpers import write_char_tokenizer
+
+    monkeypatch.setattr(moekv.structured, "xgrammar_available", lambda: False)
+    tokenizer = Tokenizer(write_char_tokenizer(tmp_path))
+    llm = mock_llm(tokenizer, vocab=tokenizer.vocab_size)
+    with pytest.raises(InvalidRequestError, match="xgrammar") as info:
+        llm.generate(["a"], SamplingParams(structured_outputs=StructuredOutputParams(json_object=True)))
+    assert info.value.param == "structured_outputs" and llm.engine.requests == {}

@@ -63,11 +63,15 @@ def test_streamed_equals_whole(parser_cls, cases, size):
         assert (got_content.strip() or None) == (content.strip() if content else None), (text, got_content)
 
 
-def test_hermes_streams_each_call_as_soon_as_it_closes():
-    text = HERMES[1][0]
-    _, calls, first_call_at = stream(HermesToolParser(), text, 1)
+@pytest.mark.parametrize("parser_cls, text, first_end", [
+    (HermesToolParser, HERMES[1][0], HERMES[1][0].index("</tool_call>") + len("</tool_call>")),
+    (MistralToolParser, MISTRAL[1][0], MISTRAL[1][0].index("}}, ") + 2),
+    (MistralToolParser, MISTRAL[2][0], MISTRAL[2][0].index("[TOOL_CALLS]send") + len("[TOOL_CALLS]")),
+])
+def test_each_call_streams_as_soon_as_it_is_complete(parser_cls, text, first_end):
+    _, calls, first_call_at = stream(parser_cls(), text, 1)
     assert calls == [WEATHER, LETTER]
-    assert first_call_at == text.index("</tool_call>") + len("</tool_call>")
+    assert first_call_at == first_end
 
 
 def test_content_before_a_marker_streams_and_a_partial_marker_is_held_back():

@@ -105,6 +105,27 @@ class MistralToolParser(ToolParser):
         return content, calls
 
 
+    def complete_calls(self, section: str) -> list[ParsedToolCall]:
+        """Streaming: the list's elements parsed so far, or the [ARGS] calls another marker has closed."""
+        body = section[len(self.marker):].lstrip()
+        decoder, calls = json.JSONDecoder(), []
+        if body.startswith("["):
+            position = 1
+            while True:
+                while position < len(body) and body[position] in " \n\t,":
+                    position += 1
+                try:
+                    value, position = decoder.raw_decode(body, position)
+                except json.JSONDecodeError:
+                    return calls
+                call = _call_from(value)
+                if call is None:
+                    return calls
+                calls.append(call)
+        parts = body.split(self.marker)[:-1]     # the last part may still grow
+        return self.parse(self.marker + self.marker.join(parts))[1] if parts else []
+
+
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "qwen": HermesToolParser,
                                         "mistral": MistralToolParser}
 
