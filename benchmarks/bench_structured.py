@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--out", default="benchmarks/results/structured_cpu_tiny-shakespeare-moe")
     args = parser.parse_args()
+    commit = git_commit(dirty_paths=["src/moekv", "benchmarks/bench_structured.py"]) or "uncommitted"   # at start
     llm = LLM(model=str(default_model_dir()), max_num_seqs=args.batch)
     llm.generate(["ROMEO:"], SamplingParams(max_tokens=4))                      # warm-up
     constrained = run(llm, args.completions, args.batch, True, args.max_tokens)
@@ -118,7 +119,7 @@ def main() -> None:
         "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "load_average_1min_at_end": os.getloadavg()[0],
                     "torch_threads": torch.get_num_threads(), "gpu": None, "torch": torch.__version__},
-        "commit": git_commit(dirty_paths=["src/moekv", "benchmarks/bench_structured.py"]) or "uncommitted",
+        "commit": commit,
         "command": "PYTHONPATH=src:. python " + " ".join(sys.argv),
         "model": "models/tiny-shakespeare-moe", "schemas": SCHEMAS,
         "constrained": constrained, "unconstrained": {k: v for k, v in plain.items() if k != "results"},
