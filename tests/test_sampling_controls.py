@@ -162,3 +162,25 @@ def test_new_controls_are_validated(kwargs, param):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
     assert info.value.param == param
+
+
+def test_incremental_penalty_counts_match_the_lists():
+    """engine/sampling_step.py keeps the counts on the device and adds only new tokens: same as rebuilding."""
+    from moekv.core.request import Request
+    from moekv.engine.sampling_step import SamplingStep
+    from moekv.sampling import penalty_counts
+
+    rng = random.Random(0)
+    step = SamplingStep(None, VOCAB, {1})
+    params = [SamplingParams(repetition_penalty=1.5), SamplingParams(frequency_penalty=0.5),
+              SamplingParams(presence_penalty=1.0, repetition_penalty=0.8)]
+    requests = [Request(f"r{i}", [rng.randrange(VOCAB) for _ in range(5 + i)], p, detokenizer=None)
+                for i, p in enumerate(params)]
+    for turn in range(6):
+        for request in requests:
+            request.output_token_ids += [rng.randrange(6) for _ in range(rng.randrange(0, 3))]
+        batch = requests if turn % 2 == 0 else requests[::2]       # a row may sit out a step
+        seen, counts = step.penalty_counts(batch, torch.device("cpu"))
+        want_seen, want_counts = penalty_counts([r.params for r in batch], [r.prompt_token_ids for r in batch],
+                                                [r.output_token_ids for r in batch], VOCAB, "cpu")
+        assert torch.equal(seen, want_seen) and torch.equal(counts, want_counts)

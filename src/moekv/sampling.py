@@ -22,8 +22,8 @@ import torch
 from moekv.core.sampling_params import SamplingParams, StructuredOutputParams
 
 __all__ = ["SamplingParams", "StructuredOutputParams", "SampleResult", "SamplingInputs", "filter_logits",
-           "filter_logits_batch", "process_logits", "process_logits_reference", "unpack_bitmask", "sample",
-           "top_logprobs"]
+           "filter_logits_batch", "penalty_counts", "process_logits", "process_logits_reference", "token_counts",
+           "unpack_bitmask", "sample", "top_logprobs"]
 
 
 @dataclass
@@ -34,6 +34,9 @@ class SamplingInputs:
     output_token_ids: list[list[int]] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
     bitmask: torch.Tensor | None = None      # [S, ceil(V / 32)] int32 on the logits' device; -1: all allowed
+    # The penalised rows' (prompt-seen [R, V] bool, output counts [R, V] float), in row order, when the caller
+    # keeps them (engine/sampling_step.py, incrementally); None: built here from the token lists.
+    penalty_counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -64,9 +67,13 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], inputs: S
                           torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True)
     penalised = [row for row, p in enumerate(params) if p.has_penalties]
     if penalised:
-        logits[penalised] = _penalise(logits[penalised], [params[r] for r in penalised],
-                                      [inputs.prompt_token_ids[r] for r in penalised],
-                                      [inputs.output_token_ids[r] for r in penalised])
+        rows = [params[r] for r in penalised]
+        if inputs.penalty_counts is not None:
+            seen_prompt, out_counts = inputs.penalty_counts
+        else:
+            seen_prompt, out_counts = penalty_counts(rows, [inputs.prompt_token_ids[r] for r in penalised],
+                                                     [inputs.output_token_ids[r] for r in penalised], vocab, device)
+        logits[penalised] = _penalise(logits[penalised], rows, seen_prompt, out_counts)
     unbanned = logits
     banned = [(row, token) for row, p in enumerate(params)
               if p.min_tokens and len(inputs.output_token_ids[row]) < p.min_tokens
@@ -84,14 +91,19 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], inputs: S
     return logits
 
 
-def _penalise(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
-              outputs: list[list[int]]) -> torch.Tensor:
-    """logits [R, V] of the penalised rows -> penalised, from token counts built by one scatter each."""
-    rows, vocab = logits.shape
+def penalty_counts(params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]], vocab: int,
+                   device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt-seen [R, V] bool: prompt tokens, for rows with a repetition penalty; output counts [R, V])."""
+    rows = len(params)
+    seen_prompt = token_counts([p if params[i].repetition_penalty != 1 else [] for i, p in enumerate(prompts)],
+                               rows, vocab, device) > 0
+    return seen_prompt, token_counts(outputs, rows, vocab, device)
+
+
+def _penalise(logits: torch.Tensor, params: list[SamplingParams], seen_prompt: torch.Tensor,
+              out_counts: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] of the penalised rows -> penalised (seen_prompt [R, V] bool, out_counts [R, V])."""
     device = logits.device
-    out_counts = _token_counts(outputs, rows, vocab, device)                      # [R, V] generated
-    seen_prompt = _token_counts([p if params[i].repetition_penalty != 1 else [] for i, p in enumerate(prompts)],
-                                rows, vocab, device) > 0                          # [R, V]
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
@@ -101,7 +113,7 @@ def _penalise(logits: torch.Tensor, params: list[SamplingParams], prompts: list[
     return logits - frequency * out_counts - presence * (out_counts > 0).to(logits.dtype)
 
 
-def _token_counts(token_lists: list[list[int]], rows: int, vocab: int, device) -> torch.Tensor:
+def token_counts(token_lists: list[list[int]], rows: int, vocab: int, device) -> torch.Tensor:
     """[rows, vocab] float: how often each token occurs in each row's list (one scatter-add)."""
     counts = torch.zeros(rows, vocab, device=device)
     lengths = [len(t) for t in token_lists]

@@ -43,6 +43,7 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' log-probabilities (tracked for best_of > n)
     grammar: object | None = None    # structured outputs: the request's grammar matcher (moekv.structured)
+    penalty_state: object | None = None  # penalties: its token counts on the device (engine/sampling_step.py)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0     # tokens whose keys/values are in the KV cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

@@ -4,11 +4,22 @@ can stand in for the sampler, and, after the draw, the grammar matchers' and bes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moekv.core.request import Request
 from moekv.core.sampling_params import SamplingParams
-from moekv.sampling import SampleResult, SamplingInputs, sample
+from moekv.sampling import SampleResult, SamplingInputs, sample, token_counts
+
+
+@dataclass
+class PenaltyState:
+    """One penalised request's token counts, kept on the device and brought up to date each step."""
+
+    prompt_seen: torch.Tensor            # [V] bool: in the prompt (repetition_penalty only)
+    output_counts: torch.Tensor          # [V] float: occurrences in the output
+    num_counted: int = 0                 # output tokens already in output_counts
 
 
 class SamplingStep:
@@ -61,9 +72,34 @@ class SamplingStep:
         constrained = any(r.grammar is not None for r in requests)
         if constrained or any(p.changes_logits for p in params):
             bitmask = self._grammar.bitmask([r.grammar for r in requests], logits.device) if constrained else None
+            penalised = [r for r in requests if r.params.has_penalties]
+            counts = self.penalty_counts(penalised, logits.device) if penalised else None
             inputs = SamplingInputs([r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
-                                    self.eos_token_ids, bitmask)
+                                    self.eos_token_ids, bitmask, counts)
         return sample(logits, params, [r.generator for r in requests], inputs)
+
+    def penalty_counts(self, requests: list[Request], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The requests' (prompt-seen [R, V], output counts [R, V]): the prompt scattered once per request, then
+        only each step's new output tokens (one scatter-add for all rows), not the whole history every step."""
+        vocab = self.vocab_size
+        states = []
+        for request in requests:
+            state = request.penalty_state
+            if state is None or state.output_counts.device != device:
+                prompt = request.prompt_token_ids if request.params.repetition_penalty != 1 else []
+                state = request.penalty_state = PenaltyState(token_counts([prompt], 1, vocab, device)[0] > 0,
+                                                             torch.zeros(vocab, device=device))
+            states.append(state)
+        seen = torch.stack([s.prompt_seen for s in states])                              # [R, V]
+        counts = torch.stack([s.output_counts for s in states])                          # [R, V]
+        rows = [i for i, (r, s) in enumerate(zip(requests, states)) for _ in r.output_token_ids[s.num_counted:]]
+        if rows:
+            tokens = [t for r, s in zip(requests, states) for t in r.output_token_ids[s.num_counted:]]
+            counts.index_put_((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+                              torch.ones(len(rows), device=device), accumulate=True)
+        for i, (request, state) in enumerate(zip(requests, states)):
+            state.output_counts, state.num_counted = counts[i], len(request.output_token_ids)
+        return seen, counts
 
     def after_token(self, request: Request, token: int, sampled_logprob: float | None) -> str | None:
         """Bookkeeping for one appended token; returns a finish reason the grammar decides, else None."""

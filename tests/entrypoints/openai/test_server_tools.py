@@ -208,3 +208,16 @@ def test_tools_need_a_template_that_renders_them_and_auto_needs_a_parser(tmp_pat
         forced = client.chat.completions.create(model="mock", messages=USER, tools=TOOLS, max_tokens=120,
                                                 temperature=0, tool_choice="required", parallel_tool_calls=False)
         assert forced.choices[0].finish_reason == "tool_calls"
+
+
+def test_the_returned_message_can_be_sent_back(tool_server):
+    """The openai client's message object (with refusal, annotations, ... set to null) is the next turn's input."""
+    script(tool_server, call_text(tool_server))
+    first = tool_server.client.chat.completions.create(model="mock", messages=USER, tools=TOOLS, max_tokens=200,
+                                                       temperature=0)
+    message = first.choices[0].message
+    script(tool_server, "Sunny.")
+    messages = USER + [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}]
+    second = tool_server.client.chat.completions.create(model="mock", messages=messages, tools=TOOLS, max_tokens=50,
+                                                        temperature=0)
+    assert second.choices[0].message.content == "Sunny." and second.choices[0].finish_reason == "stop"
