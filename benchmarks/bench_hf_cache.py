@@ -71,9 +71,13 @@ def cache_specs(head_dim: int) -> list[CacheSpec]:
                                " (quantized as a [B*H*T, D] view: see flat_hqq_layer_class)",
                                dict(nbits=bits, axis_key=1, axis_value=1, q_group_size=head_dim)))
     moekv_grouping = ("LowBitCache defaults: keys per channel over 128-token pages, values per token in groups of "
-                      "32 channels, 0.35% fp16 outlier slots per page and head (tau 2)")
+                      "32 channels with a range search (value_clip_steps=8), 0.35% fp16 outlier slots per page and head (tau 2)")
     for bits in (4, 3, 2):
         specs.append(CacheSpec(f"moekv int{bits}", "moekv", bits, moekv_grouping, dict(bits=bits)))
+    for bits in (4, 3, 2):
+        specs.append(CacheSpec(f"moekv int{bits} values min/max", "moekv", bits,
+                               moekv_grouping.replace("with a range search (value_clip_steps=8)", "min/max"),
+                               dict(bits=bits, value_clip_steps=0)))
     specs.append(CacheSpec("moekv int3 (dequantized_copy=False)", "moekv", 3, moekv_grouping,
                            dict(bits=3, dequantized_copy=False)))
     return specs
@@ -299,27 +303,44 @@ def _row(rows: list[dict], name: str) -> dict | None:
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets: at equal or fewer bits per value, moekv int3 beats HQQ 3-bit (both variants) on
-    perplexity and KL, and moekv int2 beats quanto int2 (both variants)."""
+    """The targets (issue 23): at each width, moekv int<b> with no more low-bit bits per value than a quanto / HQQ
+    configuration of that width has a lower perplexity and a lower KL than it."""
     checks = []
-    pairs = [("moekv int3", f"HQQ 3-bit {variant}") for variant in ("default", "matched")]
-    pairs += [("moekv int2", f"quanto int2 {variant}") for variant in ("default", "matched")]
+    pairs = [(f"moekv int{r['bits']}", r["name"]) for r in rows if r["family"] in ("quanto", "hqq")]
     for ours_name, theirs_name in pairs:
         ours, theirs = _row(rows, ours_name), _row(rows, theirs_name)
         if ours is None or theirs is None:
             checks.append({"ours": ours_name, "theirs": theirs_name, "status": "not measured"})
             continue
-        fewer_bits = ours["bits_per_value_all_in"] <= theirs["bits_per_value_all_in"] + 1e-9
+        fewer_bits = ours["bits_per_value_lowbit"] <= theirs["bits_per_value_lowbit"] + 1e-9
         better_ppl = ours["perplexity"] < theirs["perplexity"]
         better_kl = ours["mean_kl"] < theirs["mean_kl"]
         checks.append({
             "ours": ours_name, "theirs": theirs_name, "met": fewer_bits and better_ppl and better_kl,
-            "bits": [ours["bits_per_value_all_in"], theirs["bits_per_value_all_in"]],
+            "bits": [ours["bits_per_value_lowbit"], theirs["bits_per_value_lowbit"]],
             "perplexity": [ours["perplexity"], theirs["perplexity"]],
             "mean_kl": [ours["mean_kl"], theirs["mean_kl"]],
             "status": "met" if fewer_bits and better_ppl and better_kl else "missed",
         })
     return checks
+
+
+def pareto_rows(rows: list[dict]) -> tuple[list[dict], list[bool]]:
+    """The measured low-bit rows and whether each is on the (low-bit bits, KL) Pareto front."""
+    from moekv.eval.pareto import pareto_front
+
+    measured = [r for r in rows if "perplexity" in r and r.get("bits_per_value_lowbit") is not None]
+    return measured, pareto_front([(r["bits_per_value_lowbit"], r["mean_kl"]) for r in measured])
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    """KL against low-bit bits per value for every family (PNG; None without matplotlib)."""
+    from moekv.eval.pareto import plot_pareto
+
+    series: dict[str, list] = {}
+    for r in pareto_rows(rows)[0]:
+        series.setdefault(r["family"], []).append((r["name"], r["bits_per_value_lowbit"], r["mean_kl"]))
+    return plot_pareto(series, path, "low-bit bits per value", "mean KL(DynamicCache || cache), nats", title)
 
 
 def _fmt(value, digits: int) -> str:
@@ -360,7 +381,13 @@ def markdown(report: dict) -> str:
     lines += ["", "Groupings:", ""]
     for r in rows:
         lines.append(f"- {r['name']}: {r['grouping']}")
-    lines += ["", "## Targets", "", "| ours | theirs | bits (ours / theirs) | perplexity | mean KL | status |",
+    lines += ["", "## Pareto front (low-bit bits per value against mean KL; lower is better on both)", "",
+              "| cache | low-bit bits/value | mean KL | on the front |", "| --- | ---: | ---: | --- |"]
+    for r, on in zip(*pareto_rows(rows)):
+        lines.append(f"| {r['name']} | {r['bits_per_value_lowbit']:.3f} | {r['mean_kl']:.5f} | {'yes' if on else ''} |")
+    if report.get("plot"):
+        lines += ["", f"Plot: `{report['plot']}`."]
+    lines += ["", "## Targets", "", "| ours | theirs | low-bit bits (ours / theirs) | perplexity | mean KL | status |",
               "| --- | --- | --- | --- | --- | --- |"]
     for c in report["targets"]:
         if c["status"] == "not measured":
@@ -419,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"hf-cache-{model_name}"
+    drawn = plot(report["rows"], Path(f"{stem}.png"), f"{model_name}: quality against bits, {args.context} tokens")
+    report["plot"] = os.path.relpath(drawn, REPO) if drawn else None
+    if drawn is None:
+        print("no plot: matplotlib is not installed")
     Path(f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
     Path(f"{stem}.md").write_text(text)

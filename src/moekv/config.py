@@ -169,6 +169,12 @@ class CacheConfig:
                                             # key outliers: no measured gain), value_outlier_fraction with "token"
     value_outlier_fraction: float = 0.0025  # values: 21 slots of a 128 x 64 page; int3 = 3.29 bits/value
     outlier_tau: float = 3.0            # a value qualifies as an outlier beyond tau * sigma of its group
+    # Range search (docs/kv-format.md §3): candidates k = 0..N shrink each group's min/max range by k/16; the
+    # one of least squared error wins. Same stored layout and dequantization; 0 = plain min/max. Measured
+    # (docs/kv-fidelity.md): values gain at every width; keys lose on attention (clipped extremes carry the
+    # large scores), so keys keep min/max.
+    key_clip_steps: int = 0
+    value_clip_steps: int = 8
     fp_sink_pages: int = 0              # keep the first N pages of each sequence in full precision
     token_group_size: int | None = None  # per-token quantization: head_dim values per group (None: head_dim)
     staging_pages: int | None = None    # full-precision staging pages (one per running sequence's partly
@@ -193,6 +199,10 @@ class CacheConfig:
             raise ConfigError(f"outlier_fraction must be in [0, 0.5] or None, got {self.outlier_fraction!r}")
         if self.outlier_tau <= 0:
             raise ConfigError(f"outlier_tau must be positive, got {self.outlier_tau!r}")
+        for name in ("key_clip_steps", "value_clip_steps"):
+            steps = getattr(self, name)
+            if not isinstance(steps, int) or not 0 <= steps <= 8:
+                raise ConfigError(f"{name} must be an integer in [0, 8], got {steps!r}")
         if self.fp_sink_pages < 0:
             raise ConfigError(f"fp_sink_pages must be >= 0, got {self.fp_sink_pages!r}")
         if not 0.0 <= self.value_outlier_fraction <= 0.5:

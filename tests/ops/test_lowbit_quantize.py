@@ -70,3 +70,60 @@ def test_dispatch_switch(device, triton_backend):
     with dispatch.override(backend="reference"):
         expected, _ = dispatch.quantize_pages(x, spec)
         assert torch.equal(packed.codes, expected.codes)
+
+
+@pytest.mark.parametrize("axis,group_size", [("channel", None), ("token", None), ("token", 16)])
+@pytest.mark.parametrize("kind,bits", [("normal", 2), ("heavy_tail", 3), ("spikes", 2), ("constant", 4),
+                                       ("near_max", 3)])
+def test_range_search_matches_reference(device, bits, axis, group_size, kind):
+    # range search (clip_steps): same stored layout, candidates chosen by least squared error; adversarial data
+    # (heavy tails, sparse spikes, constant pages, values near the fp16 maximum) with and without outliers
+    capacity = QuantSpec.capacity_for(0.01 if kind != "normal" else 0.0, 16, 64)
+    spec = QuantSpec(bits=bits, axis=axis, head_dim=64, page_size=16, group_size=group_size,
+                     outlier_capacity=capacity, clip_steps=6)
+    x = make_data((2, 2, 16, 64), torch.float32, kind, torch.Generator().manual_seed(10 + bits)).to(device)
+    compare(x, spec)
+
+
+def test_range_search_staged_kv_matches_reference(device):
+    # the decode step's one-launch key + value quantizer with different clip steps per side
+    from moekv.ops.triton.lowbit import quantize as triton_quantize
+
+    key_spec = QuantSpec(bits=2, axis="channel", head_dim=64, page_size=16, clip_steps=3)
+    value_spec = QuantSpec(bits=2, axis="token", head_dim=64, page_size=16, outlier_capacity=4, clip_steps=8)
+    gen = torch.Generator().manual_seed(21)
+    staging_k = make_data((3, 16, 2, 64), torch.float32, "heavy_tail", gen).to(device)
+    staging_v = make_data((3, 16, 2, 64), torch.float32, "normal", gen).to(device)
+    slots = torch.tensor([2, 0], device=device)
+    pages = torch.tensor([1, 3], device=device)
+    outs = []
+    for module in (reference, triton_quantize):
+        k_out, v_out = (PackedPages.empty(s, 4, 2, device) for s in (key_spec, value_spec))
+        counters = torch.zeros(8, dtype=torch.int64, device=device)
+        module.quantize_staged_kv_counted(staging_k, staging_v, slots, pages, key_spec, value_spec, k_out, v_out,
+                                          counters, (0, 1, 2, 3), (4, 5, 6, -1))
+        outs.append((k_out, v_out, counters))
+    for want, got in zip(outs[0][:2], outs[1][:2]):
+        for name, tensor in want.tensors().items():
+            assert torch.equal(got.tensors()[name], tensor), name
+    assert torch.equal(outs[0][2], outs[1][2])
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("bits", [2, 3])
+def test_range_search_never_raises_the_squared_error(axis, bits):
+    # per group the chosen candidate is the least squared error of k = 0..clip_steps, k = 0 being min/max;
+    # so the page's total squared error over inliers can only go down, and on Gaussian data it does
+    x = torch.randn(4, 2, 128, 64, generator=torch.Generator().manual_seed(bits))
+    errors = []
+    for steps in (0, 2, 8):
+        spec = QuantSpec(bits=bits, axis=axis, head_dim=64, page_size=128, clip_steps=steps)
+        packed, _ = reference.quantize_pages(x, spec)
+        errors.append(float((reference.dequantize_pages(packed, spec) - x).square().sum()))
+    assert errors[0] >= errors[1] >= errors[2]
+    assert errors[2] < (0.85 if bits == 2 else 0.95) * errors[0]
+
+
+def test_clip_steps_validated():
+    with pytest.raises(ValueError, match="clip_steps"):
+        QuantSpec(bits=3, axis="channel", head_dim=64, page_size=16, clip_steps=9)

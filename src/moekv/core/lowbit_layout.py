@@ -30,6 +30,8 @@ AXES = ("channel", "token")
 SCALE_CODE_STEPS = 16          # token axis: scale codes step by 2 ** (1/16) (4.4%) below scale_base
 MAX_OUTLIER_INDEX = 1 << 16    # indices are 16-bit: page_size * head_dim must not exceed this
 MAX_OUTLIER_COUNT = (1 << 15) - 1   # outlier_count is int16: slots per (page, head) must fit
+CLIP_STEP = 1.0 / 16           # range search: candidate k shrinks a group's range by k/16 (exact in fp32)
+MAX_CLIP_STEPS = 8             # at most down to half the min/max range
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class QuantSpec:
     group_size: int | None = None   # token axis: head_dim values per group (None: head_dim); unused for channel
     outlier_capacity: int = 0    # fp16 outlier slots per (page, head)
     outlier_tau: float = 3.0     # a value qualifies when |x - mean| > tau * std of its group
+    clip_steps: int = 0          # range search: candidates k = 0..clip_steps shrink each group's inlier range
+                                 # [lo, hi] by k/16 about its centre; the one of least squared error wins
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -63,6 +67,8 @@ class QuantSpec:
                              f"(the count is 16-bit), got {self.outlier_capacity}")
         if self.outlier_tau <= 0:
             raise ValueError(f"outlier_tau must be positive, got {self.outlier_tau}")
+        if not isinstance(self.clip_steps, int) or not 0 <= self.clip_steps <= MAX_CLIP_STEPS:
+            raise ValueError(f"clip_steps must be an integer in [0, {MAX_CLIP_STEPS}], got {self.clip_steps!r}")
 
     @staticmethod
     def capacity_for(fraction: float, page_size: int, head_dim: int) -> int:

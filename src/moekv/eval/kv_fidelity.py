@@ -37,6 +37,8 @@ class Variant:
     fp_sink_pages: int = 0
     token_group_size: int | None = None
     outlier_tau: float | None = None
+    key_clip_steps: int | None = None             # None: CacheConfig default
+    value_clip_steps: int | None = None
     note: str = ""
 
     @property
@@ -57,7 +59,11 @@ class Variant:
                            outlier_fraction=key_fraction if self.outliers else 0.0,
                            value_outlier_fraction=value_fraction if self.outliers else 0.0,
                            fp_sink_pages=self.fp_sink_pages, token_group_size=self.token_group_size,
-                           outlier_tau=defaults.outlier_tau if self.outlier_tau is None else self.outlier_tau)
+                           outlier_tau=defaults.outlier_tau if self.outlier_tau is None else self.outlier_tau,
+                           key_clip_steps=defaults.key_clip_steps if self.key_clip_steps is None
+                           else self.key_clip_steps,
+                           value_clip_steps=defaults.value_clip_steps if self.value_clip_steps is None
+                           else self.value_clip_steps)
 
 
 def default_variants(ablations: bool = False) -> list[Variant]:
@@ -77,6 +83,9 @@ def default_variants(ablations: bool = False) -> list[Variant]:
             Variant("int3", True, "channel", fp_sink_pages=1, note="fp sink page"),
             Variant("int2", True, "channel", fp_sink_pages=1, note="fp sink page"),
         ]
+        for bits in ("int4", "int3", "int2"):     # the range search's share (docs/kv-fidelity.md)
+            rows.append(Variant(bits, True, "channel", value_clip_steps=0, note="values min/max"))
+            rows.append(Variant(bits, True, "channel", key_clip_steps=8, note="+ key range search"))
     return rows
 
 
@@ -95,6 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablations", action="store_true", help="add page-size / outlier / sink-page rows")
     parser.add_argument("--no-tensor-report", action="store_true", help="skip the attention-output error report")
     parser.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
+    parser.add_argument("--plot", default=None, help="write KL against all-in bits (the Pareto front) to this PNG "
+                        "(default: next to --json when matplotlib is installed)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,7 +150,24 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([{**row, **meta} for row in rows], indent=1) + "\n")
         print(f"wrote {len(rows)} rows to {args.json}")
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        _plot(rows, plot, model_dir, args)
     return 0
+
+
+def _plot(rows: list[dict], path: str, model_dir: Path, args) -> None:
+    """KL against all-in bits per low-bit row, the Pareto front marked (needs matplotlib)."""
+    from moekv.eval.pareto import plot_pareto
+
+    series: dict[str, list] = {}
+    for row in rows:
+        if row["kv_cache_dtype"].startswith("int") and row["kl"] > 0:
+            label = f"{row['kv_cache_dtype']} {row['note'] or ('outl.' if row['outliers'] else 'no outl.')}"
+            series.setdefault(f"keys per {row['axis_mode']}", []).append((label, row["bits_per_value"], row["kl"]))
+    written = plot_pareto(series, path, "all-in bits per value", "mean KL(reference || format), nats",
+                          f"{model_dir.name}: quality against bits ({args.windows} x {args.context} tokens)")
+    print(f"wrote {written}" if written else "no plot: matplotlib is not installed")
 
 
 def _row(variant: Variant, result, reference, record) -> dict:
@@ -164,7 +192,8 @@ def _print_table(rows: list[dict], model_dir: Path, args, seconds: float) -> Non
     columns = [("kv", "kv_cache_dtype", "{}"), ("keys", "axis_mode", "{}"), ("outl.", "outliers", "{}"),
                ("note", "note", "{}"), ("bits/val", "bits_per_value", "{:.3f}"), ("ppl", "perplexity", "{:.4f}"),
                ("Δppl %", "ppl_delta_pct", "{:+.3f}"), ("KL", "kl", "{:.5f}"), ("top1 %", "top1_agreement", "{:.2f}"),
-               ("budget hit k/v", "budget", "{}"), ("attn err", "attn_rel_err", "{:.4f}")]
+               ("budget hit k/v", "budget", "{}"), ("key err", "key_rel_err", "{:.4f}"),
+               ("value err", "value_rel_err", "{:.4f}"), ("attn err", "attn_rel_err", "{:.4f}")]
     for name, _, _ in columns:
         table.add_column(name, justify="right")
     for row in rows:

@@ -142,9 +142,9 @@ def tensor_errors(record: TensorRecord, variant, stride: int = 4) -> dict[str, f
             common = dict(bits=config.bits, page_size=config.resolved_page_size, outlier_tau=config.outlier_tau,
                           group_size=config.token_group_size)
             key_hat = kv.quantize(key, "key", outlier_fraction=config.key_outlier_fraction, axis=config.key_axis,
-                                  **common).dequantize()
+                                  clip_steps=config.key_clip_steps, **common).dequantize()
             value_hat = kv.quantize(value, "value", outlier_fraction=config.value_outlier_fraction,
-                                    **common).dequantize()
+                                    clip_steps=config.value_clip_steps, **common).dequantize()
         else:
             dtype = torch_dtype(config.kv_cache_dtype)
             key_hat, value_hat = key.to(dtype).float(), value.to(dtype).float()

@@ -202,7 +202,8 @@ class LowBitKVStore:
         group = s.resolved_value_group_size(self.head_dim) if kind == "value" else None
         try:
             return kv.quantize(x, kind=kind, bits=s.bits, outlier_fraction=fraction, page_size=s.page_size,
-                               outlier_tau=s.outlier_tau, group_size=group)
+                               outlier_tau=s.outlier_tau, group_size=group,
+                               clip_steps=s.key_clip_steps if kind == "key" else s.value_clip_steps)
         except ValueError as error:
             raise ValueError(f"LowBitCache could not quantize {kind}s: {error}") from error
 

@@ -24,6 +24,8 @@ class LowBitCacheSettings:
         value_outlier_fraction is given) values. The slots are stored whether used or not.
     outlier_tau: a value may take a slot beyond tau standard deviations of its group; the largest deviations
         win. 2.0 lets the budget fill on typical models (at 3.0 only ~0.2% of values qualify).
+    key_clip_steps, value_clip_steps: range search of each group's scale and zero point (moekv.config.CacheConfig,
+        docs/kv-format.md section 3): same stored bits, less error; keys default 0 (min/max wins on attention).
     dequantized_copy: keep a dequantized copy of the quantized part so each step only dequantizes new pages
         (fast, but as much memory as a full-precision cache); False: dequantize every page at every step.
 
@@ -40,6 +42,8 @@ class LowBitCacheSettings:
     outlier_tau: float = 2.0
     value_group_size: int | None = None
     dequantized_copy: bool = True
+    key_clip_steps: int = 0
+    value_clip_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -55,6 +59,9 @@ class LowBitCacheSettings:
         if self.value_group_size is not None and (not isinstance(self.value_group_size, int)
                                                   or self.value_group_size < 1):
             raise ValueError(f"value_group_size must be a positive integer or None, got {self.value_group_size!r}")
+        for name in ("key_clip_steps", "value_clip_steps"):
+            if not isinstance(getattr(self, name), int) or not 0 <= getattr(self, name) <= 8:
+                raise ValueError(f"{name} must be an integer in [0, 8], got {getattr(self, name)!r}")
         if not self.outlier_tau > 0:
             raise ValueError(f"outlier_tau must be positive, got {self.outlier_tau!r}")
 

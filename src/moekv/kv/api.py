@@ -70,7 +70,7 @@ class QuantizedKV:
 
 def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction: float | None = None, *,
              page_size: int | None = None, axis: str | None = None, outlier_tau: float | None = None,
-             group_size: int | None = None) -> QuantizedKV:
+             group_size: int | None = None, clip_steps: int | None = None) -> QuantizedKV:
     """Quantize keys or values x [tokens, kv_heads, head_dim] in moekv's low-bit page format.
 
     kind: "key" (default axis "channel": per-channel statistics over each page) or "value" (axis "token").
@@ -78,7 +78,8 @@ def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction
     (None: the cache default: 0 for channel-axis keys, else 0.25%). page_size: tokens per page (None:
     the cache default, 128). axis: "channel" | "token" overrides the kind's axis. outlier_tau: the
     qualifying threshold in standard deviations (None: 3). group_size: token axis, head_dim values
-    per group (None: head_dim). Non-finite input raises ValueError.
+    per group (None: head_dim). clip_steps: range-search candidates (None: the cache default for the kind,
+    CacheConfig.key_clip_steps / value_clip_steps). Non-finite input raises ValueError.
     """
     from moekv.ops.reference.lowbit import quantize_pages
 
@@ -100,8 +101,10 @@ def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction
         outlier_fraction = defaults.key_outlier_fraction if kind == "key" else defaults.value_outlier_fraction
     if not 0.0 <= outlier_fraction <= 0.5:
         raise ValueError(f"outlier_fraction must be in [0, 0.5], got {outlier_fraction!r}")
+    if clip_steps is None:
+        clip_steps = defaults.key_clip_steps if kind == "key" else defaults.value_clip_steps
     tokens, heads, head_dim = x.shape
-    spec = QuantSpec(bits=bits, axis=axis, head_dim=head_dim, page_size=page_size, group_size=group_size,
+    spec = QuantSpec(clip_steps=clip_steps, bits=bits, axis=axis, head_dim=head_dim, page_size=page_size, group_size=group_size,
                      outlier_capacity=QuantSpec.capacity_for(outlier_fraction, page_size, head_dim),
                      outlier_tau=outlier_tau if outlier_tau is not None else defaults.outlier_tau)
     num_full, rest = divmod(tokens, page_size)

@@ -68,9 +68,9 @@ def quant_specs(spec: KVCacheSpec, config: CacheConfig) -> tuple[QuantSpec, Quan
                   group_size=config.token_group_size, outlier_tau=config.outlier_tau)
     try:
         key_spec = QuantSpec(axis=config.key_axis, **common, outlier_capacity=QuantSpec.capacity_for(
-            config.key_outlier_fraction, spec.page_size, spec.head_dim))
+            config.key_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.key_clip_steps)
         value_spec = QuantSpec(axis="token", **common, outlier_capacity=QuantSpec.capacity_for(
-            config.value_outlier_fraction, spec.page_size, spec.head_dim))
+            config.value_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.value_clip_steps)
     except ValueError as exc:
         raise ConfigError(f"low-bit KV cache: {exc}") from None
     return key_spec, value_spec

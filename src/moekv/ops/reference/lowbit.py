@@ -10,7 +10,7 @@ import torch
 
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.ops.reference.attention import causal_attention_reference
-from moekv.core.lowbit_layout import SCALE_CODE_STEPS, PackedPages, QuantSpec
+from moekv.core.lowbit_layout import CLIP_STEP, SCALE_CODE_STEPS, PackedPages, QuantSpec
 from moekv.core.lowbit_pack import pack_codes, unpack_codes
 
 FP16_MAX = 65504.0
@@ -72,6 +72,71 @@ def _select_outliers(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> tuple[
     return mask, kept_idx, num_qualifying
 
 
+
+def _needed(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Token axis: the smallest scale whose codes cover [lo, hi] with the zero code's resolution."""
+    return ((hi - lo) / (spec.levels - 2.0 ** -spec.zero_fraction_bits)).clamp_min(FP16_TINY)
+
+
+def _scale_zero(lo: torch.Tensor, hi: torch.Tensor, scale_base: torch.Tensor | None, spec: QuantSpec):
+    """A group range [lo, hi] -> (S, Z fp32, stored scale, stored zero), all shaped like lo (keepdim).
+
+    Channel: Z = fp16 of lo rounded down, S = fp16 of (hi - Z) / L rounded up. Token: the largest
+    scale code with S >= needed below `scale_base`, zero_code = ceil(-lo * 2^(8-b) / S) (docs/kv-format.md §3).
+    """
+    if spec.axis == "channel":
+        zero16 = _fp16_rounded(lo, up=False)
+        scale16 = _fp16_rounded(((hi - zero16.float()) / spec.levels).clamp_min(FP16_TINY), up=True)
+        return scale16.float(), zero16.float(), scale16, zero16
+    needed = _needed(lo, hi, spec).squeeze(-1)                                     # [N, H, P, G]
+    frac = 2.0 ** spec.zero_fraction_bits
+    base = scale_base.float()[:, :, None, None]
+    scale_code = torch.floor(-SCALE_CODE_STEPS * torch.log2(needed / base)).clamp(0, 255).to(torch.uint8)
+    scale, _ = token_scale_zero(scale_code, scale_code, scale_base, spec)
+    scale_code = torch.where(scale < needed, scale_code.clamp_min(1) - 1, scale_code)  # guard log2 rounding
+    scale, _ = token_scale_zero(scale_code, scale_code, scale_base, spec)
+    zero_code = torch.ceil(-lo.squeeze(-1) * frac / scale).clamp(0, 255).to(torch.uint8)
+    scale, zero = token_scale_zero(scale_code, zero_code, scale_base, spec)
+    return scale.unsqueeze(-1), zero.unsqueeze(-1), scale_code.unsqueeze(-1), zero_code.unsqueeze(-1)
+
+
+def _choose_ranges(grouped: torch.Tensor, dim: int, inlier: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                   spec: QuantSpec):
+    """Scale, zero point and codes per group from its inlier range [lo, hi] (keepdim along `dim`).
+
+    With spec.clip_steps = K, candidates k = 0..K shrink the range about its centre by k * CLIP_STEP of its
+    width (lo + s * w/2, hi - s * w/2); per group the candidate of least squared error over its inliers wins
+    (ties: the smaller k). k = 0 is min/max. Token axis: scale_base comes from the unshrunk ranges.
+    Returns (S, Z fp32 keepdim, stored scale, stored zero, scale_base or None, codes fp32 like grouped).
+    """
+    scale_base = None
+    if spec.axis == "token":
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)                             # the range includes 0
+        scale_base = _fp16_rounded(_needed(lo, hi, spec).amax(dim=(2, 3, 4)).clamp_min(SCALE_BASE_FLOOR), up=True)
+    half = (hi - lo) * 0.5
+    best, best_error = None, None
+    for k in range(spec.clip_steps + 1):
+        shrink = k * CLIP_STEP
+        lo_k, hi_k = (lo, hi) if k == 0 else (lo + shrink * half, hi - shrink * half)
+        scale, zero, stored_scale, stored_zero = _scale_zero(lo_k, hi_k, scale_base, spec)
+        codes = ((grouped - zero) / scale).round().clamp(0, spec.levels)
+        candidate = (scale, zero, stored_scale, stored_zero, codes)
+        if spec.clip_steps == 0:
+            best = candidate
+            break
+        diff = codes * scale + zero - grouped
+        error = torch.where(inlier, diff * diff, torch.zeros_like(diff)).sum(dim, keepdim=True)
+        if best is None:
+            best, best_error = candidate, error
+            continue
+        better = error < best_error
+        best = tuple(torch.where(better, new, old) for new, old in zip(candidate, best))
+        best_error = torch.where(better, error, best_error)
+    scale, zero, stored_scale, stored_zero, codes = best
+    squeeze = 2 if spec.axis == "channel" else -1
+    return scale, zero, stored_scale.squeeze(squeeze), stored_zero.squeeze(squeeze), scale_base, codes
+
+
 def quantize_pages(x: torch.Tensor, spec: QuantSpec) -> tuple[PackedPages, torch.Tensor]:
     """Quantize full pages: x [N, H, P, D] (any float dtype, finite) -> (PackedPages of N pages,
     num_qualifying [N, H] int32: values that passed tau; > spec.outlier_capacity means the budget bound).
@@ -87,28 +152,7 @@ def quantize_pages(x: torch.Tensor, spec: QuantSpec) -> tuple[PackedPages, torch
     hi = torch.where(inlier, grouped, torch.full_like(grouped, float("-inf"))).amax(dim, keepdim=True)
     lo = torch.where(torch.isinf(lo), torch.zeros_like(lo), lo)                    # a group of outliers only
     hi = torch.where(torch.isinf(hi), torch.zeros_like(hi), hi)
-    levels = spec.levels
-    if spec.axis == "channel":
-        zero16 = _fp16_rounded(lo, up=False)                                       # [N, H, 1, D]
-        scale16 = _fp16_rounded(((hi - zero16.float()) / levels).clamp_min(FP16_TINY), up=True)
-        scale, zero = scale16.float(), zero16.float()
-        stored_scale, stored_zero, scale_base = scale16.squeeze(2), zero16.squeeze(2), None
-    else:
-        lo, hi = lo.clamp(max=0.0).squeeze(-1), hi.clamp(min=0.0).squeeze(-1)     # [N, H, P, G]
-        frac = 2.0 ** spec.zero_fraction_bits
-        needed = ((hi - lo) / (levels - 1.0 / frac)).clamp_min(FP16_TINY)         # [N, H, P, G]
-        scale_base = _fp16_rounded(needed.amax(dim=(2, 3)).clamp_min(SCALE_BASE_FLOOR), up=True)   # [N, H]
-        base = scale_base.float()[:, :, None, None]
-        scale_code = torch.floor(-SCALE_CODE_STEPS * torch.log2(needed / base)).clamp(0, 255)
-        scale_code = scale_code.to(torch.uint8)
-        scale, _ = token_scale_zero(scale_code, scale_code, scale_base, spec)
-        scale_code = torch.where(scale < needed, scale_code.clamp_min(1) - 1, scale_code)  # guard log2 rounding
-        scale, _ = token_scale_zero(scale_code, scale_code, scale_base, spec)
-        zero_code = torch.ceil(-lo * frac / scale).clamp(0, 255).to(torch.uint8)
-        scale, zero = token_scale_zero(scale_code, zero_code, scale_base, spec)
-        stored_scale, stored_zero = scale_code, zero_code
-        scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)                      # [N, H, P, G, 1]
-    codes = ((grouped - zero) / scale).round().clamp(0, levels)                    # grouped shape
+    scale, zero, stored_scale, stored_zero, scale_base, codes = _choose_ranges(grouped, dim, inlier, lo, hi, spec)
     dequantized = codes * scale + zero
     codes = codes.reshape(n, h, p, d).to(torch.uint8)
     capacity = spec.outlier_capacity

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from moekv.core.lowbit_layout import SCALE_CODE_STEPS, PackedPages
 from moekv.ops.triton.common import check_launchable
-from moekv.ops.triton.lowbit.quantize_parts import fp16_rounded, group_extreme, group_stat, pack_plane, round_half_even
+from moekv.ops.triton.lowbit.quantize_parts import choose_ranges, fp16_rounded, group_extreme, group_stat, pack_plane
 
 FP16_MAX = 65504.0
 
@@ -47,6 +47,7 @@ def _quantize_kernel(
     CNT_PAGES: tl.constexpr,
     STAGED: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
+    CLIP_STEPS: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -63,7 +64,7 @@ def _quantize_kernel(
         codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
         qualifying_ptr, tau, counters_ptr, entry, head, page, source,
         COUNT, CNT_BUDGET, CNT_OUTLIERS, CNT_QUALIFYING, CNT_PAGES,
-        NUM_HEADS, P, D, G, BITS, AXIS_CHANNEL, GROUP_LEN, CAPACITY, BLOCK_C, WORDS)
+        NUM_HEADS, P, D, G, BITS, AXIS_CHANNEL, GROUP_LEN, CAPACITY, BLOCK_C, WORDS, CLIP_STEPS)
 
 
 @triton.jit
@@ -74,9 +75,9 @@ def _quantize_kv_staged_kernel(
     v_codes, v_scale, v_zero, v_base, v_ovals, v_oidx, v_ocount,
     NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     K_G: tl.constexpr, K_BITS: tl.constexpr, K_AXIS_CHANNEL: tl.constexpr, K_GROUP_LEN: tl.constexpr,
-    K_CAPACITY: tl.constexpr, K_BLOCK_C: tl.constexpr, K_WORDS: tl.constexpr,
+    K_CAPACITY: tl.constexpr, K_BLOCK_C: tl.constexpr, K_WORDS: tl.constexpr, K_CLIP_STEPS: tl.constexpr,
     V_G: tl.constexpr, V_BITS: tl.constexpr, V_AXIS_CHANNEL: tl.constexpr, V_GROUP_LEN: tl.constexpr,
-    V_CAPACITY: tl.constexpr, V_BLOCK_C: tl.constexpr, V_WORDS: tl.constexpr,
+    V_CAPACITY: tl.constexpr, V_BLOCK_C: tl.constexpr, V_WORDS: tl.constexpr, V_CLIP_STEPS: tl.constexpr,
     K_CNT_BUDGET: tl.constexpr, K_CNT_OUTLIERS: tl.constexpr, K_CNT_QUALIFYING: tl.constexpr,
     K_CNT_PAGES: tl.constexpr, V_CNT_BUDGET: tl.constexpr, V_CNT_OUTLIERS: tl.constexpr,
     V_CNT_QUALIFYING: tl.constexpr, V_CNT_PAGES: tl.constexpr,
@@ -94,14 +95,16 @@ def _quantize_kv_staged_kernel(
                 k_codes, k_scale, k_zero, k_base, k_ovals, k_oidx, k_ocount,
                 counters_ptr, k_tau, counters_ptr, entry, head, page, source,
                 True, K_CNT_BUDGET, K_CNT_OUTLIERS, K_CNT_QUALIFYING, K_CNT_PAGES,
-                NUM_HEADS, P, D, K_G, K_BITS, K_AXIS_CHANNEL, K_GROUP_LEN, K_CAPACITY, K_BLOCK_C, K_WORDS)
+                NUM_HEADS, P, D, K_G, K_BITS, K_AXIS_CHANNEL, K_GROUP_LEN, K_CAPACITY, K_BLOCK_C, K_WORDS,
+                K_CLIP_STEPS)
         else:
             _quantize_page_head(
                 vx_ptr, stride_xn, stride_xh, stride_xp,
                 v_codes, v_scale, v_zero, v_base, v_ovals, v_oidx, v_ocount,
                 counters_ptr, v_tau, counters_ptr, entry, head, page, source,
                 True, V_CNT_BUDGET, V_CNT_OUTLIERS, V_CNT_QUALIFYING, V_CNT_PAGES,
-                NUM_HEADS, P, D, V_G, V_BITS, V_AXIS_CHANNEL, V_GROUP_LEN, V_CAPACITY, V_BLOCK_C, V_WORDS)
+                NUM_HEADS, P, D, V_G, V_BITS, V_AXIS_CHANNEL, V_GROUP_LEN, V_CAPACITY, V_BLOCK_C, V_WORDS,
+                V_CLIP_STEPS)
 
 
 @triton.jit
@@ -112,7 +115,7 @@ def _quantize_page_head(
     COUNT: tl.constexpr, CNT_BUDGET: tl.constexpr, CNT_OUTLIERS: tl.constexpr, CNT_QUALIFYING: tl.constexpr,
     CNT_PAGES: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr,
-    BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
+    BLOCK_C: tl.constexpr, WORDS: tl.constexpr, CLIP_STEPS: tl.constexpr,
 ):
     """Quantize rows `source` of x (head `head`) into page `page` of the output: the body of both kernels."""
     page_head = page * NUM_HEADS + head
@@ -167,39 +170,26 @@ def _quantize_page_head(
     hi_x = group_extreme(tl.where(outlier, float("-inf"), x), True, AXIS_CHANNEL, P, D, G)
     lo_x = tl.where(lo_x == float("inf"), 0.0, lo_x)                               # a group of outliers only
     hi_x = tl.where(hi_x == float("-inf"), 0.0, hi_x)
-    if AXIS_CHANNEL:
-        zero = fp16_rounded(lo_x, False)                                          # [D]
-        scale = fp16_rounded(tl.maximum(tl.math.div_rn(hi_x - zero, tl.full([D], levels, tl.float32)),
-                                         2.0 ** -24), True)
-        tl.store(scale_ptr + page_head * D + offs_d, scale.to(tl.float16))
-        tl.store(zero_ptr + page_head * D + offs_d, zero.to(tl.float16))
-        scale_full = tl.broadcast_to(scale[None, :], (P, D))
-        zero_full = tl.broadcast_to(zero[None, :], (P, D))
-    else:
+    base = 0.0
+    if not AXIS_CHANNEL:
         frac: tl.constexpr = 1 << (8 - BITS)
-        lo_x = tl.minimum(lo_x, 0.0)                                               # [P, G]
+        lo_x = tl.minimum(lo_x, 0.0)                                               # [P, G]: the range includes 0
         hi_x = tl.maximum(hi_x, 0.0)
         needed = tl.maximum(tl.math.div_rn(hi_x - lo_x, tl.full([P, G], levels - 1.0 / frac, tl.float32)),
                             2.0 ** -24)
         base = fp16_rounded(tl.maximum(tl.max(tl.max(needed, axis=1), axis=0), 2.0 ** -14), True)
         tl.store(base_ptr + page_head, base.to(tl.float16))
-        code = tl.floor(-16.0 * tl.log2(tl.math.div_rn(needed, tl.full([P, G], 1.0, tl.float32) * base)))
-        code = tl.minimum(tl.maximum(code, 0.0), 255.0)
-        step_scale = base * tl.exp2(-code / 16.0)
-        code = tl.where(step_scale < needed, tl.maximum(code, 1.0) - 1.0, code)    # guard log2 rounding
-        step_scale = base * tl.exp2(-code / 16.0)
-        zero_code = tl.minimum(tl.maximum(tl.ceil(tl.math.div_rn(-lo_x * frac, step_scale)), 0.0), 255.0)
-        zero_group = -(step_scale * zero_code) * (1.0 / frac)
+    stored_scale, stored_zero, scale_full, zero_full, codes_f = choose_ranges(
+        x, outlier, lo_x, hi_x, base, AXIS_CHANNEL, P, D, G, BITS, CLIP_STEPS)
+    if AXIS_CHANNEL:
+        tl.store(scale_ptr + page_head * D + offs_d, stored_scale.to(tl.float16))
+        tl.store(zero_ptr + page_head * D + offs_d, stored_zero.to(tl.float16))
+    else:
         token_rows = page_head * (P * G) + offs_p[:, None] * G + tl.arange(0, G)[None, :]
-        tl.store(scale_ptr + token_rows, code.to(tl.uint8))
-        tl.store(zero_ptr + token_rows, zero_code.to(tl.uint8))
-        scale_full = tl.reshape(tl.broadcast_to(step_scale[:, :, None], (P, G, D // G)), (P, D))
-        zero_full = tl.reshape(tl.broadcast_to(zero_group[:, :, None], (P, G, D // G)), (P, D))
+        tl.store(scale_ptr + token_rows, stored_scale.to(tl.uint8))
+        tl.store(zero_ptr + token_rows, stored_zero.to(tl.uint8))
 
     # ---- codes ----
-    ratio = tl.math.div_rn(x - zero_full, scale_full)
-    ratio = tl.minimum(tl.maximum(ratio, -1.0), levels + 1.0)
-    codes_f = tl.minimum(tl.maximum(round_half_even(ratio), 0.0), levels * 1.0)
     codes = codes_f.to(tl.int32)
     rows = codes_ptr + page_head * (P * WORDS) + offs_p[:, None] * WORDS
     if BITS == 4:
@@ -338,7 +328,7 @@ def _launch(x: torch.Tensor, strides: tuple[int, int, int], out: PackedPages, qu
         BITS=spec.bits, AXIS_CHANNEL=spec.axis == "channel",
         GROUP_LEN=spec.page_size if spec.axis == "channel" else spec.group_size, CAPACITY=spec.outlier_capacity,
         BLOCK_C=min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))), WORDS=spec.words_per_row,
-        num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)
+        CLIP_STEPS=spec.clip_steps, num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)
 
 
 def quantize_staged_kv_counted(staging_keys: torch.Tensor, staging_values: torch.Tensor, slots: torch.Tensor,
@@ -382,7 +372,7 @@ def _launch_kv(staging_keys, staging_values, slots, pages, key_spec, value_spec,
                 f"{prefix}GROUP_LEN": spec.page_size if spec.axis == "channel" else spec.group_size,
                 f"{prefix}CAPACITY": spec.outlier_capacity,
                 f"{prefix}BLOCK_C": min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))),
-                f"{prefix}WORDS": spec.words_per_row}
+                f"{prefix}WORDS": spec.words_per_row, f"{prefix}CLIP_STEPS": spec.clip_steps}
 
     def out_args(out: PackedPages) -> tuple:
         base = out.scale_base if out.scale_base is not None else out.scale

@@ -69,3 +69,72 @@ def pack_plane(fields, P: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
     grouped = tl.reshape(fields, (P, D // per_word, per_word))
     shifted = grouped << field_shifts(WIDTH)[None, None, :]
     return tl.sum(shifted, axis=2)                       # disjoint fields: the sum is the bitwise or
+
+
+@triton.jit
+def range_candidate(x, outlier, lo, hi, base, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                    G: tl.constexpr, BITS: tl.constexpr, WITH_ERROR: tl.constexpr):
+    """Scale, zero point and codes of x [P, D] for group ranges [lo, hi] ([D] channel axis, [P, G] token axis,
+    the reference's _scale_zero): (stored scale, stored zero, S [P, D], Z [P, D], codes [P, D] fp32, squared
+    error over the inliers per group, like lo; 0 unless WITH_ERROR)."""
+    levels: tl.constexpr = (1 << BITS) - 1
+    if AXIS_CHANNEL:
+        zero = fp16_rounded(lo, False)                                             # [D]
+        scale = fp16_rounded(tl.maximum(tl.math.div_rn(hi - zero, tl.full([D], levels, tl.float32)),
+                                        2.0 ** -24), True)
+        stored_scale = scale
+        stored_zero = zero
+        scale_full = tl.broadcast_to(scale[None, :], (P, D))
+        zero_full = tl.broadcast_to(zero[None, :], (P, D))
+    else:
+        frac: tl.constexpr = 1 << (8 - BITS)
+        needed = tl.maximum(tl.math.div_rn(hi - lo, tl.full([P, G], levels - 1.0 / frac, tl.float32)), 2.0 ** -24)
+        code = tl.floor(-16.0 * tl.log2(tl.math.div_rn(needed, tl.full([P, G], 1.0, tl.float32) * base)))
+        code = tl.minimum(tl.maximum(code, 0.0), 255.0)
+        step_scale = base * tl.exp2(-code / 16.0)
+        code = tl.where(step_scale < needed, tl.maximum(code, 1.0) - 1.0, code)    # guard log2 rounding
+        step_scale = base * tl.exp2(-code / 16.0)
+        zero_code = tl.minimum(tl.maximum(tl.ceil(tl.math.div_rn(-lo * frac, step_scale)), 0.0), 255.0)
+        zero_group = -(step_scale * zero_code) * (1.0 / frac)
+        stored_scale = code
+        stored_zero = zero_code
+        scale_full = tl.reshape(tl.broadcast_to(step_scale[:, :, None], (P, G, D // G)), (P, D))
+        zero_full = tl.reshape(tl.broadcast_to(zero_group[:, :, None], (P, G, D // G)), (P, D))
+    ratio = tl.math.div_rn(x - zero_full, scale_full)
+    ratio = tl.minimum(tl.maximum(ratio, -1.0), levels + 1.0)
+    codes_f = tl.minimum(tl.maximum(round_half_even(ratio), 0.0), levels * 1.0)
+    error = lo * 0.0
+    if WITH_ERROR:
+        diff = codes_f * scale_full + zero_full - x
+        squared = tl.where(outlier, 0.0, diff * diff)
+        if AXIS_CHANNEL:
+            error = tl.sum(squared, axis=0)
+        else:
+            error = tl.sum(tl.reshape(squared, (P, G, D // G)), axis=2)
+    return stored_scale, stored_zero, scale_full, zero_full, codes_f, error
+
+
+@triton.jit
+def choose_ranges(x, outlier, lo, hi, base, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                  G: tl.constexpr, BITS: tl.constexpr, CLIP_STEPS: tl.constexpr):
+    """The reference's _choose_ranges: candidates k = 0..CLIP_STEPS shrink [lo, hi] by k/16 of its width about
+    its centre; per group the least squared error over the inliers wins (ties: the smaller k)."""
+    stored_scale, stored_zero, scale_full, zero_full, codes_f, error = range_candidate(
+        x, outlier, lo, hi, base, AXIS_CHANNEL, P, D, G, BITS, CLIP_STEPS > 0)
+    half = (hi - lo) * 0.5
+    for k in tl.static_range(1, CLIP_STEPS + 1):
+        shrink: tl.constexpr = k * 0.0625
+        c_scale, c_zero, c_scale_full, c_zero_full, c_codes, c_error = range_candidate(
+            x, outlier, lo + shrink * half, hi - shrink * half, base, AXIS_CHANNEL, P, D, G, BITS, True)
+        better = c_error < error
+        if AXIS_CHANNEL:
+            better_full = tl.broadcast_to(better[None, :], (P, D))
+        else:
+            better_full = tl.reshape(tl.broadcast_to(better[:, :, None], (P, G, D // G)), (P, D))
+        stored_scale = tl.where(better, c_scale, stored_scale)
+        stored_zero = tl.where(better, c_zero, stored_zero)
+        error = tl.where(better, c_error, error)
+        scale_full = tl.where(better_full, c_scale_full, scale_full)
+        zero_full = tl.where(better_full, c_zero_full, zero_full)
+        codes_f = tl.where(better_full, c_codes, codes_f)
+    return stored_scale, stored_zero, scale_full, zero_full, codes_f
