@@ -51,7 +51,7 @@ class Row:
     model_level: bool = True
 
 
-def rows_for(width: int) -> list[Row]:
+def rows_for(width: int, all_model_rows: bool = False) -> list[Row]:
     v_default, k_default = 0.0025, 0.0
     rows = [
         Row(width, "naive per-token k+v (fp16 scale+zero per 64)", Part(baseline="naive"), Part(baseline="naive"),
@@ -78,6 +78,10 @@ def rows_for(width: int) -> list[Row]:
         Row(width, "range search 8 / 8, outliers 0 / 0", Part(fraction=0.0, clip_steps=8),
             Part(fraction=0.0, clip_steps=8)),
     ]
+    model_rows = ("default (min/max)", "outliers 0 / 0", "split k 0.125% / v 0.125%", "key range search 4",
+                  "value range search 8", "range search 4 / 8")
+    for row in rows:
+        row.model_level = row.model_level and (all_model_rows or row.name in model_rows)
     return rows
 
 
@@ -234,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tau", type=float, default=3.0)
     parser.add_argument("--only", default=None, help="comma-separated substrings of row names")
     parser.add_argument("--no-model-level", action="store_true")
+    parser.add_argument("--all-model-rows", action="store_true",
+                        help="model level for every CacheConfig row (default: the six that decide the defaults)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     head_dim = model.arch.head_dim
     rows = []
     for width in (int(w) for w in args.widths.split(",")):
-        for row in rows_for(width):
+        for row in rows_for(width, args.all_model_rows):
             if args.only and not any(word in row.name for word in args.only.split(",")):
                 continue
             begin = time.perf_counter()

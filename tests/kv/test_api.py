@@ -76,3 +76,25 @@ def test_budget_hits_are_counted():
 def test_import_is_light():
     code = "import sys, moekv.kv; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_range_search_defaults_follow_the_cache_and_lower_the_value_error():
+    from moekv.config import CacheConfig
+    from moekv.core.lowbit_layout import QuantSpec
+    from moekv.kvcache.base import KVCacheSpec
+    from moekv.kvcache.formats.lowbit import quant_specs
+
+    defaults = CacheConfig(kv_cache_dtype="int2")
+    x = torch.randn(256, 2, 64, generator=torch.Generator().manual_seed(5))
+    searched, plain = kv.quantize(x, "value", bits=2), kv.quantize(x, "value", bits=2, clip_steps=0)
+    assert searched.spec.clip_steps == defaults.value_clip_steps == 8
+    assert kv.quantize(x, "key", bits=2).spec.clip_steps == defaults.key_clip_steps == 0
+    # same stored tensors (shapes, dtypes, bytes), less error: Gaussian values at 2 bits lose > 20 %
+    assert searched.nbytes == plain.nbytes
+    error = [float((q.dequantize() - x).norm()) for q in (searched, plain)]
+    assert error[0] < 0.8 * error[1]
+    key_spec, value_spec = quant_specs(KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, page_size=128,
+                                                   dtype=torch.float32), CacheConfig(kv_cache_dtype="int3",
+                                                                                      key_clip_steps=3))
+    assert (key_spec.clip_steps, value_spec.clip_steps) == (3, 8)
+    assert isinstance(value_spec, QuantSpec)
