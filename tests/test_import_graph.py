@@ -22,7 +22,7 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "moekv"
 
 LAYERS: list[set[str]] = [
-    {"errors"},                                                 # leaf: typed errors
+    {"errors", "version"},                                      # leaves: typed errors, the version string
     {"envs"},                                                   # the one reader of environment variables
     {"paths"},                                                  # file locations (env overrides)
     {"config", "core", "tokenizer", "provenance", "datasets", "metrics"},   # config + plain records

@@ -11,7 +11,7 @@ Imports are lazy: `import moekv` does not import torch.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from moekv.version import __version__
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

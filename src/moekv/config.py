@@ -136,13 +136,16 @@ class ArchConfig:
 class ModelConfig:
     """Which checkpoint to run and how: the user's choices, not the checkpoint's architecture."""
 
-    model: str                          # path to a Hugging Face checkpoint folder
+    model: str                          # path to a Hugging Face checkpoint folder (ids: models.hub resolves them)
     dtype: str = "auto"                 # auto (the checkpoint's), bf16, fp16, fp32
     max_model_len: int | None = None    # None: the checkpoint's max_position_embeddings
     seed: int = 0
     quantization: str | None = None     # None: weights as the checkpoint holds them (an FP8 checkpoint stays FP8);
                                         # "fp8": 16-bit projections and experts quantized to FP8 at load time,
                                         # per output channel (W8A16; docs/weight-quantization.md)
+    tokenizer: str | None = None        # the tokenizer's folder; None: the model folder
+    generation_config: str = "auto"     # where generation_config.json is read: auto (the model folder),
+                                        # "vllm"/"none" (not read), or a folder
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -151,6 +154,19 @@ class ModelConfig:
         object.__setattr__(self, "quantization", canonical_quantization(self.quantization))
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ConfigError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ConfigError("generation_config must be auto, vllm or a folder")
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
+    def generation_config_dir(self) -> str | None:
+        """The folder generation_config.json is read from, None when it is not read."""
+        if self.generation_config in ("vllm", "none"):
+            return None
+        return self.model if self.generation_config == "auto" else self.generation_config
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_MODEL_DIR | `model_dir` | where the bundled model folder is |
 | MOEKV_TRAIN_TEXT | `train_text` | the training corpus of the bundled model |
 | MOEKV_COMMIT | `commit` | the commit a measurement reports (GPU machines) |
+| HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME | `hf_hub_cache` | the Hugging Face hub cache a model id is resolved in |
+| HF_HUB_OFFLINE | `hf_hub_offline` | stated in the error for a model id not in the cache (moekv never downloads) |
 | MOEKV_EP_TIMEOUT_S | `ep_timeout_s` | the expert-parallel device group's timeout |
 | MOEKV_EP_EXIT_GRACE_S, MOEKV_EP_POLL_S | `ep_exit_grace_s`, `ep_poll_s` | peer-failure handling |
 | LRU_CACHE_CAPACITY, ONEDNN_PRIMITIVE_CACHE_CAPACITY | `limit_onednn_caches` | written (unless set): oneDNN's kernel caches (`DeviceConfig.cpu_kernel_cache_entries`) |
@@ -112,6 +114,23 @@ def train_text() -> str | None:
 
 def commit() -> str | None:
     return get("MOEKV_COMMIT")
+
+
+# -- the Hugging Face cache (model ids are resolved there, never downloaded) -----------------------
+def hf_hub_cache() -> tuple[str, str]:
+    """(the hub cache folder, the variable that chose it) as huggingface_hub derives it: HF_HUB_CACHE,
+    else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    if get("HF_HUB_CACHE"):
+        return os.path.expanduser(get("HF_HUB_CACHE")), "HF_HUB_CACHE"
+    if get("HF_HOME"):
+        return os.path.join(os.path.expanduser(get("HF_HOME")), "hub"), "HF_HOME"
+    base = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "huggingface", "hub"), "XDG_CACHE_HOME" if get("XDG_CACHE_HOME") else "default"
+
+
+def hf_hub_offline() -> bool:
+    """HF_HUB_OFFLINE as a flag (unset: False)."""
+    return bool(_flag("HF_HUB_OFFLINE"))
 
 
 # -- expert parallelism ----------------------------------------------------------------------------

@@ -57,7 +57,8 @@ class Engine:
             # and the rest of the model to the device, so the whole model never has to fit on it.
             load_device = "cpu" if config.offload.cpu_offload_experts else self.device
             model = load_model(model_dir, dtype=dtype, device=load_device, quantization=config.model.quantization)
-            tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+            tokenizer_dir = Path(config.model.tokenizer_dir)
+            tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
         from moekv.moe.prefetch import install_routing
 
         self.routing = install_routing(model, config.offload, self.device)   # load stats, prediction, offload
@@ -72,7 +73,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_dtype = next(model.parameters()).dtype
         self.max_model_len = self._resolve_max_model_len()
-        self.eos_token_ids = self._eos_token_ids(model_dir)
+        self.eos_token_ids = self._eos_token_ids(config.model.generation_config_dir)
 
         cache_config = config.cache
         kv_dtype_name = cache_config.kv_cache_dtype
@@ -158,10 +159,10 @@ class Engine:
         predictor = getattr(routing, "predictor", None)
         return predictor is None or not predictor.listeners
 
-    def _eos_token_ids(self, model_dir: Path) -> set[int]:
+    def _eos_token_ids(self, generation_dir: str | None) -> set[int]:
         ids = set(self.arch.eos_token_ids)
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.is_file():
+        gen_path = Path(generation_dir or "") / "generation_config.json"
+        if generation_dir is not None and gen_path.is_file():
             try:
                 eos = json.loads(gen_path.read_text()).get("eos_token_id")
             except json.JSONDecodeError as exc:

@@ -85,6 +85,7 @@ def build_lockstep_engine(config: EngineConfig, time_comm: bool = False) -> Lock
         runtime = make_runtime(config.parallel, group, time_comm)
         placements = initial_placements(model.arch, group.world_size, config.parallel.num_redundant_experts)
         model = shard_experts(model, runtime, placements, group.device)
-        tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        tokenizer_dir = Path(config.model.tokenizer_dir)
+        tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
     config = replace(config, device=replace(config.device, device=str(group.device)))
     return LockstepEngine(config, model, tokenizer, runtime)

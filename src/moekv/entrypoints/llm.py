@@ -16,7 +16,8 @@ __all__ = ["LLM", "CompletionOutput", "GenerationOutput", "add_all_or_none", "co
 
 
 class LLM:
-    """Load a Hugging Face MoE checkpoint folder and generate from batches of prompts.
+    """Load a Hugging Face MoE checkpoint (a folder, or a Hub id already in the local Hugging Face cache:
+    `revision`, `tokenizer`, `tokenizer_revision`, `download_dir`, `generation_config`) and generate.
 
     Extra keyword arguments go to the config they belong to: `page_size`, `num_pages`,
     `memory_fraction`, `outlier_fraction`, `key_axis`, `enable_prefix_caching` (CacheConfig; default True:
@@ -102,7 +103,20 @@ class LLM:
 def make_engine_config(model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",
                        max_model_len: int | None = None, seed: int = 0, quantization: str | None = None,
                        **kwargs) -> EngineConfig:
-    """Sort keyword arguments into the config dataclass they belong to (unknown names are an error)."""
+    """Sort keyword arguments into the config dataclass they belong to (unknown names are an error).
+
+    `model` and `tokenizer=` are folders or Hugging Face ids in the local cache (`revision=`,
+    `tokenizer_revision=`, `download_dir=`: models.hub); `generation_config=` auto, vllm or a folder."""
+    from moekv.models.hub import resolve_model_dir
+
+    revision, download_dir = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
+    tokenizer, tokenizer_revision = kwargs.pop("tokenizer", None), kwargs.pop("tokenizer_revision", None)
+    generation_config = kwargs.pop("generation_config", "auto")
+    model = resolve_model_dir(model, revision, download_dir)
+    if tokenizer is not None:
+        tokenizer = resolve_model_dir(tokenizer, tokenizer_revision, download_dir, what="tokenizer")
+    if generation_config not in ("auto", "vllm", "none"):
+        generation_config = resolve_model_dir(generation_config, None, download_dir, what="generation_config")
     groups = {CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}, OffloadConfig: {}, DeviceConfig: {}}
     for key, value in kwargs.items():
         owner = next((cls for cls in groups if key in cls.__dataclass_fields__), None)
@@ -110,7 +124,8 @@ def make_engine_config(model: str, dtype: str = "auto", kv_cache_dtype: str = "a
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
         groups[owner][key] = value
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization),
+        model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, tokenizer=tokenizer,
+                          quantization=quantization, generation_config=generation_config),
         cache=CacheConfig(kv_cache_dtype=kv_cache_dtype, **groups[CacheConfig]),
         scheduler=SchedulerConfig(**groups[SchedulerConfig]),
         parallel=ParallelConfig(**groups[ParallelConfig]),

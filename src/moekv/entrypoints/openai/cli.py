@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from moekv.config import ServerLimits
+from moekv.entrypoints.openai.vllm_args import add_vllm_arguments, engine_kwargs
 from moekv.errors import ConfigError
 from moekv.paths import default_model_dir
 
@@ -24,13 +25,15 @@ logger = logging.getLogger("moekv.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the bundled "
-                        "tiny-shakespeare-moe model)")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="checkpoint folder or Hugging Face id in the local cache (= --model)")
+    parser.add_argument("--model", default=None, help="checkpoint folder, or a Hugging Face id already in the local "
+                        "cache (default: the bundled tiny-shakespeare-moe model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine "
                         "only; 0.0.0.0 exposes the server)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
-                        "checkpoint folder's name)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, help="the model name(s) clients may send; "
+                        "the first is reported (default: the model id, or the checkpoint folder's name)")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* "
                         "(/health and /metrics stay open)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
@@ -49,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     parser.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from memory)")
-    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
+    parser.add_argument("--page-size", "--block-size", type=int, default=None, help="tokens per KV page")
     parser.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs "
                         "for decode steps)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -92,21 +95,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{defaults.keep_alive_timeout_s:g})")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_vllm_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.uvicorn_log_level is not None:
+        args.log_level = args.uvicorn_log_level
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
     from moekv.engine.async_engine import AsyncEngine
     from moekv.engine.factory import build_serving_engine
-    from moekv.entrypoints.llm import make_engine_config
     from moekv.entrypoints.openai.http_limits import uvicorn_options
     from moekv.entrypoints.openai.server import build_app
     from moekv.entrypoints.openai.serving import ServerConfig
     from moekv.metrics import ServerMetrics
 
-    model = args.model or default_model_dir()
+    config, model = engine_config_from_args(args)
     chat_template = None
     if args.chat_template is not None:
         path = Path(args.chat_template)
@@ -119,35 +124,22 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--max-tokens-default must be positive")
     limits = ServerLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                           read_timeout_s=args.read_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
-    extra = {key: value for key, value in (("max_num_seqs", args.max_num_seqs),
-                                           ("max_num_batched_tokens", args.max_num_batched_tokens),
-                                           ("num_pages", args.num_pages), ("page_size", args.page_size))
-             if value is not None}
-    extra.update(cpu_offload_experts=args.cpu_offload_experts, prefetch=not args.no_prefetch,
-                 track_prediction=not args.no_expert_prediction_stats, cuda_graphs=not args.enforce_eager,
-                 enable_prefix_caching=args.enable_prefix_caching)
-    if args.expert_cache_size is not None:
-        extra["expert_cache_size"] = int(args.expert_cache_size) if args.expert_cache_size.isdigit() \
-            else args.expert_cache_size
-    if args.expert_parallel_size > 1:
-        extra.update(expert_parallel_size=args.expert_parallel_size,
-                     num_redundant_experts=args.num_redundant_experts, expert_dispatch=args.expert_dispatch)
-    config = make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
-                                args.seed, quantization=args.quantization, **extra)
     engine = build_serving_engine(config)   # expert parallel: rank 0's LeaderEngine; ranks > 0 step with it
     if engine is None:                      # inside, until it stops them
         return 0
     capacity = engine.kv_manager.capacity_tokens
     logger.info("KV cache capacity: %d tokens (%s); max concurrency at max_model_len=%d: %.2f requests",
                 capacity, engine.cache_config.kv_cache_dtype, engine.max_model_len, capacity / engine.max_model_len)
-    name = args.served_model_name or Path(model).resolve().name
+    names = args.served_model_name or [model if not Path(model).exists() else Path(model).resolve().name]
+    name = names[0]
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, metrics)
     app = build_app(async_engine, ServerConfig(
-        served_model_name=name, model_path=str(model), api_key=args.api_key,
+        served_model_name=name, model_path=config.model.model, api_key=args.api_key,
         max_request_bytes=args.max_request_bytes, chat_template=chat_template,
         tool_call_parser=args.tool_call_parser, limits=limits,
-        default_max_tokens=args.max_tokens_default))
+        default_max_tokens=args.max_tokens_default, served_model_aliases=tuple(names[1:]),
+        max_logprobs=args.max_logprobs, log_requests=args.enable_log_requests and not args.disable_log_requests))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use it", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -160,6 +152,33 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.stop_followers()             # expert parallel: ranks > 0 leave their loop (else a no-op)
     return 0 if server.started else 1
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """(the EngineConfig the parsed flags ask for, the model as named); ConfigError on a bad combination."""
+    from moekv.entrypoints.llm import make_engine_config
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ConfigError(f"two models given: {args.model_tag!r} (positional) and --model {args.model!r}")
+    model = args.model_tag or args.model or default_model_dir()
+    extra = {key: value for key, value in (("max_num_seqs", args.max_num_seqs),
+                                           ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                           ("num_pages", args.num_pages), ("page_size", args.page_size))
+             if value is not None}
+    extra.update(cpu_offload_experts=args.cpu_offload_experts, prefetch=not args.no_prefetch,
+                 track_prediction=not args.no_expert_prediction_stats, cuda_graphs=not args.enforce_eager,
+                 enable_prefix_caching=args.enable_prefix_caching)
+    if args.expert_cache_size is not None:
+        extra["expert_cache_size"] = int(args.expert_cache_size) if args.expert_cache_size.isdigit() \
+            else args.expert_cache_size
+    extra.update(engine_kwargs(args))       # the vLLM spellings (--enable-expert-parallel sets the size)
+    size = extra.get("expert_parallel_size", args.expert_parallel_size)
+    if size > 1:
+        extra.update(expert_parallel_size=size, num_redundant_experts=args.num_redundant_experts,
+                     expert_dispatch=args.expert_dispatch)
+    config = make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
+                                args.seed, quantization=args.quantization, **extra)
+    return config, model
 
 
 FINAL_GRACE_S = 5.0   # after --shutdown-timeout: time for the aborted streams to send their last events

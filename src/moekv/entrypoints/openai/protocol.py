@@ -143,7 +143,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str | list[int]]   # text, token ids, or a batch of either
     max_tokens: int | None = None             # default: 16, or what fits in the context
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)   # at most --max-logprobs (serving)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -224,7 +224,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # takes precedence over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)   # at most --max-logprobs (serving)
     add_generation_prompt: bool = True        # extra body field
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -32,12 +32,14 @@ from moekv.entrypoints.openai.protocol import (
 from moekv.entrypoints.openai.serving import ServerConfig, wrap_invalid
 from moekv.entrypoints.openai.serving_chat import OpenAIChat
 from moekv.entrypoints.openai.serving_completions import OpenAICompletions
+from moekv.entrypoints.openai.serving_tokens import DetokenizeRequest, OpenAITokens, TokenizeRequest
 from moekv.errors import InvalidRequestError
 from moekv.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from moekv.version import __version__
 
 logger = logging.getLogger("moekv.server")
 
-OPEN_PATHS = ("/health", "/metrics")   # never behind the API key
+OPEN_PATHS = ("/health", "/ping", "/metrics", "/version")   # never behind the API key
 
 
 def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -57,6 +59,7 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMe
     app.state.metrics = metrics
     completions = OpenAICompletions(async_engine, config)
     chat = OpenAIChat(async_engine, config)
+    tokens = OpenAITokens(async_engine, config)
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -66,6 +69,22 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMe
         return JSONResponse(error_body(async_engine.dead_reason or "the engine is not running", "server_error",
                                        code="engine_unavailable"), status_code=503)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:      # vLLM (SageMaker): the same answer as /health
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return tokens.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return tokens.detokenize(body)
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         body = metrics.render() if metrics is not None else b""
@@ -73,9 +92,9 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, metrics: ServerMe
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=config.served_model_name, root=config.served_model_name,
-                         max_model_len=async_engine.engine.max_model_len)
-        return dump(ModelList(data=[card]))
+        cards = [ModelCard(id=name, root=config.served_model_name, max_model_len=async_engine.engine.max_model_len)
+                 for name in config.model_names]
+        return dump(ModelList(data=cards))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -40,6 +40,13 @@ class ServerConfig:
     tool_call_parser: str | None = None     # --tool-call-parser: hermes, qwen, mistral (tool_choice auto)
     limits: ServerLimits = field(default_factory=ServerLimits)   # connections and timeouts
     default_max_tokens: int | None = None   # chat without max_tokens (--max-tokens-default); None: the context
+    served_model_aliases: tuple[str, ...] = ()   # more names requests may use (--served-model-name A B ...)
+    max_logprobs: int = 20                  # --max-logprobs: the most logprobs / top_logprobs a request asks
+    log_requests: bool = False              # --enable-log-requests: a log line per request queued
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
 
 
 @dataclass(frozen=True)
@@ -73,9 +80,14 @@ class OpenAIServing:
 
     # -- validation ---------------------------------------------------------------------------------
     def check_request(self, body: _SamplingRequest) -> None:
-        if body.model is not None and body.model != self.config.served_model_name:
+        if body.model is not None and body.model not in self.config.model_names:
             raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
                                 f"`{self.config.served_model_name}`", param="model", code="model_not_found")
+        for param in ("logprobs", "top_logprobs"):
+            asked = getattr(body, param, None)
+            if isinstance(asked, int) and not isinstance(asked, bool) and asked > self.config.max_logprobs:
+                raise APIError(400, f"{param}={asked} exceeds this server's limit of {self.config.max_logprobs} "
+                                    "(--max-logprobs)", param=param)
         problem = body.unsupported()
         if problem is not None:
             raise APIError(400, problem[1], param=problem[0], code="unsupported_parameter")
@@ -159,6 +171,9 @@ class OpenAIServing:
                 engine_id = f"{request_id}-{index}"
                 triples.append((engine_id, prompt.token_ids, params))
                 choices[engine_id] = Choice(index, prompt_index)
+        if self.config.log_requests:
+            logger.info("request %s: %d prompt(s), %s prompt tokens, %d sequence(s), max_tokens %s", request_id,
+                        len(prompts), [len(p.token_ids) for p in prompts], len(triples), max_tokens)
         try:
             stream = await self.async_engine.add(triples)
         except InvalidRequestError as exc:      # a grammar the library rejects: name the request's field

@@ -1,0 +1,158 @@
+"""vLLM's spellings of `serve` flags (their effect on the config) and vLLM's extra endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from moekv.cli import build_parser, main
+from moekv.errors import ConfigError
+from moekv.paths import default_model_dir
+from tests.entrypoints.openai.conftest import API_KEY
+from tests.entrypoints.openai.helpers import make_app, make_engine
+
+pytest.importorskip("fastapi")
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def config_of(*argv: str):
+    from moekv.entrypoints.openai.cli import engine_config_from_args
+
+    return engine_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_positional_model_and_model_flag(monkeypatch):
+    config, model = config_of(default_model_dir())
+    assert model == default_model_dir() and config.model.model == default_model_dir()
+    assert config_of("--model", default_model_dir())[0].model.model == default_model_dir()
+    with pytest.raises(ConfigError, match="two models given"):
+        config_of(default_model_dir(), "--model", "other")
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["--gpu-memory-utilization", "0.55"], ("cache", "memory_fraction"), 0.55),
+    (["--block-size", "32"], ("cache", "page_size"), 32),
+    (["--num-gpu-blocks-override", "77"], ("cache", "num_pages"), 77),
+    (["--max-num-batched-tokens", "999"], ("scheduler", "max_num_batched_tokens"), 999),
+    (["--max-num-seqs", "7"], ("scheduler", "max_num_seqs"), 7),
+    (["--generation-config", "vllm"], ("model", "generation_config"), "vllm"),
+    (["--tokenizer", default_model_dir()], ("model", "tokenizer"), default_model_dir()),
+    (["--enable-chunked-prefill"], ("scheduler", "max_num_batched_tokens"), 8192),
+    (["--enable-expert-parallel", "--data-parallel-size", "2"], ("parallel", "expert_parallel_size"), 2),
+    (["--enable-expert-parallel", "-dp", "4", "--num-redundant-experts", "2"],
+     ("parallel", "num_redundant_experts"), 2),
+])
+def test_vllm_flag_sets_the_config(argv, field, value):
+    config, _ = config_of(default_model_dir(), *argv)
+    assert getattr(getattr(config, field[0]), field[1]) == value
+
+
+def test_gpu_memory_utilization_is_checked():
+    with pytest.raises(ConfigError, match="memory_fraction must be in"):
+        config_of(default_model_dir(), "--gpu-memory-utilization", "1.5")
+
+
+def test_generation_config_vllm_skips_its_eos(tmp_path):
+    from moekv.engine.engine import Engine
+
+    import json
+    from pathlib import Path
+    gen = json.loads((Path(default_model_dir()) / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": 5}))
+    for choice, has_five in (("auto", False), (str(tmp_path), True)):
+        config, _ = config_of(default_model_dir(), "--generation-config", choice, "--device", "cpu",
+                              "--max-model-len", "64", "--num-pages", "4")
+        assert (5 in Engine(config).eos_token_ids) is has_five
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: moekv has no tensor parallelism"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
+    (["--data-parallel-size", "2"], "without --enable-expert-parallel"),
+    (["--enable-expert-parallel"], "needs 2 or more ranks"),
+    (["--enable-expert-parallel", "-dp", "2", "--expert-parallel-size", "4"], "disagree"),
+    (["--load-format", "pt"], "safetensors only"),
+    (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+    (["--num-pages", "3", "--num-gpu-blocks-override", "4"], "disagree"),
+])
+def test_flags_moekv_cannot_honour_are_errors(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
+        config_of(default_model_dir(), *argv)
+
+
+@pytest.mark.parametrize("flag", ["--swap-space", "--pipeline-parallel-size", "--enable-lora", "--cpu-offload-gb",
+                                  "--speculative-config"])
+def test_unimplemented_vllm_flags_fail_naming_the_flag(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", default_model_dir(), flag, "4"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"{flag} is a vLLM flag moekv does not implement" in err
+
+
+def test_served_model_names_and_max_logprobs(tmp_path):
+    from tests.entrypoints.openai.helpers import write_char_tokenizer
+
+    engine = make_engine(write_char_tokenizer(tmp_path / "tok"))
+    app, async_engine = make_app(engine, name="first", served_model_aliases=("second",), max_logprobs=2)
+    async_engine.start()
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            models = (await http.get("/v1/models")).json()["data"]
+            ok = await http.post("/v1/completions", json={"model": "second", "prompt": "a", "max_tokens": 2,
+                                                          "logprobs": 2})
+            too_many = await http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "logprobs": 3})
+            unknown = await http.post("/v1/completions", json={"model": "third", "prompt": "a", "max_tokens": 2})
+            return models, ok, too_many, unknown
+
+    try:
+        models, ok, too_many, unknown = asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        async_engine.shutdown()
+    assert [m["id"] for m in models] == ["first", "second"] and models[0]["max_model_len"] == 96
+    assert ok.status_code == 200 and ok.json()["model"] == "first"
+    assert too_many.status_code == 400 and "--max-logprobs" in too_many.json()["error"]["message"]
+    assert unknown.status_code == 404
+
+
+# -- endpoints (the shared mock server: char tokenizer, id = printable ASCII index + 1) ---------------
+def test_tokenize_detokenize_roundtrip(mock_server):
+    url = mock_server.url
+    out = httpx.post(f"{url}/tokenize", json={"prompt": "abc", "return_token_strs": True}, headers=HEADERS).json()
+    assert out["tokens"] == [ord(c) - 31 for c in "abc"] and out["count"] == 3
+    assert out["max_model_len"] == 96 and out["token_strs"] == ["a", "b", "c"]
+    back = httpx.post(f"{url}/detokenize", json={"tokens": out["tokens"]}, headers=HEADERS).json()
+    assert back == {"prompt": "abc"}
+
+
+def test_tokenize_messages_matches_what_chat_feeds_the_model(mock_server):
+    url = mock_server.url
+    messages = [{"role": "user", "content": "hi"}]
+    out = httpx.post(f"{url}/tokenize", json={"messages": messages}, headers=HEADERS).json()
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1},
+                      headers=HEADERS).json()
+    assert out["count"] == chat["usage"]["prompt_tokens"] > 2
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages"),
+    ("/detokenize", {"tokens": [10 ** 6]}, "tokens"),
+    ("/tokenize", {"prompt": "a", "bogus": 1}, "bogus"),
+])
+def test_tokenize_bad_input_is_400(mock_server, path, body, param):
+    response = httpx.post(f"{mock_server.url}{path}", json=body, headers=HEADERS)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_version_ping_health(mock_server):
+    from moekv import __version__
+
+    assert httpx.get(f"{mock_server.url}/version").json() == {"version": __version__}
+    assert httpx.get(f"{mock_server.url}/ping").status_code == 200      # open, like /health
+    assert httpx.post(f"{mock_server.url}/ping").status_code == 200
+    assert httpx.get(f"{mock_server.url}/health").status_code == 200
+    assert httpx.post(f"{mock_server.url}/tokenize", json={"prompt": "a"}).status_code == 401
