@@ -64,3 +64,40 @@ def test_routing_metrics_recall_and_expert_cache():
     assert 'moekv:expert_prediction_recall_per_layer{layer="0",lookahead="1",model_name="m"}' not in values
     assert values["moekv:expert_cache_hits_total"] == 30 and values["moekv:expert_cache_misses_total"] == 6
     assert values["moekv:expert_cache_bytes_copied_total"] == 1024
+
+
+def test_vllm_prefix_renames_the_shared_series_only():
+    from moekv.metrics import RequestTimings
+
+    metrics = ServerMetrics("m", prefix="vllm", max_model_len=1000)
+    metrics.bind(lambda: EngineStats(num_running=1, kv_bits_per_value=3.29, kv_full_precision_token_share=0.25))
+    metrics.set_cache_info(block_size=128, cache_dtype="int3", num_gpu_blocks=40)
+    metrics.observe_tokens(3, 0.02)
+    metrics.observe_request(RequestTimings(queue=0.5, prefill=0.25, decode=1.0, inference=1.25,
+                                           time_per_output_token=0.1, prompt_tokens=7, generation_tokens=11,
+                                           max_tokens=16))
+    metrics.observe_request(RequestTimings(queue=None, prefill=None, decode=None, inference=None,
+                                           time_per_output_token=None, prompt_tokens=3, generation_tokens=0,
+                                           max_tokens=4))
+    text = metrics.render().decode()
+    values = parse_metrics(text)
+    assert values["vllm:num_requests_running"] == 1 and "moekv:num_requests_running" not in values
+    assert values["vllm:time_per_output_token_seconds_count"] == 3 == values["vllm:inter_token_latency_seconds_count"]
+    assert values["vllm:request_queue_time_seconds_count"] == 1 and values["vllm:request_queue_time_seconds_sum"] == 0.5
+    for name, total in (("prefill", 0.25), ("decode", 1.0), ("inference", 1.25)):
+        assert values[f"vllm:request_{name}_time_seconds_sum"] == total
+    assert values["vllm:request_time_per_output_token_seconds_sum"] == 0.1
+    assert values["vllm:request_prompt_tokens_sum"] == 10 and values["vllm:request_prompt_tokens_count"] == 2
+    assert values["vllm:request_generation_tokens_sum"] == 11 and values["vllm:request_params_max_tokens_sum"] == 20
+    assert values['vllm:request_prompt_tokens_bucket{le="5.0",model_name="m"}'] == 1
+    assert 'le="1000.0"' in text and 'le="2000.0"' not in text      # token buckets stop at max_model_len
+    assert values['vllm:cache_config_info{block_size="128",cache_dtype="int3",model_name="m",num_gpu_blocks="40"}'] == 1
+    assert values["moekv:kv_cache_bits_per_value"] == 3.29 and values["moekv:kv_cache_full_precision_token_share"] == 0.25
+    assert values["vllm:gpu_cache_usage_perc"] == values["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_unknown_prefix_is_an_error():
+    import pytest
+
+    with pytest.raises(ValueError, match="prefix"):
+        ServerMetrics("m", prefix="sglang")

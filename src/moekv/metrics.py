@@ -1,4 +1,8 @@
-"""Prometheus metrics of the server, named as vLLM names them (`vllm:` -> `moekv:`) where they mean the same.
+"""Prometheus metrics of the server, named as vLLM names them where they mean the same.
+
+Prefix scheme: every series vLLM also exports keeps vLLM's name after the prefix, which is `moekv:`
+by default and `vllm:` with `prefix="vllm"` (`moekv serve --metrics-prefix vllm`), so a vLLM dashboard
+reads moekv unchanged; series only moekv has (low-bit KV, outlier budget, experts) are always `moekv:`.
 
 Request-level numbers (latencies, token counts, finished requests) are pushed by the async engine's
 thread as tokens are produced; engine-level numbers (queue lengths, KV cache usage, bits per value,
@@ -17,13 +21,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "EngineStats", "ServerMetrics", "parse_metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "EngineStats", "RequestTimings", "ServerMetrics", "parse_metrics"]
+METRICS_PREFIXES = ("moekv", "vllm")
 
 # Bucket edges in seconds: fine where a small model on a CPU or a GPU lands, coarse in the tails.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                        0.75, 1.0, 2.5, 5.0, 10.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                 320.0, 640.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
                120.0, 300.0, 600.0)
 
@@ -39,45 +46,108 @@ class EngineStats:
     num_waiting: int = 0             # queued or preempted requests
     kv_cache_usage: float = 0.0      # share of KV pages in use, 0..1
     num_preemptions: int = 0         # preemptions since start
-    kv_bits_per_value: float = 0.0   # all-in bits per stored key/value element at the current lengths
+    kv_bits_per_value: float = 0.0   # all-in bits per value of a filled page of the cache format (low-bit:
+                                     # codes + scales + zero points + outliers; full precision: the dtype's)
+    kv_full_precision_token_share: float = 0.0   # share of running sequences' tokens in full-precision pages
+                                                 # (low-bit: sink pages and partly filled tail pages)
     prefix_cache_queries: int = 0    # prompt tokens looked up in the prefix cache at admission, since start
     prefix_cache_hits: int = 0       # ... of which were found cached (their prefill was skipped)
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """A finished request's phases in seconds (None: never reached) and sizes, for vLLM's request_* series."""
+
+    queue: float | None              # arrival -> the start of the first step that ran it
+    prefill: float | None            # that step -> the first token
+    decode: float | None             # the first token -> the end
+    inference: float | None          # the first step -> the end
+    time_per_output_token: float | None   # decode / (generated - 1)
+    prompt_tokens: int
+    generation_tokens: int
+    max_tokens: int
+
+
+def _token_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's request-token bucket edges)."""
+    edges, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return edges
+            edges.append(float(mantissa * scale))
+        scale *= 10
 
 
 class ServerMetrics:
     """The server's Prometheus metrics; thread-safe (prometheus-client metrics lock internally)."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
-        self.model_name = model_name
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, prefix: str = "moekv",
+                 max_model_len: int = 1 << 20):
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
+        self.model_name, self.prefix = model_name, prefix
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
-        self.time_to_first_token = Histogram(
-            "moekv:time_to_first_token_seconds", "Time from arrival to the first generated token.",
-            labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.inter_token_latency = Histogram(
-            "moekv:inter_token_latency_seconds", "Time between two consecutive generated tokens.",
-            labels, buckets=INTER_TOKEN_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e_request_latency = Histogram(
-            "moekv:e2e_request_latency_seconds", "Time from arrival to the end of a request.",
-            labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        name = self.shared_name
+
+        def histogram(metric: str, doc: str, buckets) -> Histogram:
+            return Histogram(name(metric), doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Time from arrival to the first generated token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between two consecutive generated tokens.", INTER_TOKEN_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Time per output token (each gap between tokens; vLLM's older name "
+            "of inter_token_latency_seconds).", INTER_TOKEN_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "Time from arrival to the end of a request.", E2E_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Time a request waited before its first step.", PHASE_BUCKETS)
+        self.request_prefill_time = histogram("request_prefill_time_seconds",
+                                              "Time from the first step to the first token.", PHASE_BUCKETS)
+        self.request_decode_time = histogram("request_decode_time_seconds",
+                                             "Time from the first token to the end.", PHASE_BUCKETS)
+        self.request_inference_time = histogram("request_inference_time_seconds",
+                                                "Time from the first step to the end.", PHASE_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "A request's mean time per output token after the first.",
+            INTER_TOKEN_BUCKETS)
+        token_buckets = _token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of a finished request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens of a finished request.", token_buckets)
+        self.request_max_tokens = histogram("request_params_max_tokens", "The max_tokens a request asked for.",
+                                            token_buckets)
         self.prompt_tokens = Counter(
-            "moekv:prompt_tokens", "Prompt tokens of requests that produced their first token.",
+            name("prompt_tokens"), "Prompt tokens of requests that produced their first token.",
             labels, registry=self.registry).labels(model_name)
         self.generation_tokens = Counter(
-            "moekv:generation_tokens", "Generated tokens.", labels, registry=self.registry).labels(model_name)
+            name("generation_tokens"), "Generated tokens.", labels, registry=self.registry).labels(model_name)
         self._request_success = Counter(
-            "moekv:request_success", "Finished requests, by finish reason (stop, length, abort).",
+            name("request_success"), "Finished requests, by finish reason (stop, length, abort).",
             labels + ["finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name, reason)
         self.request_failure = Counter(
             "moekv:request_failure", "Requests the engine ended with an error.", labels,
             registry=self.registry).labels(model_name)
+        self._cache_info: dict[str, str] = {}
         self._stats_source: Callable[[], EngineStats] | None = None
         self._expert_load_source: Callable[[], object] | None = None
         self._kv_stats_source: Callable[[], dict[str, float]] | None = None
         self._routing_source: Callable[[], dict | None] | None = None
         self.registry.register(_EngineCollector(self))
+
+    def shared_name(self, metric: str) -> str:
+        """The exported name of a series vLLM also has."""
+        return f"{self.prefix}:{metric}"
+
+    def set_cache_info(self, **info) -> None:
+        """The labels of `cache_config_info` (vLLM's: block_size, cache_dtype, num_gpu_blocks, ...)."""
+        self._cache_info = {key: str(value) for key, value in info.items()}
 
     # -- pushed by the engine thread ----------------------------------------------------------------
     def observe_first_token(self, seconds: float, num_prompt_tokens: int) -> None:
@@ -90,6 +160,7 @@ class ServerMetrics:
         if inter_token_seconds is not None:
             for _ in range(count):
                 self.inter_token_latency.observe(inter_token_seconds)
+                self.time_per_output_token.observe(inter_token_seconds)
 
     def observe_finished(self, e2e_seconds: float, finish_reason: str | None) -> None:
         self.e2e_request_latency.observe(e2e_seconds)
@@ -97,6 +168,19 @@ class ServerMetrics:
             self._request_success.labels(self.model_name, finish_reason).inc()
         else:
             self.request_failure.inc()
+
+    def observe_request(self, timings: RequestTimings) -> None:
+        """A finished request's phases and sizes."""
+        for histogram, value in ((self.request_queue_time, timings.queue),
+                                 (self.request_prefill_time, timings.prefill),
+                                 (self.request_decode_time, timings.decode),
+                                 (self.request_inference_time, timings.inference),
+                                 (self.request_time_per_output_token, timings.time_per_output_token)):
+            if value is not None:
+                histogram.observe(max(value, 0.0))
+        self.request_prompt_tokens.observe(timings.prompt_tokens)
+        self.request_generation_tokens.observe(timings.generation_tokens)
+        self.request_max_tokens.observe(timings.max_tokens)
 
     # -- read at scrape time ------------------------------------------------------------------------
     def bind(self, stats: Callable[[], EngineStats], expert_load: Callable[[], object] | None = None,
@@ -135,16 +219,27 @@ class _EngineCollector:
             family.add_metric(name, value)
             return family
 
-        yield gauge("moekv:num_requests_running", "Requests holding KV pages.", stats.num_running)
-        yield gauge("moekv:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        yield gauge("moekv:kv_cache_usage_perc", "KV cache usage, 1 means 100 percent.", stats.kv_cache_usage)
-        yield gauge("moekv:kv_cache_bits_per_value", "All-in bits per stored key/value element.",
-                    stats.kv_bits_per_value)
-        yield counter("moekv:num_preemptions", "Preemptions (recompute) since start.", stats.num_preemptions)
-        yield counter("moekv:prefix_cache_queries", "Tokens looked up in the prefix cache at admission.",
+        shared = m.shared_name
+        yield gauge(shared("num_requests_running"), "Requests holding KV pages.", stats.num_running)
+        yield gauge(shared("num_requests_waiting"), "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge(shared("kv_cache_usage_perc"), "KV cache usage, 1 means 100 percent.", stats.kv_cache_usage)
+        yield gauge(shared("gpu_cache_usage_perc"), "KV cache usage (vLLM's older name of kv_cache_usage_perc).",
+                    stats.kv_cache_usage)
+        yield counter(shared("num_preemptions"), "Preemptions (recompute) since start.", stats.num_preemptions)
+        yield counter(shared("prefix_cache_queries"), "Tokens looked up in the prefix cache at admission.",
                       stats.prefix_cache_queries)
-        yield counter("moekv:prefix_cache_hits", "Tokens found in the prefix cache (prefill skipped).",
+        yield counter(shared("prefix_cache_hits"), "Tokens found in the prefix cache (prefill skipped).",
                       stats.prefix_cache_hits)
+        if m._cache_info:
+            info = GaugeMetricFamily(shared("cache_config_info"), "Information of the KV cache configuration.",
+                                     labels=["model_name", *m._cache_info])
+            info.add_metric([m.model_name, *m._cache_info.values()], 1.0)
+            yield info
+        yield gauge("moekv:kv_cache_bits_per_value", "All-in bits per value of a filled page of the KV cache "
+                    "format (low-bit: codes, scales, zero points and outliers).", stats.kv_bits_per_value)
+        yield gauge("moekv:kv_cache_full_precision_token_share", "Share of the running sequences' tokens still in "
+                    "full-precision pages (low-bit: partly filled tail pages and sink pages).",
+                    stats.kv_full_precision_token_share)
         kv_stats = m._kv_stats_source() if m._kv_stats_source is not None else {}
         yield counter("moekv:kv_outlier_budget_hits", "Page-heads whose outlier budget overflowed (low-bit formats).",
                       outlier_budget_hits(kv_stats))

@@ -238,3 +238,21 @@ def test_out_of_staging_pages_returns_the_slots_the_failed_step_took():
     for _ in range(3):                                    # c's staged context is read back from its slot
         h.step({"a": 1, "b": 1, "c": 1})
     assert h.cache.slots.num_used == 3
+
+
+@pytest.mark.parametrize("sinks, lengths, staged", [
+    (0, [PAGE * 2 + 2, PAGE // 2], 2 + PAGE // 2),   # tails only
+    (0, [PAGE * 3], 0),                              # full pages: all low-bit
+    (1, [PAGE + 3], PAGE + 3),                       # sink page + tail
+    (1, [PAGE // 2], PAGE // 2),                     # the partial page is the sink page: counted once
+    (2, [PAGE * 5 + 1, PAGE], 2 * PAGE + 1 + PAGE),
+])
+def test_full_precision_token_share_and_page_bits(sinks, lengths, staged):
+    h = Harness(fp_sink_pages=sinks)
+    assert h.cache.full_precision_token_share(lengths) == pytest.approx(staged / sum(lengths))
+    assert h.cache.full_precision_token_share([]) == 0.0
+    page_bits = h.cache.page_bits_per_value()
+    assert page_bits == accounting.format_bits_per_value(h.cache.key_spec, h.cache.value_spec)
+    assert 3.0 < page_bits < 6.0                     # int3 codes + per-page metadata, never the fp tail's 32
+    fp = create_kv_cache(CacheConfig(kv_cache_dtype="fp32", page_size=PAGE), h.spec, 8, "cpu")
+    assert fp.page_bits_per_value() == 32.0 and fp.full_precision_token_share(lengths) == 1.0

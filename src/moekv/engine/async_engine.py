@@ -31,7 +31,7 @@ from moekv.core.request import Request, RequestStatus
 from moekv.engine.step_recovery import StepRecovery
 from moekv.engine.streams import AddCommand, EngineDeadError, RequestStream, StreamDelta, Tracked
 from moekv.errors import InvalidRequestError
-from moekv.metrics import EngineStats, ServerMetrics
+from moekv.metrics import EngineStats, RequestTimings, ServerMetrics
 from moekv.sampling import SamplingParams
 
 logger = logging.getLogger("moekv.async_engine")
@@ -46,14 +46,19 @@ class AsyncEngine:
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, Tracked] = {}          # engine thread only
+        self._unscheduled: set[str] = set()               # tracked, not yet run by a step (engine thread)
         self._recovery = StepRecovery(self.engine, self.fail)  # engine thread only
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dead_reason: str | None = None
         self.stats = EngineStats()                         # swapped by the engine thread
-        self._bits_time = 0.0
         if metrics is not None:
             metrics.bind(lambda: self.stats, self._expert_load, self._kv_stats, self._routing_stats)
+            cache = engine.cache_config
+            metrics.set_cache_info(block_size=engine.kv_manager.page_size, cache_dtype=cache.kv_cache_dtype,
+                                   num_gpu_blocks=engine.kv_manager.pool.num_pages, num_cpu_blocks=0,
+                                   gpu_memory_utilization=cache.memory_fraction, swap_space_bytes=0,
+                                   enable_prefix_caching=cache.enable_prefix_caching)
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -184,10 +189,12 @@ class AsyncEngine:
             return
         for request_id in added:
             self._tracked[request_id] = Tracked(request_id, command.out_queue, command.loop, command.submit_time)
+            self._unscheduled.add(request_id)
             self._recovery.admitted(self.engine.requests[request_id])
         _call_soon(command.loop, _settle, command.done, None)
 
     def _step(self) -> None:
+        started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -198,8 +205,19 @@ class AsyncEngine:
             self._deliver([rid for rid in self._tracked if self._is_finished(rid)])
             return
         self._recovery.step_succeeded()
+        self._mark_scheduled(started)
         self._publish_stats()   # before the deltas: a client that scrapes after its last chunk sees this step
         self._deliver([out.request_id for out in outputs])
+
+    def _mark_scheduled(self, step_start: float) -> None:
+        """Requests the step just ran for the first time left the queue when it started."""
+        for request_id in list(self._unscheduled):
+            request, tracked = self.engine.requests.get(request_id), self._tracked.get(request_id)
+            if tracked is None or request is None:
+                self._unscheduled.discard(request_id)
+            elif request.num_computed_tokens > 0 or request.status is not RequestStatus.WAITING:
+                tracked.scheduled_time = step_start
+                self._unscheduled.discard(request_id)
 
     def _is_finished(self, request_id: str) -> bool:
         request = self.engine.requests.get(request_id)
@@ -261,6 +279,7 @@ class AsyncEngine:
             tracked.last_token_time = now
         if finished and metrics is not None:
             metrics.observe_finished(now - tracked.submit_time, request.finish_reason)
+            metrics.observe_request(_request_timings(tracked, request, now))
 
     def _untrack(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
@@ -289,25 +308,23 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         """Swap in a fresh snapshot (cheap host-side numbers only: no device sync on the step path)."""
         engine = self.engine
-        now = time.monotonic()
-        bits = self.stats.kv_bits_per_value
-        if engine.scheduler.num_running and now - self._bits_time >= 0.25:
-            self._bits_time = now
+        bits, share = self.stats.kv_bits_per_value, self.stats.kv_full_precision_token_share
+        if bits == 0.0:         # the low-bit pages' all-in bits: fixed by the format
             try:
-                measured = float(engine.kv_bits_per_value())
-                bits = measured if measured > 0 else bits
-            except Exception:   # a format without an answer for these lengths keeps the last value
-                logger.debug("kv_bits_per_value failed", exc_info=True)
-        elif bits == 0.0:       # before the first request: the cost of one sequence at max_model_len
-            try:
-                bits = float(engine.kv_cache.bits_per_value([engine.max_model_len]))
+                bits = float(engine.kv_cache.page_bits_per_value())
             except Exception:
-                logger.debug("kv_cache.bits_per_value failed", exc_info=True)
+                logger.debug("kv_cache.page_bits_per_value failed", exc_info=True)
+        try:                    # host arithmetic over the running lengths: cheap enough for every step
+            share = float(engine.kv_cache.full_precision_token_share(
+                [r.num_computed_tokens for r in engine.scheduler.running]))
+        except Exception:       # a format without an answer keeps the last value
+            logger.debug("full_precision_token_share failed", exc_info=True)
         prefix = engine.kv_manager.prefix_cache
         self.stats = EngineStats(
             num_running=engine.scheduler.num_running, num_waiting=engine.scheduler.num_waiting,
             kv_cache_usage=float(engine.kv_manager.usage), num_preemptions=engine.scheduler.num_preemptions,
-            kv_bits_per_value=bits, prefix_cache_queries=prefix.queries if prefix is not None else 0,
+            kv_bits_per_value=bits, kv_full_precision_token_share=share,
+            prefix_cache_queries=prefix.queries if prefix is not None else 0,
             prefix_cache_hits=prefix.hits if prefix is not None else 0)
 
     # -- read at scrape time, from the scrape's thread (device reads never stall the engine thread) --
@@ -347,6 +364,21 @@ def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
 def _put_all(items: list[tuple[asyncio.Queue, StreamDelta]]) -> None:
     for out_queue, delta in items:
         out_queue.put_nowait(delta)
+
+
+def _request_timings(tracked: Tracked, request: Request, now: float) -> RequestTimings:
+    """A finished request's phases (vLLM's request_* histograms); a phase it never reached is None."""
+    scheduled, first = tracked.scheduled_time, tracked.first_token_time
+    num_generated = len(request.output_token_ids)
+    return RequestTimings(
+        queue=None if scheduled is None else scheduled - tracked.submit_time,
+        prefill=None if scheduled is None or first is None else first - scheduled,
+        decode=None if first is None else now - first,
+        inference=None if scheduled is None else now - scheduled,
+        time_per_output_token=(now - first) / (num_generated - 1) if first is not None and num_generated > 1
+        else None,
+        prompt_tokens=request.num_prompt_tokens, generation_tokens=num_generated,
+        max_tokens=request.params.max_tokens)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

@@ -52,6 +52,7 @@ class Tracked:
     sent_chars: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    scheduled_time: float | None = None   # start of the first step that ran it (queue time ends here)
 
 
 @dataclass

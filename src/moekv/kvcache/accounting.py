@@ -70,6 +70,15 @@ def pages_held(num_tokens: int, page_size: int, fp_sink_pages: int = 0) -> tuple
     return pages, sinks + int(partial_not_sink)
 
 
+def full_precision_tokens(num_tokens: int, page_size: int, fp_sink_pages: int = 0) -> int:
+    """Tokens of a sequence that a low-bit cache holds in full-precision staging pages: its sink pages'
+    and its partly filled last page's (quantized once the page fills)."""
+    sink_tokens = min(num_tokens, fp_sink_pages * page_size)
+    tail = num_tokens % page_size
+    tail_is_sink = -(-num_tokens // page_size) <= fp_sink_pages
+    return sink_tokens + (tail if tail and not tail_is_sink else 0)
+
+
 def cache_bits_per_value(key_spec: QuantSpec, value_spec: QuantSpec, num_kv_heads: int, element_size: int,
                          num_tokens_per_seq: list[int], fp_sink_pages: int = 0) -> float:
     """All-in bits per value of a cache holding sequences of these lengths: low-bit storage of every page

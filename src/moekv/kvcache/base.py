@@ -122,6 +122,15 @@ class KVCache(ABC):
     def bits_per_value(self, num_tokens_per_seq: list[int]) -> float:
         """All-in bits per stored key/value element for sequences of these lengths."""
 
+    def page_bits_per_value(self) -> float:
+        """All-in bits per value of a filled page of this format (what the compressed part costs)."""
+        return self.bits_per_value([self.spec.page_size])
+
+    def full_precision_token_share(self, num_tokens_per_seq: list[int]) -> float:
+        """Share of these sequences' tokens held in full precision (a full-precision format: all of them;
+        0.0 when there are no tokens)."""
+        return 1.0 if sum(num_tokens_per_seq) else 0.0
+
     def stats(self) -> dict[str, float]:
         """Format-specific counters (e.g. outlier-budget hits); empty for plain formats."""
         return {}

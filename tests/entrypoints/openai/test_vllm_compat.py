@@ -156,3 +156,50 @@ def test_version_ping_health(mock_server):
     assert httpx.post(f"{mock_server.url}/ping").status_code == 200
     assert httpx.get(f"{mock_server.url}/health").status_code == 200
     assert httpx.post(f"{mock_server.url}/tokenize", json={"prompt": "a"}).status_code == 401
+
+
+def test_vllm_metrics_and_bits_gauges_on_the_bundled_model_int3():
+    """Short int3 requests: the bits gauge is the low-bit pages' bits (not the fp tail's cost over few
+    tokens, which read 341.7 before) and the tail's share is reported apart; vLLM's series are scraped."""
+    from moekv.engine.async_engine import AsyncEngine
+    from moekv.engine.engine import Engine
+    from moekv.entrypoints.llm import make_engine_config
+    from moekv.entrypoints.openai.server import build_app
+    from moekv.entrypoints.openai.serving import ServerConfig
+    from moekv.kvcache import accounting
+    from moekv.metrics import ServerMetrics, parse_metrics
+
+    engine = Engine(make_engine_config(default_model_dir(), kv_cache_dtype="int3", device="cpu", max_model_len=256,
+                                       num_pages=16, max_num_seqs=4, max_num_batched_tokens=256))
+    metrics = ServerMetrics("tiny", prefix="vllm", max_model_len=256)
+    async_engine = AsyncEngine(engine, metrics)
+    app = build_app(async_engine, ServerConfig(served_model_name="tiny"))
+    async_engine.start()
+    seen_share = []
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json={
+                    "prompt": "ROMEO:", "max_tokens": 24, "temperature": 0, "stream": True}) as response:
+                async for _ in response.aiter_lines():
+                    seen_share.append(parse_metrics((await http.get("/metrics")).text)[
+                        "moekv:kv_cache_full_precision_token_share"])
+            return parse_metrics((await http.get("/metrics")).text), (await http.get("/metrics")).text
+
+    try:
+        values, text = asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        async_engine.shutdown()
+    cache = engine.kv_cache
+    assert values["moekv:kv_cache_bits_per_value"] == pytest.approx(
+        accounting.format_bits_per_value(cache.key_spec, cache.value_spec))
+    assert 3.0 < values["moekv:kv_cache_bits_per_value"] < 4.5
+    assert max(seen_share) == 1.0            # a short sequence lives wholly in its fp tail page
+    assert values["vllm:request_queue_time_seconds_count"] == 1
+    assert values["vllm:request_generation_tokens_sum"] == 24
+    prompt_tokens = len(engine.tokenizer.encode("ROMEO:"))
+    assert values["vllm:request_prompt_tokens_sum"] == prompt_tokens == values["vllm:prompt_tokens_total"]
+    assert values["vllm:time_per_output_token_seconds_count"] == 23
+    assert values["vllm:request_time_per_output_token_seconds_count"] == 1
+    assert 'cache_dtype="int3"' in text and 'block_size="128"' in text and 'num_gpu_blocks="16"' in text

@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-alive-timeout", type=float, default=defaults.keep_alive_timeout_s, metavar="S",
                         help=f"close idle keep-alive connections after S seconds (default "
                              f"{defaults.keep_alive_timeout_s:g})")
+    parser.add_argument("--metrics-prefix", default="moekv", choices=["moekv", "vllm"],
+                        help="prefix of the /metrics series vLLM also has (vllm: a vLLM dashboard reads them "
+                             "unchanged); moekv-only series stay moekv: (default moekv)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_vllm_arguments(parser)
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 capacity, engine.cache_config.kv_cache_dtype, engine.max_model_len, capacity / engine.max_model_len)
     names = args.served_model_name or [model if not Path(model).exists() else Path(model).resolve().name]
     name = names[0]
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, prefix=args.metrics_prefix, max_model_len=engine.max_model_len)
     async_engine = AsyncEngine(engine, metrics)
     app = build_app(async_engine, ServerConfig(
         served_model_name=name, model_path=config.model.model, api_key=args.api_key,

@@ -396,6 +396,15 @@ class LowBitKVCache(KVCache):
         return accounting.cache_bits_per_value(self.key_spec, self.value_spec, self.spec.num_kv_heads, element,
                                                num_tokens_per_seq, self.config.fp_sink_pages)
 
+    def page_bits_per_value(self) -> float:
+        return accounting.format_bits_per_value(self.key_spec, self.value_spec)
+
+    def full_precision_token_share(self, num_tokens_per_seq: list[int]) -> float:
+        total = sum(num_tokens_per_seq)
+        staged = sum(accounting.full_precision_tokens(n, self.spec.page_size, self.config.fp_sink_pages)
+                     for n in num_tokens_per_seq)
+        return staged / total if total else 0.0
+
     def stats(self) -> dict[str, float]:
         counts = dict(zip(_COUNTERS, self._counters.tolist()))
         page_heads = max(counts["page_heads_quantized"], 1)
