@@ -21,20 +21,20 @@ def test_parallel_config_validation(kwargs, message):
         ParallelConfig(**kwargs)
 
 
-def test_llm_without_torchrun_says_how_to_launch(monkeypatch):
+def test_llm_without_torchrun_says_how_to_launch(monkeypatch, tmp_path):
     from moekv.entrypoints.llm import LLM
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="launch with `torchrun --nproc-per-node 2"):
-        LLM("does-not-matter", expert_parallel_size=2, device="cpu")
+        LLM(str(tmp_path), expert_parallel_size=2, device="cpu")   # never loaded
 
 
-def test_offload_and_expert_parallel_do_not_combine():
+def test_offload_and_expert_parallel_do_not_combine(tmp_path):
     from moekv.entrypoints.llm import LLM
 
     with pytest.raises(ConfigError, match="cpu_offload_experts cannot be combined"):
-        LLM("does-not-matter", expert_parallel_size=2, cpu_offload_experts=True, device="cpu")
+        LLM(str(tmp_path), expert_parallel_size=2, cpu_offload_experts=True, device="cpu")
 
 
 def test_too_many_redundant_experts_is_a_config_error():
