@@ -23,7 +23,7 @@ def test_eval_kv_writes_the_table(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     kv_fidelity.add_arguments(parser)
     out = tmp_path / "rows.json"
-    args = parser.parse_args(["--context", "160", "--windows", "2", "--chunk", "48", "--formats", "int3",
+    args = parser.parse_args(["--context", "160", "--windows", "2", "--chunk", "48", "--formats", "int3", "--full",
                               "--json", str(out)])
     assert kv_fidelity.run(args) == 0
     rows = json.loads(out.read_text())
@@ -48,3 +48,24 @@ def test_variants_cover_the_table():
     assert len(int_rows) == 12
     off = next(r for r in rows if r.is_low_bit and not r.outliers).cache_config()
     assert off.key_outlier_fraction == 0 and off.value_outlier_fraction == 0
+
+
+def test_default_rows_are_the_shipped_configurations():
+    quick = kv_fidelity.default_variants(full=False)
+    assert [(r.kv_cache_dtype, r.axis_mode, r.outliers) for r in quick] == [
+        ("bf16", "n/a", False), ("int4", "channel", True), ("int3", "channel", True), ("int2", "channel", True)]
+
+
+@pytest.mark.skipif(bundled_model() is None, reason="the bundled checkpoint is not in this checkout")
+def test_default_command_is_quick_and_sets_context(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    kv_fidelity.add_arguments(parser)
+    out = tmp_path / "rows.json"
+    args = parser.parse_args(["--windows", "1", "--no-tensor-report", "--no-progress", "--json", str(out)])
+    assert kv_fidelity.run(args) == 0
+    rows = json.loads(out.read_text())
+    assert args.context == 512 and [r["context"] for r in rows] == [512] * 5
+    assert [r["kv_cache_dtype"] for r in rows] == ["fp32", "bf16", "int4", "int3", "int2"]
+    kl = {r["kv_cache_dtype"]: r["kl"] for r in rows}
+    assert kl["fp32"] == 0 < kl["bf16"] < kl["int4"] < kl["int3"] < kl["int2"] < 1   # fewer bits, more KL
+    assert parser.parse_args(["--full"]).full and kv_fidelity.default_variants(full=True)[1].axis_mode == "channel"

@@ -54,7 +54,7 @@ class RecordingCache(KVCache):
     def attention(self, layer, query, key, value, meta, scale):
         rows = slice(0, meta.query_lens_host[0])
         self.record.layers.setdefault(layer, []).append(
-            (query[rows].float().clone(), key[rows].float().clone(), value[rows].float().clone()))
+            tuple(t[rows].float().to("cpu", copy=True) for t in (query, key, value)))   # host copies
         self.record.scale = scale
         return self.inner.attention(layer, query, key, value, meta, scale)
 
@@ -63,9 +63,10 @@ class RecordingCache(KVCache):
 
 
 def run_windows(model, windows: torch.Tensor, variant, chunk: int, record: TensorRecord | None = None,
-                tail_dtype: torch.dtype | None = None) -> WindowResult:
-    """Run windows [W, C] of token ids as W sequences, `chunk` new tokens per sequence per step.
-    Low-bit caches keep their full-precision tail in `tail_dtype` (None: the model's dtype)."""
+                tail_dtype: torch.dtype | None = None, on_step=None) -> WindowResult:
+    """Run windows [W, C] of token ids as W sequences (one batch), `chunk` new tokens per sequence per
+    step. Low-bit caches keep their full-precision tail in `tail_dtype` (None: the model's dtype).
+    `on_step(1)` is called after every step (a progress bar)."""
     started = time.perf_counter()
     arch = model.arch
     config = variant.cache_config()
@@ -88,7 +89,9 @@ def run_windows(model, windows: torch.Tensor, variant, chunk: int, record: Tenso
             positions = torch.arange(start, start + count).repeat(num_windows).to(model.device)
             hidden = model.forward(input_ids, positions, runner, meta)                         # [W * n, H]
             logits = model.compute_logits(hidden).view(num_windows, count, -1)                  # [W, n, V]
-            logprobs[:, start:start + count] = torch.log_softmax(logits.float().cpu(), dim=-1)
+            logprobs[:, start:start + count] = torch.log_softmax(logits.float(), dim=-1).cpu()
+            if on_step is not None:
+                on_step(1)
     targets = windows[:, 1:].unsqueeze(-1)                                       # [W, C-1, 1]
     nll = -logprobs[:, :-1].gather(-1, targets).mean().item()
     stats, format_bits = {}, None
