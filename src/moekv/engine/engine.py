@@ -74,6 +74,7 @@ class Engine:
         self.model_dtype = next(model.parameters()).dtype
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = self._eos_token_ids(config.model.generation_config_dir)
+        self.generation_defaults = generation_defaults(config.model.generation_config_dir)
 
         cache_config = config.cache
         kv_dtype_name = cache_config.kv_cache_dtype
@@ -419,3 +420,21 @@ class Engine:
         overall (1 and 2 layers ahead), expert-cache hits / misses / prefetches (see
         moe.prefetch.runtime.RoutingRuntime.stats). Reads device counters: call between steps."""
         return self.routing.stats()
+
+
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def generation_defaults(generation_dir: str | None) -> dict[str, float]:
+    """The sampling defaults a checkpoint's generation_config.json sets (vLLM's `--generation-config auto`):
+    temperature, top_p, top_k, repetition_penalty, for requests that leave them out (server only)."""
+    path = Path(generation_dir or "") / "generation_config.json"
+    if generation_dir is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    return {key: data[key] for key in GENERATION_DEFAULT_KEYS
+            if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool)}
+

@@ -135,19 +135,23 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
         return asked
 
-    @staticmethod
-    def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | None,
+    def sampling_params(self, body: _SamplingRequest, max_tokens: int, logprobs: int | None,
                         seed: int | None, **extra) -> SamplingParams:
-        """One engine request's params (n / best_of fan out in `submit`; InvalidRequestError -> 400)."""
+        """One engine request's params (n / best_of fan out in `submit`; InvalidRequestError -> 400).
+        A field the request leaves out takes the checkpoint's generation_config.json value (vLLM's
+        `--generation-config auto`), else OpenAI's default."""
+        defaults = getattr(self.engine, "generation_defaults", None) or {}
+        top_k = body.top_k if body.top_k is not None else int(defaults.get("top_k", 0))
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if body.top_k in (None, 0) else body.top_k,
+            temperature=float(defaults.get("temperature", 1.0)) if body.temperature is None else body.temperature,
+            top_p=float(defaults.get("top_p", 1.0)) if body.top_p is None else body.top_p,
+            top_k=-1 if top_k in (-1, 0) else top_k,
             seed=seed, stop=body.stop, stop_token_ids=body.stop_token_ids, logprobs=logprobs,
             ignore_eos=body.ignore_eos,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=(float(defaults.get("repetition_penalty", 1.0)) if body.repetition_penalty is None
+                                else body.repetition_penalty),
             min_tokens=body.min_tokens or 0, logit_bias=body.logit_bias,
             **{"structured_outputs": structured_outputs(body), **extra})
 
