@@ -12,7 +12,7 @@ from moekv.errors import InvalidRequestError
 from moekv.sampling import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "GenerationOutput", "add_all_or_none", "collect_outputs",
-           "make_engine_config"]
+           "make_engine_config", "resolve_model_names"]
 
 
 class LLM:
@@ -33,6 +33,7 @@ class LLM:
 
     def __init__(self, model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, quantization: str | None = None, **kwargs):
+        model, kwargs = resolve_model_names(model, kwargs)
         config = make_engine_config(model, dtype, kv_cache_dtype, device, max_model_len, seed,
                                     quantization=quantization, **kwargs)
         self.engine = build_engine(config)    # expert parallel: this rank's LockstepEngine (under torchrun)
@@ -100,23 +101,34 @@ class LLM:
         return self.engine.rebalance()      # NotAvailableError on one process
 
 
+def resolve_model_names(model: str, kwargs: dict) -> tuple[str, dict]:
+    """`model`, `tokenizer=` and `generation_config=` as checkpoint folders: a folder as given, a Hugging Face
+    id from the local cache (`revision=`, `tokenizer_revision=`, `download_dir=`; models.hub, never a
+    download). Returns the model folder and the keyword arguments without the revision / cache ones."""
+    from moekv.models.hub import resolve_model_dir
+
+    kwargs = dict(kwargs)
+    revision, download_dir = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
+    tokenizer_revision = kwargs.pop("tokenizer_revision", None)
+    model = resolve_model_dir(model, revision, download_dir)
+    if kwargs.get("tokenizer") is not None:
+        kwargs["tokenizer"] = resolve_model_dir(kwargs["tokenizer"], tokenizer_revision, download_dir,
+                                                what="tokenizer")
+    if kwargs.get("generation_config", "auto") not in ("auto", "vllm", "none"):
+        kwargs["generation_config"] = resolve_model_dir(kwargs["generation_config"], None, download_dir,
+                                                        what="generation_config")
+    return model, kwargs
+
+
 def make_engine_config(model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",
                        max_model_len: int | None = None, seed: int = 0, quantization: str | None = None,
                        **kwargs) -> EngineConfig:
     """Sort keyword arguments into the config dataclass they belong to (unknown names are an error).
 
-    `model` and `tokenizer=` are folders or Hugging Face ids in the local cache (`revision=`,
-    `tokenizer_revision=`, `download_dir=`: models.hub); `generation_config=` auto, vllm or a folder."""
-    from moekv.models.hub import resolve_model_dir
-
-    revision, download_dir = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
-    tokenizer, tokenizer_revision = kwargs.pop("tokenizer", None), kwargs.pop("tokenizer_revision", None)
+    `tokenizer=` is a folder (None: the model's), `generation_config=` auto, vllm or a folder; names
+    are taken as given (`resolve_model_names` turns Hub ids into cached folders first)."""
+    tokenizer = kwargs.pop("tokenizer", None)
     generation_config = kwargs.pop("generation_config", "auto")
-    model = resolve_model_dir(model, revision, download_dir)
-    if tokenizer is not None:
-        tokenizer = resolve_model_dir(tokenizer, tokenizer_revision, download_dir, what="tokenizer")
-    if generation_config not in ("auto", "vllm", "none"):
-        generation_config = resolve_model_dir(generation_config, None, download_dir, what="generation_config")
     groups = {CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}, OffloadConfig: {}, DeviceConfig: {}}
     for key, value in kwargs.items():
         owner = next((cls for cls in groups if key in cls.__dataclass_fields__), None)

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
 def engine_config_from_args(args: argparse.Namespace):
     """(the EngineConfig the parsed flags ask for, the model as named); ConfigError on a bad combination."""
-    from moekv.entrypoints.llm import make_engine_config
+    from moekv.entrypoints.llm import make_engine_config, resolve_model_names
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ConfigError(f"two models given: {args.model_tag!r} (positional) and --model {args.model!r}")
@@ -179,7 +179,8 @@ def engine_config_from_args(args: argparse.Namespace):
     if size > 1:
         extra.update(expert_parallel_size=size, num_redundant_experts=args.num_redundant_experts,
                      expert_dispatch=args.expert_dispatch)
-    config = make_engine_config(model, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
+    folder, extra = resolve_model_names(model, extra)
+    config = make_engine_config(folder, args.dtype, args.kv_cache_dtype, args.device, args.max_model_len,
                                 args.seed, quantization=args.quantization, **extra)
     return config, model
 
