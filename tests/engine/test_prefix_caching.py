@@ -101,6 +101,22 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once():
     assert_idle(engine)
 
 
+def test_a_long_queue_of_sharers_is_scanned_only_so_far():
+    from moekv.scheduler.scheduler import MAX_DEFERRED
+
+    engine = mock_engine(num_pages=512, max_num_seqs=128, max_num_batched_tokens=4096, max_model_len=32)
+    sharers = [engine.add_request(list(range(1, 9)) + [20 + i % 30], SamplingParams(max_tokens=1, **GREEDY))
+               for i in range(MAX_DEFERRED + 2)]
+    late = engine.add_request([60, 61], SamplingParams(max_tokens=1, **GREEDY))
+    engine.step()
+    waiting = [r.request_id for r in engine.scheduler.waiting]
+    assert waiting == sharers[1:] + [late]           # 64 held back, then the scan stopped: order kept
+    engine.step()
+    assert engine.prefix_cache_stats()["prefix_cache_hits"] == len(sharers[1:]) * 8
+    run_all(engine)
+    assert_idle(engine)
+
+
 def test_generated_pages_are_cached_for_the_next_turn():
     engine = mock_engine()
     first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=10, **GREEDY))

@@ -28,6 +28,9 @@ from moekv.kvcache.manager import KVCacheManager
 from moekv.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
+MAX_DEFERRED = 64      # waiting requests one step may hold back for in-batch prefix sharing before it stops looking
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
         self.config = config
@@ -107,6 +110,8 @@ class Scheduler:
             if pending and self.kv.next_uncached_page(request.request_id, len(hits), request.num_tokens,
                                                       request.token_ids) in pending:
                 deferred.append(self.waiting.popleft())   # its next page is computed now: hit it next step
+                if len(deferred) >= MAX_DEFERRED:
+                    break                       # a long queue of sharers: look no further this step
                 continue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
