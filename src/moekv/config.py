@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moekv import envs
+from moekv.arch import ArchConfig  # noqa: F401  (re-exported: the architecture record lives in arch.py)
 from moekv.errors import ConfigError
+from moekv.offload_config import EVICTION_POLICIES, OffloadConfig, parse_expert_cache_size  # noqa: F401  (re-exported)
 
 # Spellings a user may give for a KV cache dtype -> canonical name.
 KV_CACHE_DTYPES = {
@@ -60,76 +62,6 @@ def torch_dtype(name: str):
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-
-
-@dataclass(frozen=True)
-class ArchConfig:
-    """The architecture of a checkpoint, normalised from any of the Hugging Face config spellings.
-
-    One dataclass describes all supported MoE decoders; per-architecture differences are flags.
-    """
-
-    architecture: str                   # "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe"
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-    norm_topk_prob: bool                # renormalise the top-k routing weights to sum to 1
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    attention_bias: bool = False        # bias on q/k/v projections (Qwen2-MoE; Qwen3-MoE/OLMoE if configured)
-    attention_out_bias: bool = False    # bias on the output projection o_proj (Qwen3-MoE/OLMoE attention_bias)
-    clip_qkv: float | None = None       # OLMoE: clamp q, k, v to [-clip_qkv, clip_qkv] after the q/k norm
-    qk_norm: str = "none"               # "none" | "head" (RMSNorm over head_dim, Qwen3) | "full" (over all heads, OLMoE)
-    shared_expert_intermediate_size: int = 0   # 0: no shared expert (Qwen2-MoE has one, with a sigmoid gate)
-    dense_layers: tuple[int, ...] = ()  # layers that use a dense MLP instead of experts
-    dense_intermediate_size: int = 0
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    checkpoint_dtype: str | None = None # "bf16" | "fp16" | "fp32" as config.json states it; None if absent
-    weight_quantization: str | None = None   # "fp8": config.json's quantization_config (quant_method "fp8")
-    weight_block_size: tuple[int, int] | None = None   # its weight_block_size (block-wise scales), else None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "num_experts", "top_k", "expert_intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_kv_heads})")
-        if self.top_k > self.num_experts:
-            raise ConfigError(f"model config: num_experts_per_tok ({self.top_k}) exceeds the number of experts "
-                              f"({self.num_experts})")
-        if self.clip_qkv is not None and not self.clip_qkv > 0:
-            raise ConfigError(f"model config: clip_qkv must be positive or None, got {self.clip_qkv!r}")
-        if self.checkpoint_dtype not in (None, "bf16", "fp16", "fp32"):
-            raise ConfigError(f"model config: checkpoint_dtype must be bf16, fp16, fp32 or None, "
-                              f"got {self.checkpoint_dtype!r}")
-        if self.qk_norm not in ("none", "head", "full"):
-            raise ConfigError(f"model config: qk_norm must be none, head or full, got {self.qk_norm!r}")
-        if self.weight_quantization not in (None, "fp8"):
-            raise ConfigError(f"model config: weight_quantization must be fp8 or None, got {self.weight_quantization!r}")
-        block = self.weight_block_size
-        if block is not None and not (isinstance(block, tuple) and len(block) == 2
-                                      and all(isinstance(b, int) and b >= 1 for b in block)):
-            raise ConfigError(f"model config: weight_block_size must be two positive integers, got {block!r}")
-
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -390,78 +322,6 @@ class KernelConfig:
     def from_env(cls, **fields: Any) -> "KernelConfig":
         """`fields` (else the defaults) with the environment's overrides applied."""
         return cls(**{**fields, **envs.kernel_overrides()})
-
-
-EVICTION_POLICIES = ("lru", "lfu")
-_CACHE_SIZE_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-
-
-def parse_expert_cache_size(value: int | str | None) -> tuple[str, float] | None:
-    """expert_cache_size -> ("slots", n per MoE layer) | ("share", fraction of each layer's experts)
-    | ("bytes", total device bytes for expert slots), or None (the default share, 50%).
-
-    Accepted: a positive int (slots per MoE layer), "4" (the same), "50%", "12GB" / "12GiB" / "512MB".
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ConfigError(f"expert_cache_size must be an int, a percentage or a size in GB/GiB, got {value!r}")
-    if isinstance(value, int):
-        if value < 1:
-            raise ConfigError(f"expert_cache_size must be at least 1 expert slot per layer, got {value!r}")
-        return ("slots", float(value))
-    text = str(value).strip().lower().replace(" ", "")
-    try:
-        if text.isdigit():
-            return parse_expert_cache_size(int(text))
-        if text.endswith("%"):
-            share = float(text[:-1]) / 100.0
-            if not 0.0 < share <= 1.0:
-                raise ValueError
-            return ("share", share)
-        unit = next(u for u in sorted(_CACHE_SIZE_UNITS, key=len, reverse=True) if text.endswith(u))
-        size = float(text[:-len(unit)]) * _CACHE_SIZE_UNITS[unit]
-        if size <= 0:
-            raise ValueError
-        return ("bytes", size)
-    except (ValueError, StopIteration):
-        raise ConfigError(f"expert_cache_size {value!r} is not understood; give slots per MoE layer (4), a share of "
-                          f"each layer's experts (50%) or device bytes for all expert slots (12GB, 12GiB)") from None
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """Expert offloading to host memory with a bounded device expert cache, and expert prediction.
-
-    The cache is per MoE layer (every layer gets the same number of slots; see docs/expert-offload.md).
-    """
-
-    cpu_offload_experts: bool = False   # keep routed experts in host memory, a device cache of slots per layer
-    expert_cache_size: int | str | None = None   # slots per MoE layer (int), "50%" of each layer's experts, or
-                                        # "12GB"/"12GiB" of device memory for all slots; None: 50%
-    prefetch: bool = True               # stage predicted experts ahead (offloading); False: load on demand only
-    lookahead: int = 1                  # predict the experts of the next 1 or 2 layers
-    extra_candidates: int = 0           # experts predicted per token beyond top_k (higher recall, more copies)
-    eviction: str = "lru"               # expert-cache eviction: lru | lfu (predicted experts are protected)
-    track_prediction: bool = False      # run the predictor for recall statistics even without offloading
-    load_decay: float = 0.99            # per-step decay of the windowed expert load (routing_stats)
-
-    def __post_init__(self) -> None:
-        parse_expert_cache_size(self.expert_cache_size)
-        if self.lookahead not in (1, 2):
-            raise ConfigError(f"lookahead must be 1 or 2 layers, got {self.lookahead!r}")
-        if not isinstance(self.extra_candidates, int) or isinstance(self.extra_candidates, bool) \
-                or self.extra_candidates < 0:
-            raise ConfigError(f"extra_candidates must be an integer >= 0, got {self.extra_candidates!r}")
-        if self.eviction not in EVICTION_POLICIES:
-            raise ConfigError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
-        if not 0.0 < self.load_decay <= 1.0:
-            raise ConfigError(f"load_decay must be in (0, 1], got {self.load_decay!r}")
-
-    @property
-    def predicts(self) -> bool:
-        """Whether the expert predictor runs (prefetching needs it; stats may ask for it alone)."""
-        return self.track_prediction or (self.cpu_offload_experts and self.prefetch)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,78 @@
+"""Expert offloading switches (OffloadConfig) and the expert-cache size spelling; re-exported by config.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moekv.errors import ConfigError
+
+EVICTION_POLICIES = ("lru", "lfu")
+_CACHE_SIZE_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_expert_cache_size(value: int | str | None) -> tuple[str, float] | None:
+    """expert_cache_size -> ("slots", n per MoE layer) | ("share", fraction of each layer's experts)
+    | ("bytes", total device bytes for expert slots), or None (the default share, 50%).
+
+    Accepted: a positive int (slots per MoE layer), "4" (the same), "50%", "12GB" / "12GiB" / "512MB".
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"expert_cache_size must be an int, a percentage or a size in GB/GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"expert_cache_size must be at least 1 expert slot per layer, got {value!r}")
+        return ("slots", float(value))
+    text = str(value).strip().lower().replace(" ", "")
+    try:
+        if text.isdigit():
+            return parse_expert_cache_size(int(text))
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100.0
+            if not 0.0 < share <= 1.0:
+                raise ValueError
+            return ("share", share)
+        unit = next(u for u in sorted(_CACHE_SIZE_UNITS, key=len, reverse=True) if text.endswith(u))
+        size = float(text[:-len(unit)]) * _CACHE_SIZE_UNITS[unit]
+        if size <= 0:
+            raise ValueError
+        return ("bytes", size)
+    except (ValueError, StopIteration):
+        raise ConfigError(f"expert_cache_size {value!r} is not understood; give slots per MoE layer (4), a share of "
+                          f"each layer's experts (50%) or device bytes for all expert slots (12GB, 12GiB)") from None
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Expert offloading to host memory with a bounded device expert cache, and expert prediction.
+
+    The cache is per MoE layer (every layer gets the same number of slots; see docs/expert-offload.md).
+    """
+
+    cpu_offload_experts: bool = False   # keep routed experts in host memory, a device cache of slots per layer
+    expert_cache_size: int | str | None = None   # slots per MoE layer (int), "50%" of each layer's experts, or
+                                        # "12GB"/"12GiB" of device memory for all slots; None: 50%
+    prefetch: bool = True               # stage predicted experts ahead (offloading); False: load on demand only
+    lookahead: int = 1                  # predict the experts of the next 1 or 2 layers
+    extra_candidates: int = 0           # experts predicted per token beyond top_k (higher recall, more copies)
+    eviction: str = "lru"               # expert-cache eviction: lru | lfu (predicted experts are protected)
+    track_prediction: bool = False      # run the predictor for recall statistics even without offloading
+    load_decay: float = 0.99            # per-step decay of the windowed expert load (routing_stats)
+
+    def __post_init__(self) -> None:
+        parse_expert_cache_size(self.expert_cache_size)
+        if self.lookahead not in (1, 2):
+            raise ConfigError(f"lookahead must be 1 or 2 layers, got {self.lookahead!r}")
+        if not isinstance(self.extra_candidates, int) or isinstance(self.extra_candidates, bool) \
+                or self.extra_candidates < 0:
+            raise ConfigError(f"extra_candidates must be an integer >= 0, got {self.extra_candidates!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if not 0.0 < self.load_decay <= 1.0:
+            raise ConfigError(f"load_decay must be in (0, 1], got {self.load_decay!r}")
+
+    @property
+    def predicts(self) -> bool:
+        """Whether the expert predictor runs (prefetching needs it; stats may ask for it alone)."""
+        return self.track_prediction or (self.cpu_offload_experts and self.prefetch)
