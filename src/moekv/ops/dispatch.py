@@ -190,6 +190,8 @@ class Op:
     gate: "kernel" (use_triton), "layer" (also KernelConfig.fused_layer_ops), "skinny" (_skinny_triton).
     unsupported: (*op args) -> the warning when the kernel cannot take these arguments (None: no warning).
     tensor_arg: which argument's device decides the path.
+    cpu: a CPU path on torch's fused CPU kernels ("module:function", same signature), taken for CPU tensors
+         under the "auto" backend instead of the reference (backend "reference" still forces the twin).
     """
 
     reference: str | Callable
@@ -198,6 +200,7 @@ class Op:
     gate: str = "kernel"
     unsupported: Callable | None = None
     tensor_arg: int = 0
+    cpu: str | None = None
 
 
 def _no_quantizer(*args):
@@ -207,7 +210,8 @@ def _no_quantizer(*args):
 
 OPS: dict[str, Op] = {
     "paged_attention_full_precision": Op(_REF + "attention:paged_attention_full_precision",
-                                         _TRI + "attention.full_precision:paged_attention_full_precision"),
+                                         _TRI + "attention.full_precision:paged_attention_full_precision",
+                                         cpu="moekv.ops.cpu.attention:paged_attention_full_precision"),
     "paged_attention_lowbit": Op(
         _REF + "lowbit:paged_attention_lowbit", _lowbit_attention_kernel,
         unsupported=lambda *a: f"moekv: no Triton low-bit attention for page_size={a[5].page_size} (needs a power "
@@ -282,6 +286,8 @@ def _call(name: str, *args, **kwargs):
             return kernel(*args, **kwargs)
         if op.unsupported is not None:
             _warn_once(f"{name}:unsupported", op.unsupported(*args, **kwargs))
+    elif op.cpu is not None and _active.backend == "auto" and tensor.device.type == "cpu":
+        return choices.resolve(op.cpu)(*args, **kwargs)
     reference = op.reference if callable(op.reference) else choices.resolve(op.reference)
     return reference(*args, **kwargs)
 
