@@ -237,9 +237,9 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "auto"                # auto (cuda when available), cpu, cuda, cuda:N
-    cpu_threads: int | None = None      # torch intra-op threads on the CPU; None: 1 for small models
-                                        # (hidden < 2048: thread hand-offs cost more than they save,
-                                        # ~20x slower on a loaded 2-core machine), else torch's default
+    cpu_threads: int | None = None      # torch intra-op threads on the CPU; None: per step (engine/cpu_threads.py):
+                                        # small models (hidden < 2048) 1 thread, every core for steps of
+                                        # >= 1024 tokens (long prefill chunks); larger models torch's default
     cuda_graphs: bool = True            # decode-only steps replay CUDA graphs (per batch-size bucket) on CUDA;
                                         # False (--enforce-eager): every step runs eagerly
     cpu_kernel_cache_entries: int | None = 128   # CPU: entries of oneDNN's (and ideep's) caches of compiled

@@ -19,6 +19,7 @@ import torch
 from moekv import envs
 from moekv.config import EngineConfig, torch_dtype
 from moekv.core.request import Request, RequestOutput
+from moekv.engine.cpu_threads import CpuThreads
 from moekv.engine.batch import GenerationOutput, run_batch
 from moekv.engine.graph_buckets import graph_buckets, graph_pool_bytes
 from moekv.engine.model_runner import ModelRunner
@@ -64,12 +65,11 @@ class Engine:
         self.routing = install_routing(model, config.offload, self.device)   # load stats, prediction, offload
         self.model = model.eval()
         self.arch = model.arch
+        self._cpu_threads = None
         if self.device.type == "cpu":
             if config.device.cpu_kernel_cache_entries is not None:
                 envs.limit_onednn_caches(config.device.cpu_kernel_cache_entries)
-            threads = config.device.cpu_threads
-            torch.set_num_threads(threads if threads is not None else
-                                  (1 if self.arch.hidden_size < 2048 else torch.get_num_threads()))
+            self._cpu_threads = CpuThreads(config.device.cpu_threads, self.arch.hidden_size)
         self.tokenizer = tokenizer
         self.model_dtype = next(model.parameters()).dtype
         self.max_model_len = self._resolve_max_model_len()
@@ -286,6 +286,8 @@ class Engine:
             return []
         self.counters["steps"] += 1
         try:
+            if self._cpu_threads is not None:
+                self._cpu_threads.for_step(sched.num_tokens)
             result = self.runner.execute(sched)
         except KVCacheCorruptionError as exc:
             return self._recover_from_corruption(sched, exc)
