@@ -98,40 +98,6 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def load_prompts(count: int, seed: int) -> list[str]:
-    """Prompts of 1-3 consecutive lines of the validation slice (a few fixed lines if it is missing)."""
-    try:
-        from moekv.datasets import validation_slice
-
-        lines = [line for line in validation_slice().splitlines() if line.strip()]
-    except (ImportError, FileNotFoundError):
-        lines = []
-    rng = random.Random(seed)
-    if len(lines) < 4:
-        return [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(count)]
-    prompts = []
-    for _ in range(count):
-        start = rng.randrange(len(lines) - 3)
-        prompts.append("\n".join(lines[start:start + rng.randint(1, 3)]) + "\n")
-    return prompts
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p99 (linear interpolation between order statistics); None when empty."""
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None, "count": 0}
-    ordered = sorted(values)
-
-    def quantile(q: float) -> float:
-        position = q * (len(ordered) - 1)
-        low = int(position)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-    return {"mean": sum(ordered) / len(ordered), "p50": quantile(0.5), "p90": quantile(0.9),
-            "p99": quantile(0.99), "count": len(ordered)}
-
-
 async def _one_request(http, config: BenchConfig, model: str, prompt: str | list[int], result: RequestResult,
                        headers: dict) -> None:
     payload = {"model": model, "prompt": prompt, "max_tokens": result.sample.output_len, "stream": True,

@@ -156,3 +156,24 @@ def tensor_errors(record: TensorRecord, variant, stride: int = 4) -> dict[str, f
                                     ("attn_rel_err", out, record.outputs[layer])):
             errors[name].append(float((approx - exact).norm() / exact.norm()))
     return {name: sum(values) / len(values) for name, values in errors.items() if values}
+
+
+def validation_windows(args):
+    """(checkpoint folder, [windows, context] token ids of the validation text) for the eval commands' args
+    (model, context, chunk, windows); ConfigError on bad sizes, a folder without tokenizer.json or too little text."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from moekv.datasets import bundled_model_dir, validation_text
+    from moekv.errors import ConfigError
+
+    if args.context < 2 or args.chunk < 1 or args.windows < 1:
+        raise ConfigError("--context must be >= 2, --chunk and --windows >= 1")
+    model_dir = Path(args.model) if args.model else bundled_model_dir()
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ConfigError(f"{model_dir}: no tokenizer.json (is this a moekv checkpoint folder?)")
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(validation_text()).ids
+    if len(ids) < args.context * args.windows:
+        raise ConfigError(f"the validation text has {len(ids)} tokens, fewer than {args.windows} x {args.context}")
+    return model_dir, torch.tensor(ids[:args.context * args.windows]).view(args.windows, args.context)

@@ -34,24 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from tokenizers import Tokenizer
-
-    from moekv.datasets import bundled_model_dir, validation_text
     from moekv.eval.kv_fidelity import Variant
-    from moekv.eval.kv_runner import compare, run_windows
+    from moekv.eval.kv_runner import compare, run_windows, validation_windows
     from moekv.models.loader import load_model
     from moekv.models.quantize import is_quantized
 
-    if args.context < 2 or args.chunk < 1 or args.windows < 1:
-        raise ConfigError("--context must be >= 2, --chunk and --windows >= 1")
-    model_dir = Path(args.model) if args.model else bundled_model_dir()
-    if not (model_dir / "tokenizer.json").is_file():
-        raise ConfigError(f"{model_dir}: no tokenizer.json (is this a moekv checkpoint folder?)")
-    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(validation_text()).ids
-    if len(ids) < args.context * args.windows:
-        raise ConfigError(f"the validation text has {len(ids)} tokens, fewer than {args.windows} x {args.context}")
-    windows = torch.tensor(ids[:args.context * args.windows]).view(args.windows, args.context)   # [W, C]
+    model_dir, windows = validation_windows(args)                      # [W, C] token ids
     started = time.perf_counter()
     rows, reference = [], None
     for weights in ("16-bit", "fp8"):

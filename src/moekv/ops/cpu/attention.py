@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moekv.core.attention_metadata import AttentionMetadata
+from moekv.ops.reference.attention import attend_per_sequence
 
 
 def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int,
@@ -37,16 +38,4 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, Hq, D]; key/value_pages [num_pages, P, Hkv, D] already holding the new tokens -> [T, Hq, D]."""
-    out = torch.empty_like(query)
-    start = 0
-    for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
-        if num_new == 0:
-            continue
-        total = context_len + num_new
-        pages = torch.tensor(meta.block_tables_host[seq], dtype=torch.long, device=query.device)
-        keys = key_pages.index_select(0, pages).flatten(0, 1)[:total]        # [L, Hkv, D]
-        values = value_pages.index_select(0, pages).flatten(0, 1)[:total]
-        out[start:start + num_new] = causal_attention(query[start:start + num_new], keys, values, context_len,
-                                                      scale).to(query.dtype)
-        start += num_new
-    return out
+    return attend_per_sequence(causal_attention, query, key_pages, value_pages, meta, scale)

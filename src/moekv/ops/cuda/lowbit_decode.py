@@ -23,7 +23,9 @@ PAGE_SIZE = 128
 HEAD_DIM = 128
 MAX_GROUP = 8
 TABLE_MAX = 512                  # block-table entries one split holds in shared memory (lowbit_decode.cuh)
-CTAS_PER_SM = 4                  # resident CTAs per SM of the int3 / int2 builds (__launch_bounds__; int4: 3)
+CTAS_PER_SM = 4                  # resident CTAs per SM of the int3 / int2 builds (__launch_bounds__)
+INT4_CTAS_PER_SM = 3             # the int4 build's (larger code stages)
+INT4_WAVES = 2                   # int4 plans this many full waves (measured best in session 16)
 MIN_PAGES_PER_SPLIT = 8          # below this the split's fixed costs (ring fill, merge, combine) dominate
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
@@ -71,7 +73,7 @@ def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, bit
     pairs = max(batch * num_kv_heads, 1)
     need = math.ceil(max(max_pages, 1) / TABLE_MAX)
     if bits == 4:
-        want = math.ceil(2 * num_sms * 3 / pairs)
+        want = math.ceil(INT4_WAVES * num_sms * INT4_CTAS_PER_SM / pairs)
     else:
         want = max(1, num_sms * CTAS_PER_SM // pairs)
     return max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT)))

@@ -13,6 +13,13 @@ def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor,
 
     Returns [T, Hq, D] in query's dtype. Loops over sequences (the reference, not the fast path).
     """
+    return attend_per_sequence(causal_attention_reference, query, key_pages, value_pages, meta, scale)
+
+
+def attend_per_sequence(attend, query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Gather each sequence's pages once and run `attend(query, keys, values, context_len, scale)` (the
+    causal_attention_reference signature) over them; [T, Hq, D] in query's dtype."""
     out = torch.empty_like(query)
     start = 0
     for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
@@ -20,8 +27,8 @@ def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor,
         pages = torch.tensor(meta.block_tables_host[seq], dtype=torch.long, device=query.device)
         keys = key_pages.index_select(0, pages).flatten(0, 1)[:total]        # [L, Hkv, D]
         values = value_pages.index_select(0, pages).flatten(0, 1)[:total]    # [L, Hkv, D]
-        out[start:start + num_new] = causal_attention_reference(
-            query[start:start + num_new], keys, values, context_len, scale).to(query.dtype)
+        out[start:start + num_new] = attend(query[start:start + num_new], keys, values, context_len,
+                                            scale).to(query.dtype)
         start += num_new
     return out
 
