@@ -123,7 +123,7 @@ def choose_ranges(x, outlier, lo, hi, base, AXIS_CHANNEL: tl.constexpr, P: tl.co
         x, outlier, lo, hi, base, AXIS_CHANNEL, P, D, G, BITS, CLIP_STEPS > 0)
     half = (hi - lo) * 0.5
     for k in tl.static_range(1, CLIP_STEPS + 1):
-        shrink: tl.constexpr = k * 0.0625
+        shrink = k * 0.0625                              # a constexpr (k is): not re-annotated per step
         c_scale, c_zero, c_scale_full, c_zero_full, c_codes, c_error = range_candidate(
             x, outlier, lo + shrink * half, hi - shrink * half, base, AXIS_CHANNEL, P, D, G, BITS, True)
         better = c_error < error
