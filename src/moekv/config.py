@@ -292,10 +292,13 @@ class KernelConfig:
     """Which kernels `ops.dispatch` runs; the engine installs it (`ops.dispatch.install`).
 
     `from_env()` (the EngineConfig default) applies the MOEKV_* overrides (see `envs.py`) to these
-    defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_SKINNY_GEMM.
+    defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_FUSED_DECODE_LAYER,
+    MOEKV_SKINNY_GEMM.
     """
 
     SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
+    FUSED_ROUTER_MAX_TOKENS = 64        # add + norm + router in one launch up to this many tokens (each program
+                                        # reads the whole router weight; prefill keeps the GEMM)
 
     backend: str = "auto"               # auto (Triton on CUDA, the reference elsewhere) | reference | triton
                                         # (forced everywhere, CPU tensors through Triton's interpreter)
@@ -305,6 +308,10 @@ class KernelConfig:
                                         # "auto" (the default since their H200 run, see ops.dispatch)
     skinny_gemm_rows: int = 0           # the opt-in skinny GEMM for linear layers of 1..N rows (N <= 16); 0: off
                                         # (no end-to-end gain measured, see ops.dispatch); MOEKV_SKINNY_GEMM=auto: 1, =1: 16
+    fused_decode_layer: bool = True     # the cross-op fusions of a decoder layer, on top of fused_layer_ops:
+                                        # add + RMSNorm + router GEMV + top-k in one launch, q/k norm + rotary +
+                                        # the full-precision KV write in one (docs/moe-kernels.md,
+                                        # "Kernels per decode layer"); MOEKV_FUSED_DECODE_LAYER=0 turns them off
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "reference", "triton"):
@@ -313,6 +320,8 @@ class KernelConfig:
             raise ConfigError(f"lowbit_decode must be a kernel name or auto, got {self.lowbit_decode!r}")
         if not isinstance(self.fused_layer_ops, bool):
             raise ConfigError(f"fused_layer_ops must be True or False, got {self.fused_layer_ops!r}")
+        if not isinstance(self.fused_decode_layer, bool):
+            raise ConfigError(f"fused_decode_layer must be True or False, got {self.fused_decode_layer!r}")
         if (not isinstance(self.skinny_gemm_rows, int) or isinstance(self.skinny_gemm_rows, bool)
                 or not 0 <= self.skinny_gemm_rows <= self.SKINNY_GEMM_MAX_ROWS):
             raise ConfigError(f"skinny_gemm_rows must be in 0..{self.SKINNY_GEMM_MAX_ROWS} (0: off), "

@@ -1,5 +1,6 @@
 """The same model on a CUDA device: fp32 matches transformers (on the CPU), bf16 stays close -- with the
-torch per-layer ops (the CUDA default) and with the fused Triton ones (KernelConfig.fused_layer_ops, ops.dispatch.override)."""
+torch per-layer ops, with the fused Triton ones (KernelConfig.fused_layer_ops, ops.dispatch.override) and with
+those plus the cross-op fusions of the decode layer (KernelConfig.fused_decode_layer: the CUDA default)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ PROMPTS = [[5, 6, 7, 8, 9], [11], [3, 4, 10, 20, 30, 40, 50, 60, 70]]
     ("qwen3_moe", dict(head_dim=96, norm_topk_prob=True)),
     ("olmoe", dict(clip_qkv=0.3, attention_bias=True)),
 ])
-@pytest.mark.parametrize("fused", [False, True], ids=["torch-layer-ops", "fused-layer-ops"])
-def test_cuda_matches_transformers(tmp_path, monkeypatch, family, overrides, fused):
+@pytest.mark.parametrize("fused,fused_decode", [(False, False), (True, False), (True, True)],
+                         ids=["torch-layer-ops", "fused-layer-ops", "fused-decode-layer"])
+def test_cuda_matches_transformers(tmp_path, monkeypatch, family, overrides, fused, fused_decode):
     torch.backends.cuda.matmul.allow_tf32 = False
-    with dispatch.override(fused_layer_ops=fused):
+    with dispatch.override(fused_layer_ops=fused, fused_decode_layer=fused_decode):
         path, hf_model = make_checkpoint(tmp_path, family, **overrides)
         model = load_model(path, device="cuda")
         assert model.device.type == "cuda" and model.expert_load.device.type == "cuda"

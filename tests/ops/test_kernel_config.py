@@ -9,7 +9,8 @@ from moekv.config import EngineConfig, KernelConfig, ModelConfig
 from moekv.errors import ConfigError
 from moekv.ops import choices, dispatch
 
-KERNEL_VARS = ("MOEKV_OPS_BACKEND", "MOEKV_LOWBIT_DECODE", "MOEKV_FUSED_LAYER_OPS", "MOEKV_SKINNY_GEMM")
+KERNEL_VARS = ("MOEKV_OPS_BACKEND", "MOEKV_LOWBIT_DECODE", "MOEKV_FUSED_LAYER_OPS", "MOEKV_SKINNY_GEMM",
+               "MOEKV_FUSED_DECODE_LAYER")
 
 
 @pytest.fixture
@@ -30,10 +31,22 @@ def test_defaults_and_env_overrides(clean_env):
     assert EngineConfig(ModelConfig("m")).kernels == KernelConfig("reference", "v4", False, 1)
     clean_env.setenv("MOEKV_SKINNY_GEMM", "1")
     assert KernelConfig.from_env().skinny_gemm_rows == 16
+    assert KernelConfig().fused_decode_layer and KernelConfig.from_env().fused_decode_layer
+    clean_env.setenv("MOEKV_FUSED_DECODE_LAYER", "0")
+    assert KernelConfig.from_env().fused_decode_layer is False
+
+
+def test_fused_decode_layer_needs_the_layer_ops():
+    with dispatch.override(fused_layer_ops=True, fused_decode_layer=True):
+        assert dispatch.fused_decode_layer()
+        with dispatch.override(fused_decode_layer=False):
+            assert not dispatch.fused_decode_layer()
+        with dispatch.override(fused_layer_ops=False):           # MOEKV_FUSED_LAYER_OPS=0: the torch ops only
+            assert not dispatch.fused_decode_layer()
 
 
 @pytest.mark.parametrize("name,value", [("MOEKV_OPS_BACKEND", "cuda"), ("MOEKV_FUSED_LAYER_OPS", "maybe"),
-                                        ("MOEKV_SKINNY_GEMM", "yes")])
+                                        ("MOEKV_SKINNY_GEMM", "yes"), ("MOEKV_FUSED_DECODE_LAYER", "2")])
 def test_bad_env_values_name_the_variable(clean_env, name, value):
     clean_env.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
@@ -41,7 +54,8 @@ def test_bad_env_values_name_the_variable(clean_env, name, value):
 
 
 @pytest.mark.parametrize("fields,match", [(dict(backend="gpu"), "backend"), (dict(fused_layer_ops=1), "fused"),
-                                          (dict(skinny_gemm_rows=-1), "skinny"), (dict(lowbit_decode=""), "lowbit")])
+                                          (dict(skinny_gemm_rows=-1), "skinny"), (dict(lowbit_decode=""), "lowbit"),
+                                          (dict(fused_decode_layer="yes"), "fused_decode_layer")])
 def test_validation(fields, match):
     with pytest.raises(ConfigError, match=match):
         KernelConfig(**fields)

@@ -77,6 +77,19 @@ class KVCache(ABC):
         Each new token attends to its sequence's cached context and to the new tokens up to itself.
         """
 
+    def fused_write_target(self, layer: int, meta: AttentionMetadata
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the model may write the new tokens' keys and values itself, from the kernel that rotates them
+        (ops.dispatch.qk_norm_rotary_write): (key rows [S, Hkv, D], value rows [S, Hkv, D], the row of each new
+        token [T] int64), rows in the cache dtype holding exactly what `attention` would have stored. The model
+        then calls `attention_prewritten` instead of `attention`. None (the default): the format stores them."""
+        return None
+
+    def attention_prewritten(self, layer: int, query: torch.Tensor, meta: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
+        """`attention` for a step whose keys and values went to `fused_write_target`'s rows already."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused write target")
+
     # -- step hooks (every step; CUDA-graph decode relies on them) -----------------------------
     def reserve_graph_decode(self, max_batch: int) -> None:
         """Called once before any CUDA graph is captured: allocate every persistent device buffer a

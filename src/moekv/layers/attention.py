@@ -2,7 +2,10 @@
 
 The layer projects, normalises, clips and rotates, then hands q [T, Hq, D] and the new tokens'
 k/v [T, Hkv, D] to `kv_cache.attention(layer, ...)`. It never reads or writes pages itself, so a
-low-bit page format or a Triton kernel slots in without touching this file.
+low-bit page format or a Triton kernel slots in without touching this file. With the fused decode
+layer on (KernelConfig.fused_decode_layer) the norm / clip / rotary steps are one launch, and a format
+that offers `fused_write_target` rows (full precision) gets its keys and values written by that same
+launch, then `attention_prewritten`; the rows are the format's to name, not the layer's.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from torch import nn
 from moekv.config import ArchConfig
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.kvcache.base import KVCache
-from moekv.layers.linear import Linear
+from moekv.layers.linear import Linear, has_forward_hooks
 from moekv.layers.norm import RMSNorm
 from moekv.layers.rotary import apply_rotary_qk
+from moekv.ops import dispatch
 
 
 class Attention(nn.Module):
@@ -53,6 +57,10 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                                               # [T, (Hq+2Hkv)*D]
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if dispatch.fused_decode_layer() and not has_forward_hooks(self.q_norm, self.k_norm):
+            target = kv_cache.fused_write_target(self.layer_idx, meta)
+            if target is not None or (self.qk_norm is not None and self.clip_qkv is None):
+                return self._forward_fused(query, key, value, cos, sin, kv_cache, meta, target)
         if self.qk_norm == "full":
             query = self.q_norm(query)                                            # [T, Hq*D]
             key = self.k_norm(key)                                                # [T, Hkv*D]
@@ -68,4 +76,22 @@ class Attention(nn.Module):
             key = self.k_norm(key)                                                # [T, Hkv, D]
         query, key = apply_rotary_qk(query, key, cos, sin)                        # [T, Hq, D], [T, Hkv, D]
         out = kv_cache.attention(self.layer_idx, query, key, value, meta, self.scale)   # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))                  # [T, hidden]
+
+    def _forward_fused(self, query, key, value, cos, sin, kv_cache, meta, target):
+        """The same math with q/k norm, clipping, rotary and (target: the cache's rows) the KV write in one
+        launch (ops.dispatch.qk_norm_rotary_write); without a target the cache stores k / v itself."""
+        num_tokens = query.shape[0]
+        query = query.reshape(num_tokens, self.num_heads, self.head_dim)          # [T, Hq, D] (views)
+        key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)           # [T, Hkv, D]
+        value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
+        norms = (None, None, 1e-6) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
+                                                               self.q_norm.eps)
+        key_rows, value_rows, slots = target if target is not None else (None, None, None)
+        query, key = dispatch.qk_norm_rotary_write(query, key, value, cos, sin, key_rows, value_rows, slots,
+                                                   *norms, self.clip_qkv)       # [T, Hq, D], [T, Hkv, D]
+        if target is not None:
+            out = kv_cache.attention_prewritten(self.layer_idx, query, meta, self.scale)   # [T, Hq, D]
+        else:
+            out = kv_cache.attention(self.layer_idx, query, key, value, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))                  # [T, hidden]

@@ -23,6 +23,12 @@ def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str)
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def has_forward_hooks(*modules: nn.Module | None) -> bool:
+    """Whether any of these modules has forward (pre-)hooks: a fused path would skip them, so the layers take
+    their unfused path then (the hooks see what they always saw)."""
+    return any(m is not None and bool(m._forward_hooks or m._forward_pre_hooks) for m in modules)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b); weight [out, in] as Hugging Face checkpoints store it."""
 

@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekv.config import ArchConfig
+from moekv.config import ArchConfig, KernelConfig
 from moekv.layers.experts import Experts, LocalExperts
-from moekv.layers.linear import Linear
+from moekv.layers.linear import Linear, has_forward_hooks
+from moekv.layers.norm import RMSNorm
 from moekv.layers.router import Router
+from moekv.ops import dispatch
 from moekv.ops.reference.layers import count_expert_load
 
 
@@ -60,6 +62,25 @@ class MoEBlock(nn.Module):
             topk_weights, topk_ids = self.router(hidden)                              # [T, k], [T, k]
             if expert_load is not None:
                 count_expert_load(topk_ids, expert_load, token_valid)
+        return self._routed(hidden, topk_ids, topk_weights)
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                         expert_load: torch.Tensor | None = None, token_valid: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(norm(residual + x)), residual + x) with the add, the norm, the router GEMV and the top-k in one
+        launch (ops.dispatch.add_rms_norm_route), or None where that does not apply: the fused decode layer off,
+        more than KernelConfig.FUSED_ROUTER_MAX_TOKENS tokens, a stand-in router, forward hooks on the norm, the
+        router or this block (they would not run)."""
+        if (not dispatch.fused_decode_layer() or x.shape[0] > KernelConfig.FUSED_ROUTER_MAX_TOKENS
+                or not isinstance(self.router, Router) or has_forward_hooks(self, self.router, norm)):
+            return None
+        router = self.router
+        normed, residual, topk_weights, topk_ids = dispatch.add_rms_norm_route(
+            x, residual, norm.weight, norm.eps, router.weight, router.top_k, router.renormalize, expert_load,
+            token_valid)                                                              # [T, H] x2, [T, k] x2
+        return self._routed(normed, topk_ids, topk_weights), residual
+
+    def _routed(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, topk_ids, topk_weights)                            # [T, hidden]
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(hidden))                     # [T, 1]

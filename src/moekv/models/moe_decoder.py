@@ -6,6 +6,10 @@
 Each "+residual -> norm" is one fused op (RMSNorm.add_norm: one Triton kernel on CUDA): a layer
 returns its MLP output and the running residual, and the next layer's input norm (or the final
 norm) adds them. The sums are rounded to the model dtype exactly where `hidden = hidden + out` did.
+In an MoE layer at decode sizes the post-attention add + norm also computes the router logits and the
+top-k in the same launch (MoEBlock.add_norm_forward), and the attention's q/k norm + rotary writes the
+full-precision KV cache (Attention._forward_fused): KernelConfig.fused_decode_layer, docs/moe-kernels.md
+"Kernels per decode layer".
 
 Tokens of all sequences of a step are flattened into T; `positions` gives each token's absolute
 position in its own sequence and `meta` (built by the engine) tells the KV cache where each
@@ -61,6 +65,10 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_norm.add_norm(hidden, residual)                 # [T, H] x2
         attn_out = self.attn(normed, cos, sin, kv_cache, meta)                            # [T, H]
+        if self.is_moe:                     # add + norm + router + top-k in one launch where it applies
+            fused = self.mlp.add_norm_forward(attn_out, residual, self.post_attn_norm, expert_load, meta.token_valid)
+            if fused is not None:
+                return fused                                                              # [T, H] x2
         normed, residual = self.post_attn_norm.add_norm(attn_out, residual)               # [T, H] x2
         if self.is_moe:
             return self.mlp(normed, expert_load, meta.token_valid), residual              # [T, H]

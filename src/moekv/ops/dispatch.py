@@ -12,6 +12,7 @@ per op (it is slow).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from moekv.config import KernelConfig
 from moekv.errors import ConfigError
 from moekv.ops import choices
 from moekv.ops.choices import DEFAULT_LOWBIT_DECODE, LOWBIT_DECODE_KERNELS, moe_expert_passes  # noqa: F401
+from moekv.ops.reference.layers import compose_add_rms_norm_route, compose_qk_norm_rotary_write
 
 _REF, _TRI = "moekv.ops.reference.", "moekv.ops.triton."
 _warned: set[str] = set()
@@ -137,6 +139,13 @@ def _skinny_triton(op: str, x: torch.Tensor) -> bool:
             and (x.is_cuda or backend == "triton") and triton_available())
 
 
+def fused_decode_layer() -> bool:
+    """Whether the model runs its cross-op fusions (add_rms_norm_route, qk_norm_rotary_write): KernelConfig's
+    fused_decode_layer together with fused_layer_ops. Their kernels then run where the other layer ops' do (CUDA
+    under "auto"); elsewhere their reference twins, the same math as the unfused ops."""
+    return _active.fused_decode_layer and _active.fused_layer_ops
+
+
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -171,6 +180,22 @@ def _moe_kernel(hidden, w_gate_up, w_down, *rest, **kwargs):
     num_experts, two_inter, _ = w_gate_up.shape
     weights = choices.resolve(_TRI + "moe.decode:weight_format")(w_gate_up)
     return choices.moe_kernel(choices.moe_kernel_path(hidden, num_experts, two_inter // 2, weights))
+
+
+def _norm_route_kernel(x, residual, norm_weight, eps, router_weight, top_k, renormalize, expert_load=None,
+                       token_valid=None, logits_out=None):
+    """The one-launch kernel where it takes these shapes, else the same op from this module's unfused ops."""
+    module = choices.resolve(_TRI + "layer.norm_route")
+    if module.supports(x, residual, norm_weight, router_weight, top_k, expert_load):
+        return module.add_rms_norm_route
+    return functools.partial(compose_add_rms_norm_route, fused_add_rms_norm, skinny_linear, route_topk)
+
+
+def _rotary_write_kernel(*args):
+    module = choices.resolve(_TRI + "layer.rotary_write")
+    if module.supports(*args[:10]):
+        return module.qk_norm_rotary_write
+    return functools.partial(compose_qk_norm_rotary_write, rms_norm, apply_rotary_qk)
 
 
 def _quantize_kv_per_side(staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out, value_out,
@@ -259,6 +284,8 @@ OPS: dict[str, Op] = {
                      m.supports(logits, top_k, expert_load), gate="layer",
                      unsupported=lambda logits, top_k, *a: f"moekv: no Triton routing for logits "
                                                            f"{tuple(logits.shape)}, top_k={top_k}; running the reference"),
+    "add_rms_norm_route": Op(_REF + "layers:add_rms_norm_route", _norm_route_kernel, gate="layer"),
+    "qk_norm_rotary_write": Op(_REF + "layers:qk_norm_rotary_write", _rotary_write_kernel, gate="layer"),
     "skinny_linear": Op("torch.nn.functional:linear", _TRI + "layer.skinny_gemm:skinny_gemm",
                         lambda m, *a: m.supports(*a), gate="skinny"),
 }
@@ -385,6 +412,24 @@ def route_topk(logits, top_k, renormalize, expert_load=None, token_valid=None):
     """See ops.reference.layers.route_topk (Triton: ops.triton.layer.routing: softmax, top-k, renormalisation
     and the expert-load count in one launch; ties go to the lowest expert index)."""
     return _call("route_topk", logits, top_k, renormalize, expert_load, token_valid)
+
+
+def add_rms_norm_route(x, residual, norm_weight, eps, router_weight, top_k, renormalize, expert_load=None,
+                       token_valid=None, logits_out=None):
+    """See ops.reference.layers.add_rms_norm_route -> (normed, residual + x, weights, ids) (Triton:
+    ops.triton.layer.norm_route, one launch with the routing for routers up to its per-program size, else two;
+    shapes it does not take run fused_add_rms_norm, skinny_linear and route_topk of this module)."""
+    return _call("add_rms_norm_route", x, residual, norm_weight, eps, router_weight, top_k, renormalize, expert_load,
+                 token_valid, logits_out)
+
+
+def qk_norm_rotary_write(query, key, value, cos, sin, key_cache=None, value_cache=None, slots=None,
+                         q_norm_weight=None, k_norm_weight=None, eps=1e-6, clip=None):
+    """See ops.reference.layers.qk_norm_rotary_write -> (rotated query, rotated key), the key and value written to
+    the cache rows when given (Triton: ops.triton.layer.rotary_write, one launch; shapes it does not take run
+    rms_norm and apply_rotary_qk of this module)."""
+    return _call("qk_norm_rotary_write", query, key, value, cos, sin, key_cache, value_cache, slots, q_norm_weight,
+                 k_norm_weight, eps, clip)
 
 
 def skinny_linear(x, weight, bias=None):

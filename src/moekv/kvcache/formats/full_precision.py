@@ -13,8 +13,9 @@ from moekv.ops import dispatch
 class FullPrecisionKVCache(KVCache):
     """key_pages / value_pages: [num_layers, num_pages, page_size, Hkv, D] in the cache dtype.
 
-    Graph-capturable decode: the write is an index_copy_ through the device slot_mapping and the
-    decode kernel honours `meta.fixed_num_splits`; no per-step host state, so the step hooks are no-ops.
+    Graph-capturable decode: the write is an index_copy_ through the device slot_mapping (or, through
+    `fused_write_target`, the model's rotary kernel's stores to the same rows) and the decode kernel honours
+    `meta.fixed_num_splits`; no per-step host state, so the step hooks are no-ops.
     """
 
     supports_graph_decode = True
@@ -45,6 +46,15 @@ class FullPrecisionKVCache(KVCache):
 
     def attention(self, layer, query, key, value, meta, scale):
         self.write(layer, key, value, meta)
+        return self.attention_prewritten(layer, query, meta, scale)
+
+    def fused_write_target(self, layer, meta):
+        """The layer's pages as rows [num_pages * P, Hkv, D] and the step's slot mapping: a kernel that writes
+        key / value row slot_mapping[t] does what `write` does."""
+        rows = (-1, self.spec.num_kv_heads, self.spec.head_dim)
+        return self.key_pages[layer].view(rows), self.value_pages[layer].view(rows), meta.slot_mapping
+
+    def attention_prewritten(self, layer, query, meta, scale):
         return dispatch.paged_attention_full_precision(
             query, self.key_pages[layer], self.value_pages[layer], meta, scale)
 

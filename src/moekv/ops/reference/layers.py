@@ -1,13 +1,17 @@
 """Reference per-layer elementwise ops of the decoder (pure PyTorch, CPU and CUDA): RMSNorm with and
-without the residual add, rotary embedding of q and k, and top-k routing with the expert-load count.
+without the residual add, rotary embedding of q and k, and top-k routing with the expert-load count; and
+the two cross-op fusions of a decode layer, as the compositions of those: add + RMSNorm + router + top-k
+(`add_rms_norm_route`) and q/k norm + rotary + the KV write (`qk_norm_rotary_write`).
 
 These are the model's own math (the Hugging Face order and rounding points); the Triton kernels in
-ops.triton.{norm,rotary,routing} fuse each into one launch and round at the same points.
+ops.triton.layer.{norm,rotary,routing,norm_route,rotary_write} fuse each into one launch and round at the
+same points.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,3 +81,68 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, expert_load:
     if expert_load is not None:
         count_expert_load(ids, expert_load, token_valid)
     return weights, ids
+
+
+def compose_add_rms_norm_route(add_norm, linear, route, x, residual, norm_weight, eps, router_weight, top_k,
+                               renormalize, expert_load=None, token_valid=None, logits_out=None):
+    """add_rms_norm_route from its three parts (the reference's, or ops.dispatch's own kernels)."""
+    normed, new_residual = add_norm(x, residual, norm_weight, eps)                    # [T, H] x2
+    logits = linear(normed, router_weight)                                             # [T, E]
+    if logits_out is not None:
+        logits_out.copy_(logits)
+    weights, ids = route(logits, top_k, renormalize, expert_load, token_valid)         # [T, k] x2
+    return normed, new_residual, weights, ids
+
+
+def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       router_weight: torch.Tensor, top_k: int, renormalize: bool,
+                       expert_load: torch.Tensor | None = None, token_valid: torch.Tensor | None = None,
+                       logits_out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual [T, H] -> (normed [T, H], residual + x [T, H], weights [T, k] float32, ids [T, k] int64).
+
+    fused_add_rms_norm, then the router's logits normed @ router_weight[E, H]^T in the model dtype (F.linear;
+    copied to logits_out [T, E] when given), then route_topk with the expert-load count: the post-attention
+    half of an MoE decoder layer up to its experts.
+    """
+    return compose_add_rms_norm_route(fused_add_rms_norm, F.linear, route_topk, x, residual, norm_weight, eps,
+                                      router_weight, top_k, renormalize, expert_load, token_valid, logits_out)
+
+
+def compose_qk_norm_rotary_write(norm, rotary, query, key, value, cos, sin, key_cache=None, value_cache=None,
+                                 slots=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6, clip=None):
+    """qk_norm_rotary_write from its parts (the reference's rms_norm / apply_rotary_qk, or ops.dispatch's)."""
+    num_tokens, num_q, head_dim = query.shape
+    num_kv = key.shape[1]
+    full = q_norm_weight is not None and q_norm_weight.numel() != head_dim
+    if full:
+        query = norm(query.reshape(num_tokens, num_q * head_dim), q_norm_weight, eps).reshape(query.shape)
+        key = norm(key.reshape(num_tokens, num_kv * head_dim), k_norm_weight, eps).reshape(key.shape)
+    if clip is not None:
+        query, key, value = (t.clamp(-clip, clip) for t in (query, key, value))
+    if q_norm_weight is not None and not full:
+        query = norm(query, q_norm_weight, eps)                                        # [T, Hq, D]
+        key = norm(key, k_norm_weight, eps)                                            # [T, Hkv, D]
+    query, key = rotary(query, key, cos, sin)
+    if key_cache is not None:
+        key_cache.index_copy_(0, slots, key.to(key_cache.dtype))
+        value_cache.index_copy_(0, slots, value.to(value_cache.dtype))
+    return query, key
+
+
+def qk_norm_rotary_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, key_cache: torch.Tensor | None = None,
+                         value_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                         q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                         eps: float = 1e-6, clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [T, Hq, D], key / value [T, Hkv, D] (views of a fused qkv projection) -> (rotated query, rotated
+    key), new tensors; with key_cache / value_cache [S, Hkv, D] and slots [T] int64 also writes the rotated
+    key and the (clipped) value of token t to row slots[t] of the caches (the full-precision cache's write;
+    without a cache the value is not needed and not returned).
+
+    In the attention layer's order: q/k norm over the whole projection (a weight of Hq*D / Hkv*D values, OLMoE),
+    then clipping of q, k and v to +-clip, then the per-head norm (a weight of D values, Qwen3-MoE), then rotary.
+    A norm weight of D values with one head is both (the same math).
+    """
+    return compose_qk_norm_rotary_write(rms_norm, apply_rotary_qk, query, key, value, cos, sin, key_cache,
+                                        value_cache, slots, q_norm_weight, k_norm_weight, eps, clip)

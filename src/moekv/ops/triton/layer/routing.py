@@ -26,14 +26,11 @@ MAX_EXPERTS = 256
 
 
 @triton.jit
-def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, load_ptr, valid_ptr, num_experts, stride_t,
-                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LOAD: tl.constexpr,
-                       HAS_VALID: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                       LIBDEVICE_EXP: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    experts = tl.arange(0, E_PAD)
-    emask = experts < num_experts
-    x = tl.load(logits_ptr + t * stride_t + experts, mask=emask, other=float("-inf")).to(tl.float32)
+def topk_epilogue(x, experts, emask, t, weights_ptr, ids_ptr, load_ptr, valid_ptr,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LOAD: tl.constexpr, HAS_VALID: tl.constexpr,
+                  E_PAD: tl.constexpr, K_PAD: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """Token t's fp32 logits x [E_PAD] (-inf where not emask) -> softmax, top-k, renormalisation, stored to
+    weights / ids [T, TOP_K] (contiguous), and the expert-load count (also used by ops.triton.layer.norm_route)."""
     shifted = x - tl.max(x, axis=0)
     if LIBDEVICE_EXP:                                                     # compiled (CUDA): expf
         e = libdevice.exp(shifted)
@@ -63,6 +60,19 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, load_ptr, valid_ptr, nu
             count = tl.full([], 1, tl.int64)
         counts = tl.zeros([K_PAD], tl.int64) + count
         tl.atomic_add(load_ptr + ids, counts, mask=kmask & (counts != 0), sem="relaxed")
+
+
+@triton.jit
+def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, load_ptr, valid_ptr, num_experts, stride_t,
+                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LOAD: tl.constexpr,
+                       HAS_VALID: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                       LIBDEVICE_EXP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, E_PAD)
+    emask = experts < num_experts
+    x = tl.load(logits_ptr + t * stride_t + experts, mask=emask, other=float("-inf")).to(tl.float32)
+    topk_epilogue(x, experts, emask, t, weights_ptr, ids_ptr, load_ptr, valid_ptr, TOP_K, RENORMALIZE, HAS_LOAD,
+                  HAS_VALID, E_PAD, K_PAD, LIBDEVICE_EXP)
 
 
 def supports(logits: torch.Tensor, top_k: int, expert_load: torch.Tensor | None = None) -> bool:
