@@ -8,6 +8,8 @@ with Hugging Face transformers on the same shape and the same weights, plus the 
     PYTHONPATH=src:. python benchmarks/bench_decode.py --tiny                          # CPU: code paths only
     PYTHONPATH=src:. python benchmarks/bench_decode.py --quantization none,fp8 --scenarios 1x16384:bf16 --no-hf
     PYTHONPATH=src:. python benchmarks/bench_decode.py --model qwen3-30b-a3b --quantization none,fp8 --no-hf
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --scenarios 1x16384:bf16,int3 --synthetic-kv --no-hf \
+        --moe-tokens "" --fusion on,off --layer-profile --tag fusion     # kernels of one layer, fusion on / off
 
 Sections (each in the JSON and the markdown written to --out, default benchmarks/results):
   decode      time per output token = wall time of one engine step with B running sequences of about
@@ -34,6 +36,9 @@ Mixtral-8x7B twice would not fit one H200). Targets (reported, not asserted): Mo
 --quantization none,fp8: the whole run once per weight format, one model after the other (the FP8 model is
 the random bf16 one quantized per output channel, moekv.models.quantize; transformers only for bf16), rows
 tagged with their `weights`; the weights' floor (all weights read once per step) is reported per row.
+--fusion on,off: every moekv row with the fused decode layer (KernelConfig.fused_decode_layer) on and off, side by
+side (rows tagged `fusion`); --layer-profile adds an eager run per row whose profile counts the kernels of one
+decoder layer and times each (benchmarks/layer_profile.py: kernel count, GEMM / attention / small us per layer).
 """
 
 from __future__ import annotations
@@ -51,13 +56,15 @@ from pathlib import Path
 import torch
 
 from benchmarks import bench_moe  # noqa: E402  (also turns on the interpreter for --tiny)
+from benchmarks import layer_profile  # noqa: E402
 from benchmarks.synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
 
-from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from moekv.config import CacheConfig, DeviceConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from moekv.engine.engine import Engine  # noqa: E402
 from moekv.core.attention_metadata import AttentionMetadata  # noqa: E402
 from moekv.kvcache import KVCacheSpec, create_kv_cache  # noqa: E402
 from moekv.models.loader import build_random_model  # noqa: E402
+from moekv.ops import dispatch  # noqa: E402
 from moekv.models.registry import NAMED_SHAPES, named_arch  # noqa: E402
 from moekv.sampling import SamplingParams  # noqa: E402
 
@@ -198,7 +205,8 @@ def graph_busy(engine: Engine, num_steps: int, device: torch.device) -> tuple[fl
 
 
 # ---------------------------------------------------------------- moekv
-def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args, graphs: bool = True) -> Engine:
+def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args, graphs: bool = True,
+                fusion: bool | None = None) -> Engine:
     page_size = args.page_size or (128 if kv.startswith("int") else 16)
     max_len = context + new_tokens + 8
     num_pages = batch * -(-max_len // page_size) + batch + 1
@@ -207,18 +215,29 @@ def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args,
     config = EngineConfig(model=ModelConfig(model=f"random:{args.model}", max_model_len=max_len), cache=cache,
                           scheduler=SchedulerConfig(max_num_seqs=batch,
                                                     max_num_batched_tokens=max(args.prefill_chunk, batch)),
-                          device=DeviceConfig(str(model.device), cuda_graphs=graphs))
+                          device=DeviceConfig(str(model.device), cuda_graphs=graphs),
+                          kernels=kernel_config(fusion))
     return Engine(config, model=model)
 
 
-def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.device, graphs: bool = True) -> dict:
+def kernel_config(fusion: bool | None) -> KernelConfig:
+    """The environment's KernelConfig, with fused_decode_layer set when `fusion` is given (--fusion wins)."""
+    from dataclasses import replace
+
+    config = KernelConfig.from_env()
+    return config if fusion is None else replace(config, fused_decode_layer=fusion)
+
+
+def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.device, graphs: bool = True,
+              fusion: bool | None = None) -> dict:
     # sequences prefilled first decode while the others prefill: room for those steps too
     prefill_steps = -(-batch * context // args.prefill_chunk) + batch
     new_tokens = prefill_steps + args.warmup + args.steps + 2 * args.profile_steps + 4
     synthetic = args.synthetic_kv
     if synthetic:
         new_tokens = args.warmup + args.steps + 2 * args.profile_steps + 4
-    engine = make_engine(model, batch, context, kv, new_tokens, args, graphs)
+    engine = make_engine(model, batch, context, kv, new_tokens, args, graphs, fusion)
+    fused = "on" if dispatch.fused_decode_layer() else "off"      # what the engine installed for its ops
     prefill_s = None
     if synthetic:                      # context counted as cached over synthetic pages: no prefill
         admit_with_context(engine, batch, context, new_tokens, model.arch.vocab_size, seed=0)
@@ -243,6 +262,8 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
     step_ms = (time.perf_counter() - start) * 1e3 / args.steps
     breakdown = {} if not graphs else None
     busy = busy_fraction(engine.step, args.profile_steps, device, breakdown)
+    layers = layer_profile.profile_layers(engine.step, model, args.profile_steps, device) \
+        if not graphs and args.layer_profile else None
     replay_ms, replay_busy = graph_busy(engine, args.profile_steps, device)
     assert all(len(r.output_token_ids) < new_tokens for r in engine.scheduler.running), "a sequence finished early"
     runner = engine.runner
@@ -252,7 +273,8 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
            "synthetic_kv": synthetic, "kv_bits_per_value": engine.kv_bits_per_value(),
            "cuda_graphs": runner.graph_mode == "cuda", "graph_steps": runner.graph_steps,
            "graph_replay_ms": replay_ms, "gpu_busy_replay": replay_busy,
-           "graph_fallback": runner.graph_fallback_reason, "kernel_breakdown": breakdown}
+           "graph_fallback": runner.graph_fallback_reason, "kernel_breakdown": breakdown, "layer_profile": layers,
+           "fusion": fused}
     for request_id in list(engine.requests):
         engine.abort(request_id)
     del engine
@@ -407,20 +429,20 @@ def markdown(result: dict) -> list[str]:
     lines += ["## Decode: time per output token", "",
               "GPU busy: union of profiled kernel intervals / wall (a lower bound; the trace undercounts graph "
               "kernels); graph replay: CUDA-event time of the step's graph replay (ms, and / wall).", "",
-              "| B | context | system | weights | KV | ms / token | % of floor | tokens/s | GPU busy | graph replay "
-              "| prefill tok/s | KV bits/value |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| B | context | system | fusion | weights | KV | ms / token | % of floor | tokens/s | GPU busy "
+              "| graph replay | prefill tok/s | KV bits/value |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["decode"]:
         busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
         replay = "-" if r.get("graph_replay_ms") is None else \
             f"{r['graph_replay_ms']:.3f} ms ({100 * r['gpu_busy_replay']:.1f}%)"
-        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('weights', 'bf16')} | {r['kv']} "
-                     f"| {r['tpot_ms']:.3f} | {'-' if r.get('pct_of_floor') is None else format(r['pct_of_floor'], '.1f') + '%'} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('fusion') or '-'} "
+                     f"| {r.get('weights', 'bf16')} | {r['kv']} | {r['tpot_ms']:.3f} | {'-' if r.get('pct_of_floor') is None else format(r['pct_of_floor'], '.1f') + '%'} | "
                      f"{r['tokens_per_s']:.1f} | {busy} | {replay} | {prefill_cell(r)} | "
                      f"{r['kv_bits_per_value']:.2f} |")
     for r in result["errors"]:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('weights', 'bf16')} | {r['kv']} "
-                     f"| failed: {r['error'][:80]} | | | | | | |")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('fusion') or '-'} "
+                     f"| {r.get('weights', 'bf16')} | {r['kv']} | failed: {r['error'][:80]} | | | | | | |")
     for row in result["decode"]:
         bd = row.get("kernel_breakdown")
         if not bd:
@@ -431,7 +453,18 @@ def markdown(result: dict) -> list[str]:
         lines += [f"| {g} | {v['ms_per_step']:.3f} | {v['launches_per_step']:.0f} |" for g, v in bd["groups"].items()]
         lines += ["", "| kernel | GPU ms / step | launches / step |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['ms_per_step']:.3f} | {k['launches_per_step']:.0f} |" for k in bd["kernels"]]
+    profiled = [r for r in result["decode"] if r.get("layer_profile")]
+    if profiled:
+        lines += ["", "## Kernels of one decode layer (eager steps, torch.profiler; benchmarks/layer_profile.py)"]
+    for r in profiled:
+        lines += [""] + layer_profile.markdown(r["layer_profile"], f"B={r['batch']}, {r['context']}, {r['kv']} KV, "
+                                               f"{r.get('weights', 'bf16')} weights, fusion {r.get('fusion') or '-'}")
     lines += ["", "## MoE layer alone (layer 0's weights)", ""] + bench_moe.layer_table(result["moe_layer"])
+    if result.get("fusion_parity"):
+        f = result["fusion_parity"]
+        lines += ["", f"Fusion on vs off, layer 0 on {f['tokens']} tokens: residual bit-equal {f['residual_bit_equal']} "
+                  f"(max |diff| {f['residual_max_abs_diff']:.3g}), MoE output max |diff| {f['moe_out_max_rel_diff']:.3g} "
+                  f"of its scale, expert load equal {f['expert_load_equal']}."]
     if result.get("parity"):
         p = result["parity"]
         lines += ["", f"Parity with transformers ({p['prompt_tokens']}-token prompt, last-token logits): cosine "
@@ -470,8 +503,16 @@ def targets(result: dict) -> list[str]:
         goal_text = "" if goal is None else f" (target <= {goal} ms)"
         if r["batch"] == 1 and not result["model"].startswith("mixtral"):
             goal_text = f" (target >= {TARGET_PCT_OF_FLOOR_B1:.0f}% of floor)"
-        out.append(f"{weights} weights, B={r['batch']} 16k {r['kv']} KV: {r['tpot_ms']:.3f} ms per token"
-                   f"{goal_text}{floor_text}")
+        fusion = "" if not r.get("fusion") else f", fusion {r['fusion']}"
+        replay = "" if r.get("graph_replay_ms") is None else f" (graph replay {r['graph_replay_ms']:.3f} ms)"
+        out.append(f"{weights} weights, B={r['batch']} 16k {r['kv']} KV{fusion}: {r['tpot_ms']:.3f} ms per token"
+                   f"{replay}{goal_text}{floor_text}")
+    for r in result["decode"]:
+        if r.get("layer_profile") and r["batch"] == 1:
+            p = r["layer_profile"]
+            out.append(f"B=1 {r['context']} {r['kv']} KV, fusion {r.get('fusion') or '-'}: {p['kernels_per_layer']:.1f} "
+                       f"kernels per layer, small (non-GEMM) kernels {p['us_per_layer']['small']:.1f} us per layer "
+                       "(target < 10 us)")
     for weights in sorted({r.get("weights", "bf16") for r in result["moe_layer"]}):
         for r in result["moe_layer"]:
             if r.get("weights", "bf16") == weights and r["impl"] == "moekv" and r["pct_copy"] is not None:
@@ -500,15 +541,18 @@ def run_weights(arch, quantization: str | None, scenarios, args, dtype, device, 
             hf = None
     systems = (["moekv", "moekv-eager"] if args.eager_too else
                ["moekv-eager"] if args.enforce_eager else ["moekv"])
-    runs = [(system, b, c, kv) for b, c, kv in scenarios for system in systems]
+    if args.layer_profile and "moekv-eager" not in systems:
+        systems.append("moekv-eager")
+    fusions = [None] if not args.fusion else [f == "on" for f in args.fusion.split(",")]
+    runs = [(system, b, c, kv, fusion) for b, c, kv in scenarios for fusion in fusions for system in systems]
     if hf is not None:
         pairs = sorted({(b, c) for b, c, kv in scenarios if kv == "bf16"})
-        runs += [(f"transformers-{impl}", b, c, "bf16") for b, c in pairs for impl in args.hf.split(",")]
-    for system, batch, context, kv in runs:
+        runs += [(f"transformers-{impl}", b, c, "bf16", None) for b, c in pairs for impl in args.hf.split(",")]
+    for system, batch, context, kv, fusion in runs:
         print(f"{system} B={batch} L={context} kv={kv} weights={label} ...", flush=True)
         try:
             if system.startswith("moekv"):
-                row = run_moekv(model, batch, context, kv, args, device, graphs=system == "moekv")
+                row = run_moekv(model, batch, context, kv, args, device, graphs=system == "moekv", fusion=fusion)
             else:
                 row = run_hf(hf, system.split("-", 1)[1], batch, context, args, device)
         except Exception as exc:                                      # noqa: BLE001 (e.g. out of memory)
@@ -530,6 +574,9 @@ def run_weights(arch, quantization: str | None, scenarios, args, dtype, device, 
               f"prefill {prefill_cell(row)} tok/s{graphs}{floor}")
         result["decode"].append(row)
 
+    if args.fusion and len(set(args.fusion.split(","))) == 2 and quantization is None:   # a GPU check of the kernels
+        result["fusion_parity"] = layer_profile.fusion_parity(model)
+        print("fusion on vs off, layer 0:", result["fusion_parity"])
     moe_tokens = [int(t) for t in args.moe_tokens.split(",") if t]
     if moe_tokens:
         layer = next(layer for layer in model.layers if layer.is_moe).mlp
@@ -539,7 +586,6 @@ def run_weights(arch, quantization: str | None, scenarios, args, dtype, device, 
         if args.tiny:
             from dataclasses import replace
 
-            from moekv.ops import dispatch
             dispatch.install(replace(dispatch.kernel_config(), backend="triton"))
         rows = bench_moe.bench_layer(shape, moe_tokens, dtype, device, bench_moe.Timer(device), copy_tbps,
                                      tiny=args.tiny, weights=weights)
@@ -575,10 +621,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny Mixtral-shaped model on the CPU (code paths)")
     parser.add_argument("--enforce-eager", action="store_true", help="moekv without CUDA graphs (every step eager)")
     parser.add_argument("--eager-too", action="store_true", help="run moekv both with CUDA graphs and eagerly")
+    parser.add_argument("--fusion", default="", help="on, off or on,off: moekv rows with the fused decode layer "
+                        "(KernelConfig.fused_decode_layer) on / off, side by side ('' = as configured)")
+    parser.add_argument("--layer-profile", action="store_true",
+                        help="also an eager run per moekv row, profiled: kernels of one decoder layer and their times")
     parser.add_argument("--quantization", default="none",
                         help="model weights: none (16-bit), fp8 (quantized per output channel, W8A16), or "
                              "none,fp8 (both, one after the other, in one result file)")
     args = parser.parse_args(argv)
+    if args.fusion and any(f not in ("on", "off") for f in args.fusion.split(",")):
+        parser.error(f"--fusion takes on, off or on,off; got {args.fusion!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA device: use --tiny to check the code paths on the CPU")
