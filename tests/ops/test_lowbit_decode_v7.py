@@ -75,6 +75,29 @@ def test_key_outliers_only_and_values_only():
         _check(case, torch.bfloat16)
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """The same values in storage that starts 2 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)[1:1 + t.numel()]
+    return flat.view(t.shape).copy_(t)
+
+
+@needs_cuda
+def test_misaligned_outlier_arrays_and_the_pools_last_pages():
+    """Outlier arrays that bulk copies cannot take (not 16-byte aligned) go through 16-byte cp.async chunks; so do
+    the covering chunks of the pool's last page-heads, which would pass the arrays' end: a table that holds the
+    pool's last pages reads them."""
+    case = _case([900, 129, 384], bits=3, fraction=0.02, kind="spikes", seed=21)
+    last = case.key_pages.codes.shape[0] - 1
+    for tables in (case.meta.block_tables, case.meta.block_tables_host):   # the kernel's and the reference's
+        tables[0][0], tables[1][0] = last, last - 1      # the first page of two sequences: the pool's last pages
+    _check(case, torch.bfloat16)
+    for pages in (case.key_pages, case.value_pages):
+        pages.outlier_idx = _misaligned(pages.outlier_idx)
+        pages.outlier_vals = _misaligned(pages.outlier_vals)
+        assert pages.outlier_idx.data_ptr() % 16 != 0
+    _check(case, torch.bfloat16)
+
+
 @needs_cuda
 def test_staged_sink_pages():
     _check(_case([600, 129, 1], sinks=1, seed=5), torch.bfloat16)
