@@ -82,10 +82,10 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 
 
 @needs_cuda
-def test_misaligned_outlier_arrays_and_the_pools_last_pages():
-    """Outlier arrays that bulk copies cannot take (not 16-byte aligned) go through 16-byte cp.async chunks; so do
-    the covering chunks of the pool's last page-heads, which would pass the arrays' end: a table that holds the
-    pool's last pages reads them."""
+def test_the_pools_last_pages_and_misaligned_page_tensors():
+    """The covering 16-byte chunks of the pool's last page-heads would pass the outlier arrays' end (their copies
+    are clamped): a table that holds the pool's last pages reads them right. Page tensors that are not 16-byte
+    aligned (the kernel's copies need it; the cache allocates aligned ones) are refused with a clear error."""
     case = _case([900, 129, 384], bits=3, fraction=0.02, kind="spikes", seed=21)
     last = case.key_pages.codes.shape[0] - 1
     for tables in (case.meta.block_tables, case.meta.block_tables_host):   # the kernel's and the reference's
@@ -95,7 +95,8 @@ def test_misaligned_outlier_arrays_and_the_pools_last_pages():
         pages.outlier_idx = _misaligned(pages.outlier_idx)
         pages.outlier_vals = _misaligned(pages.outlier_vals)
         assert pages.outlier_idx.data_ptr() % 16 != 0
-    _check(case, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE)
 
 
 @needs_cuda

@@ -31,6 +31,11 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32 &&
               query_start_loc.dtype() == torch::kInt32 && slot_of_page.dtype() == torch::kInt32,
               "lowbit decode v7: metadata must be int32");
+  for (const torch::Tensor* t : {&k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_oidx, &k_ovals, &v_oidx,
+                                 &v_ovals}) {
+    TORCH_CHECK(t->is_contiguous() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "lowbit decode v7: page tensors must be contiguous and 16-byte aligned (16-byte copies)");
+  }
   Params p{};
   p.q = q.data_ptr(); p.new_k = new_k.data_ptr(); p.new_v = new_v.data_ptr(); p.out = out.data_ptr();
   p.partial = partial.data_ptr<float>(); p.lse = lse.data_ptr<float>(); p.counters = counters.data_ptr<int>();
