@@ -310,3 +310,42 @@ def test_first_cause_names_the_first_error_and_respects_from_none():
     with pytest.raises(ValueError) as info:
         suppressed()
     assert _first_cause(info.value) == ""
+
+
+def test_bucket_fill_writes_block_tables_incrementally():
+    """A row keeping its table list writes only the entries appended since the last fill; a new list (a freed
+    and re-admitted sequence), a shorter one or another row's is written whole; padding rows read the scratch
+    page. What the bucket holds always equals a from-scratch fill."""
+    from moekv.engine.graph_buckets import GraphBucket
+
+    def fresh(rows):
+        bucket = GraphBucket(4, 6, 9, 4, None, torch.device("cpu"))
+        bucket.fill(rows)
+        return bucket
+
+    def tables(bucket, rows):
+        held = bucket._tables
+        return [held[i, :len(r[2])].tolist() for i, r in enumerate(rows)] + \
+            [held[i, :1].tolist() for i in range(len(rows), bucket.size)]
+
+    def check(bucket, rows):
+        want = fresh(rows)
+        assert tables(bucket, rows) == tables(want, rows) == [list(r[2]) for r in rows] + [[9]] * (4 - len(rows))
+        assert torch.equal(bucket.host[:6 * 4 * 4], want.host[:6 * 4 * 4])    # the per-row fields
+
+    bucket = GraphBucket(4, 6, 9, 4, None, torch.device("cpu"))
+    a, b = [3, 5], [7]
+    bucket.fill([(1, 5, a, "a"), (2, 2, b, "b")])
+    check(bucket, [(1, 5, a, "a"), (2, 2, b, "b")])
+    a.append(11)                                  # a opens a page: one entry to write
+    bucket.fill([(1, 8, a, "a"), (2, 3, b, "b")])
+    assert bucket._written[0] == (a, 3)
+    check(bucket, [(1, 8, a, "a"), (2, 3, b, "b")])
+    bucket.fill([(2, 3, b, "b"), (1, 9, a, "a")])            # rows swap: both written whole
+    check(bucket, [(2, 3, b, "b"), (1, 9, a, "a")])
+    rows = [(2, 4, [8, 1], "b"), (1, 9, [4, 6, 2], "a"), (3, 0, [0], "c")]    # re-admitted: new lists
+    bucket.fill(rows)
+    check(bucket, rows)
+    bucket.fill([])
+    assert bucket._tables[:, 0].tolist() == [9, 9, 9, 9] and bucket.meta.request_ids == [""] * 4
+    assert bucket.meta.block_tables_host == [[9]] * 4 and bucket.meta.max_seq_len == 1

@@ -1,8 +1,11 @@
 """The eager work of a graph decode step outside its (captured) forward, counted on the CPU in static graph
-mode: device ops (views and other metadata-only ops left out) and host reads, per phase. At B=1 on a GPU
-every launch and every host read outside the graph is time the GPU idles, so these are count bounds, not
-timings: the low-bit cache's step hooks add one host->device copy to an ordinary decode step and no host
-read (the runner reads the cache's non-finite flags back with its own status row, in the step's one read).
+mode: device ops (views and other metadata-only ops left out), host-to-device copies, tensors built from host
+data, host reads and waits on CUDA events, per phase. At B=1 on a GPU every launch, copy and host wait outside
+the graph is time the GPU idles, so these are count bounds, not timings. The CUDA events a step waits on do
+not exist on the CPU: counting stand-ins take their place (the bucket's upload event as on CUDA, and the low-bit
+cache's own copy event, which a graph step must not touch). An ordinary low-bit step costs exactly what a
+full-precision one costs: its step rows ride in the bucket's one copy (KVCache.bind_graph_step) and its
+non-finite flags come back in the runner's one status read.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moekv import LLM, SamplingParams
+from moekv.engine.graph_buckets import GraphBucket
 from moekv.engine.step_result import usable_rows
 from moekv.paths import default_model_dir
 
@@ -21,6 +25,7 @@ PAGE = 16
 _NO_KERNEL = {"detach", "detach_", "resolve_conj", "resolve_neg", "lift_fresh", "to", "alias", "slice", "select",
               "view", "unsqueeze", "expand", "t", "transpose", "as_strided", "_reshape_alias", "squeeze", "unbind",
               "split", "narrow", "reshape", "_unsafe_view", "flatten", "unflatten", "permute"}
+_COPIES = {"copy_", "_to_copy"}       # on CUDA, a host buffer copied to the device (or device to device)
 _READS = ("tolist", "item", "cpu")
 
 
@@ -36,6 +41,19 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Event:
+    """A CUDA event stand-in that counts host waits and records, by phase."""
+
+    def __init__(self, phase, waits):
+        self.phase, self.waits = phase, waits
+
+    def synchronize(self):
+        self.waits[self.phase[-1]] += 1
+
+    def record(self, stream=None):
+        self.waits[f"{self.phase[-1]}:record"] += 1
+
+
 def _llm(kv_cache_dtype: str, max_num_seqs: int = 1) -> LLM:
     llm = LLM(model=default_model_dir(), dtype="fp32", kv_cache_dtype=kv_cache_dtype, device="cpu", page_size=PAGE,
               max_model_len=256, max_num_seqs=max_num_seqs, cuda_graphs=False)
@@ -44,13 +62,17 @@ def _llm(kv_cache_dtype: str, max_num_seqs: int = 1) -> LLM:
 
 
 def _count_steps(monkeypatch, llm: LLM, prompts: list[list[int]], num_steps: int):
-    """Runs the prompts' prefill and first decode, then `num_steps` decode steps; returns per step
-    (kind, device ops by phase, host reads by phase), kind "ordinary" or "page" (a page starts or fills)."""
+    """Runs the prompts' prefill and first decode, then `num_steps` decode steps; returns per step a dict:
+    kind ("ordinary", or "page": a page starts or fills), ops (device ops by phase), copies (copy ops by phase),
+    tensors (torch.tensor from host data, by phase), reads (host reads by phase), waits (event waits by phase),
+    tokens (the step's new tokens)."""
     engine = llm.engine
     runner, cache = engine.runner, engine.kv_cache
     phase = ["engine"]
     ops: dict = collections.defaultdict(collections.Counter)
     reads: collections.Counter = collections.Counter()
+    tensors: collections.Counter = collections.Counter()
+    waits: collections.Counter = collections.Counter()
 
     def within(obj, name, label):
         original = getattr(obj, name)
@@ -70,11 +92,28 @@ def _count_steps(monkeypatch, llm: LLM, prompts: list[list[int]], num_steps: int
     for name in _READS:
         original = getattr(torch.Tensor, name)
 
-        def read(self, *args, _original=original, _name=name, **kwargs):
+        def read(self, *args, _original=original, **kwargs):
             if phase[-1] != "forward":
                 reads[phase[-1]] += 1
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, read)
+    original_tensor = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if phase[-1] != "forward":
+            tensors[phase[-1]] += 1
+        return original_tensor(*args, **kwargs)
+    monkeypatch.setattr(torch, "tensor", tensor)
+    original_upload = GraphBucket.upload
+
+    def upload(bucket):                          # as on CUDA: the copy records an event fill() waits on next
+        original_upload(bucket)
+        bucket.copied = _Event(phase, waits)
+        bucket.copied.record()
+    monkeypatch.setattr(GraphBucket, "upload", upload)
+    if hasattr(cache, "_index_copied"):          # the low-bit cache's own copy event (CUDA only)
+        monkeypatch.setattr(cache, "_index_copied", _Event(phase, waits))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
 
     params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
     for prompt in prompts:
@@ -85,45 +124,88 @@ def _count_steps(monkeypatch, llm: LLM, prompts: list[list[int]], num_steps: int
     for _ in range(num_steps):
         positions = [r.num_computed_tokens for r in engine.scheduler.running]
         kind = "page" if any(p % PAGE in (0, PAGE - 1) for p in positions) else "ordinary"
-        ops.clear()
-        reads.clear()
+        for counter in (ops, reads, tensors, waits):
+            counter.clear()
         graph_steps = runner.graph_steps
         with _Ops(phase, ops):
-            engine.step()
+            outputs = engine.step()
         assert runner.graph_steps == graph_steps + 1
-        steps.append((kind, {k: dict(v) for k, v in ops.items() if k != "forward"}, dict(reads)))
+        device_ops = {k: dict(v) for k, v in ops.items() if k != "forward"}
+        copies = {k: sum(n for op, n in v.items() if op in _COPIES) for k, v in device_ops.items()}
+        steps.append({"kind": kind, "ops": device_ops, "copies": {k: n for k, n in copies.items() if n},
+                      "tensors": dict(tensors), "reads": dict(reads), "waits": dict(waits),
+                      "tokens": [o.new_token_ids for o in outputs]})
     return steps
 
 
-def test_lowbit_step_hooks_add_one_copy_and_no_host_read(monkeypatch):
+def _total(counts: dict) -> int:
+    return sum(sum(v.values()) if isinstance(v, dict) else v for v in counts.values())
+
+
+def test_lowbit_step_hooks_cost_nothing_on_an_ordinary_step(monkeypatch):
     steps = _count_steps(monkeypatch, _llm("int3"), [[5, 17, 33]], 2 * PAGE)
-    ordinary = [s for s in steps if s[0] == "ordinary"]
-    page = [s for s in steps if s[0] == "page"]
+    ordinary = [s for s in steps if s["kind"] == "ordinary"]
+    page = [s for s in steps if s["kind"] == "page"]
     assert len(ordinary) >= PAGE and len(page) >= 2
-    for _, ops, reads in ordinary:
-        # begin_step: one host->device copy of the index rows + cleared flags; end_step: nothing on the device
-        assert ops.get("cache", {}) == {"copy_": 1}, ops
-        assert "cache" not in reads, reads
-        assert reads == {"runner": 1}, reads          # the step's one host read: the runner's status row
-        assert "engine" not in ops, ops               # no logits check, no greedy sampling op of its own
-    for _, ops, reads in page:
-        # a page starts (slot taken: map update) or fills (slot returned at commit): a map update on top
-        assert sum(ops.get("cache", {}).values()) <= 2, ops
-        assert "cache" not in reads and reads == {"runner": 1}, reads
+    for s in ordinary:
+        # begin_step writes the rows into the bucket's host buffer (the runner's upload copies them), end_step
+        # takes the flags the runner read back: no device op, copy, host tensor, read or event of the cache's own
+        assert "cache" not in s["ops"] and "cache" not in s["tensors"], s
+        assert "cache" not in s["reads"] and not any(k.startswith("cache") for k in s["waits"]), s
+        assert s["copies"] == {"runner": 2}, s       # the bucket's upload + the load tracker's window copy
+        assert s["reads"] == {"runner": 1}, s        # the step's one host read: the runner's status row
+        assert s["waits"] == {"runner": 1, "runner:record": 1}, s    # the previous upload, this upload's event
+        assert "engine" not in s["ops"], s           # no logits check, no greedy sampling op of its own
+    for s in page:
+        # a page starts (slot taken: map update) or fills (slot returned at commit): a map update on top,
+        # its index and slot lists built on the host; still no read or event wait of the cache's own
+        assert sum(s["ops"].get("cache", {}).values()) <= 1 and s["tensors"].get("cache", 0) <= 2, s
+        assert "cache" not in s["reads"] and s["reads"] == {"runner": 1}, s
+        assert not any(k.startswith("cache") for k in s["waits"]), s
 
 
-def test_lowbit_step_costs_at_most_one_op_more_than_full_precision(monkeypatch):
+def test_lowbit_step_costs_no_more_than_full_precision(monkeypatch):
     prompts = [[5, 17, 33], [7], [40, 41, 42, 43]]
     lowbit = _count_steps(monkeypatch, _llm("int3", max_num_seqs=4), prompts, 6)
     monkeypatch.undo()
     full = _count_steps(monkeypatch, _llm("fp32", max_num_seqs=4), prompts, 6)
-    for (kind, ops, reads), (_, full_ops, full_reads) in zip(lowbit, full):
-        if kind != "ordinary":
+    ordinary = 0
+    for low, fp in zip(lowbit, full):
+        if low["kind"] != "ordinary":
             continue
-        total = sum(sum(c.values()) for c in ops.values())
-        full_total = sum(sum(c.values()) for c in full_ops.values())
-        assert total <= full_total + 1, (ops, full_ops)
-        assert sum(reads.values()) == sum(full_reads.values()) == 1, (reads, full_reads)
+        ordinary += 1
+        for what in ("ops", "copies", "tensors", "reads", "waits"):
+            assert _total(low[what]) <= _total(fp[what]), (what, low, fp)
+        assert _total(low["ops"]) == _total(fp["ops"]) and _total(low["copies"]) == _total(fp["copies"]) == 2
+        assert _total(low["reads"]) == _total(fp["reads"]) == 1
+        assert _total(low["waits"]) == _total(fp["waits"]) == 2
+    assert ordinary >= 3
+
+
+def test_the_counts_see_the_cache_s_own_copy(monkeypatch):
+    """The counting catches a low-bit step that copies its own rows: the same engine with the bucket's step
+    bytes refused (graph_step_bytes 0) pays a copy, an event wait and a record per step in the cache."""
+    llm = _llm("int3")
+    monkeypatch.setattr(llm.engine.kv_cache, "graph_step_bytes", lambda batch: 0)
+    steps = _count_steps(monkeypatch, llm, [[5, 17, 33]], 4)
+    for s in (s for s in steps if s["kind"] == "ordinary"):
+        assert s["copies"].get("cache") == 1 and s["waits"].get("cache") == 1 and s["waits"].get("cache:record") == 1
+
+
+def test_bucket_rows_and_own_rows_give_the_same_tokens(monkeypatch):
+    """Where the low-bit step rows live (the bucket's buffer or the cache's own) changes no output."""
+    prompts = [[5, 17, 33], [7], list(range(1, 15))]
+    params = SamplingParams(max_tokens=2 * PAGE + 3, temperature=0.0, ignore_eos=True)
+    bound = _llm("int3", max_num_seqs=4)
+    own = _llm("int3", max_num_seqs=4)
+    monkeypatch.setattr(own.engine.kv_cache, "graph_step_bytes", lambda batch: 0)
+    got = [o.outputs[0].token_ids for o in bound.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in own.generate(prompts, params)]
+    assert got == want and all(len(t) == 2 * PAGE + 3 for t in got)
+    assert bound.engine.runner.graph_steps > 2 * PAGE and own.engine.runner.graph_steps > 2 * PAGE
+    assert all(b.step_buffers is not None for b in bound.engine.runner._buckets.values())
+    assert all(b.step_buffers is None for b in own.engine.runner._buckets.values())
+    assert bound.engine.kv_cache.stats() == own.engine.kv_cache.stats()
 
 
 def test_non_greedy_and_logprob_requests_still_sample_in_graph_steps():

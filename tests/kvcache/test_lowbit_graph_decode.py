@@ -51,6 +51,7 @@ class Pair:
         # not page 0, which a real sequence then fills (a skipped entry's clamped page id must not matter)
         self.lengths: dict[str, int] = {}
         self.same_counters = True               # until the hooked cache runs a step the lazy one does not
+        self.buckets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # size -> a bucket's step bytes
         self.generator = torch.Generator().manual_seed(seed)
 
     def manager(self, cache) -> KVCacheManager:
@@ -91,13 +92,26 @@ class Pair:
             for seq, n in new_tokens.items():
                 self.manager(cache).grow(seq, self.lengths.get(seq, 0) + n)
 
-    def step(self, new_tokens: dict[str, int], pad_to: int = 0, decode_plan: bool | None = None):
-        """One step on both caches; returns the hooked outputs per layer (real rows only)."""
+    def step(self, new_tokens: dict[str, int], pad_to: int = 0, decode_plan: bool | None = None,
+             bucket: bool = False):
+        """One step on both caches; returns the hooked outputs per layer (real rows only). bucket: the hooked
+        step's rows live in a graph bucket's buffer (bind_graph_step), copied after begin_step as the runner's
+        upload does."""
         self.grow(new_tokens)
         real = sum(new_tokens.values())
         data = self.tokens(real + max(pad_to - len(new_tokens), 0))
         meta = self.meta(self.hooked, new_tokens, pad_to)
+        if bucket:
+            size = self.hooked.graph_step_bytes(meta.num_seqs)
+            host, device = self.buckets.setdefault(meta.num_seqs, (torch.zeros(size, dtype=torch.uint8),
+                                                                   torch.zeros(size, dtype=torch.uint8)))
+            self.hooked.bind_graph_step(meta, host, device)
+            own, stale = self.hooked._rows.device_bytes.clone(), device.clone()
         self.hooked.begin_step(meta)
+        if bucket:                               # begin_step wrote the bucket's host bytes, copied nothing
+            assert torch.equal(self.hooked._rows.device_bytes, own) and torch.equal(device, stale)
+            assert self.hooked._plan.rows is meta.step_state
+            device.copy_(host)                   # the runner's one upload
         if decode_plan is not None:
             assert isinstance(self.hooked._plan, DecodePlan) == decode_plan
         hooked_out = [self.hooked.attention(layer, q, k, v, meta, SCALE) for layer, (q, k, v) in enumerate(data)]
@@ -162,6 +176,44 @@ def test_decode_steps_match_the_lazy_path(backend):
     assert pair.hooked.staging_slot_of_page[pair.scratch_page] >= 0    # the scratch page keeps its one slot
 
 
+def test_decode_steps_in_a_graph_bucket_buffer_match_the_lazy_path(backend):
+    """The graph runner's path: the decode rows and flags live in the bucket's buffer (bind_graph_step) and ride
+    in its one copy; same outputs and cache contents as the lazy path, pages filling and quantizing, a
+    non-finite key reported through the bucket's flags."""
+    pair = Pair()
+    pair.step({"a": 13, "b": 2, "c": 30}, decode_plan=False)
+    for step in range(6):                        # a crosses 16, c 32; padded to BUCKET and unpadded
+        pad = BUCKET if step % 2 else 3
+        pair.step({s: 1 for s in "abc"}, pad_to=pad, decode_plan=True, bucket=True)
+    assert pair.hooked.stats()["pages_quantized"] == 3       # c's first page at prefill, a's and c's after
+    assert sorted(pair.buckets) == [3, BUCKET]
+    meta = pair.meta(pair.hooked, {"a": 1, "b": 1, "c": 1}, pad_to=BUCKET)
+    pair.grow({"a": 1, "b": 1, "c": 1})
+    host, device = pair.buckets[BUCKET]
+    device[-8:] = 1                              # flags left set by an earlier step: the copy clears them
+    pair.hooked.bind_graph_step(meta, host, device)
+    pair.hooked.begin_step(meta)
+    device.copy_(host)
+    data = pair.tokens(BUCKET)
+    data[1][1][2, 1, 5] = float("nan")           # c's key, layer 1
+    for layer, (q, k, v) in enumerate(data):
+        pair.hooked.attention(layer, q, k, v, meta, SCALE)
+    flags = pair.hooked.step_flags(meta)
+    assert flags.data_ptr() == meta.step_state.flags.data_ptr() and flags.tolist() == [False, False, True] + [False] * 3
+    with pytest.raises(KVCacheCorruptionError) as caught:
+        pair.hooked.end_step(meta, flags.tolist())
+    assert caught.value.request_ids == ["c"]
+
+
+def test_bind_graph_step_checks_the_buffer():
+    pair = Pair()
+    pair.grow({"a": 1})
+    meta = pair.meta(pair.hooked, {"a": 1})
+    assert pair.hooked.graph_step_bytes(4) == 3 * 4 * 8 + 8 and pair.hooked.graph_step_bytes(MAX_BATCH + 1) == 0
+    with pytest.raises(ValueError, match="needs two uint8 buffers of 32 bytes"):
+        pair.hooked.bind_graph_step(meta, torch.zeros(32, dtype=torch.uint8), torch.zeros(31, dtype=torch.uint8))
+
+
 def test_decode_larger_than_the_reservation_uses_the_variable_plan():
     pair = Pair()
     seqs = {f"s{i}": 15 for i in range(MAX_BATCH + 1)}
@@ -186,10 +238,10 @@ def test_without_reservation_or_hooks_nothing_changes():
     cache.end_step(meta)                         # nothing pending: a no-op
     cache.reserve_graph_decode(4)
     cache.reserve_graph_decode(2)                # no more than reserved: a no-op
-    buffers = cache._index.data_ptr(), cache._bad_seqs.data_ptr()
+    buffers = cache._rows.index.data_ptr(), cache._rows.flags.data_ptr()
     with pytest.raises(RuntimeError, match="cannot grow"):
         cache.reserve_graph_decode(5)
-    assert (cache._index.data_ptr(), cache._bad_seqs.data_ptr()) == buffers
+    assert (cache._rows.index.data_ptr(), cache._rows.flags.data_ptr()) == buffers
 
 
 class HostDataGuard:

@@ -26,6 +26,9 @@ class AttentionMetadata:
     `token_valid` (CUDA-graph decode steps): [T] int64 device tensor, 1 for a real token and 0 for
     a padding row of a batch-size bucket; padding rows are left out of statistics (expert load).
     None: every token is real.
+
+    `step_state` (CUDA-graph decode steps): what the cache format keeps in the bucket's own buffer
+    (`KVCache.bind_graph_step`: host and device views the bucket's one copy carries); None otherwise.
     """
 
     query_start_loc: torch.Tensor   # [B+1] int32: new tokens of seq i are rows query_start_loc[i]:[i+1]
@@ -41,6 +44,7 @@ class AttentionMetadata:
     request_ids: list[str] = field(default_factory=list)   # for error reports (e.g. non-finite KV)
     fixed_num_splits: int | None = None     # decode: exactly this many splits, sized on the device
     token_valid: torch.Tensor | None = None  # [T] int64: 0 marks a padding row (graph buckets)
+    step_state: object | None = None        # the cache format's views of the bucket's step bytes
 
     @property
     def num_seqs(self) -> int:

@@ -3,7 +3,8 @@
 Decode-only steps (every chunk one new token, every chunk samples) can run as a replayed CUDA graph:
 one graph per batch-size bucket (1, 2, 4, ..., max_num_seqs; static buffers in engine/graph_buckets.py),
 captured lazily on the bucket's first use after an eager warm-up run, all graphs sharing one memory pool.
-A step fills the bucket's host buffer, copies it to the device in one transfer and replays. Padding rows'
+A step fills the bucket's host buffer (the cache's begin_step adds its own step rows there), copies it to
+the device in one transfer and replays. Padding rows'
 keys/values land in a scratch page the runner holds for its lifetime. The captured forward also writes a
 small status buffer [3, Bb] (each row's logits usable, its argmax, the cache's non-finite KV flag from
 `KVCache.step_flags`), which the step reads back in its one host read: the engine then needs no check of
@@ -163,7 +164,9 @@ class CudaGraphSteps:
         if bucket is None:
             max_pages = -(-self.max_model_len // self.kv_manager.page_size)
             bucket = GraphBucket(size, max_pages, self.scratch_page, self.kv_manager.page_size,
-                                 self._num_splits(size), self.device)
+                                 self._num_splits(size), self.device, self.kv_cache.graph_step_bytes(size))
+            if bucket.step_buffers is not None:      # the cache's step rows ride in the bucket's one copy
+                self.kv_cache.bind_graph_step(bucket.meta, *bucket.step_buffers)
             bucket.fill([])
             if self.graph_mode == "cuda":
                 if self.coordinator is not None:
@@ -221,14 +224,15 @@ class CudaGraphSteps:
     def _warm_up(self, bucket: GraphBucket) -> None:
         """Two eager padding-only forwards over the bucket's buffers (on a side stream on CUDA)."""
         meta = bucket.meta
-        bucket.upload()
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if cuda else None
         if cuda:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with (torch.cuda.stream(stream) if cuda else nullcontext()), torch.inference_mode():
             for _ in range(2):
-                self.kv_cache.begin_step(meta)
+                bucket.fill([])                      # waits for the previous copy out of the host buffer
+                self.kv_cache.begin_step(meta)       # may write the cache's rows into the bucket's host buffer
+                bucket.upload()
                 self._static_forward(bucket)
                 self.kv_cache.end_step(meta)
         if cuda:
@@ -309,8 +313,8 @@ class CudaGraphSteps:
         agreed = self.coordinator.graph_bucket if self.coordinator is not None else None
         bucket = self._bucket(max(len(rows), agreed or 0))
         bucket.fill(rows)
-        bucket.upload()
-        self.kv_cache.begin_step(bucket.meta)
+        self.kv_cache.begin_step(bucket.meta)           # the cache's rows into the bucket's host buffer
+        bucket.upload()                                  # the step's one host->device copy
         if rows:
             self._run_pre_hooks(bucket)
         else:

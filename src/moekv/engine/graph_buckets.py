@@ -1,8 +1,11 @@
 """The static buffers of CUDA-graph decode steps: which batch sizes get a bucket, what one bucket holds,
 and how a step's rows are written into it (one host buffer, one host-to-device copy).
 
-A bucket owns one packed int32 device buffer holding the token ids, positions, context and sequence
-lengths, slot mapping, a token-valid mask and the block tables [Bb, max_pages]; a static
+A bucket owns one packed device buffer holding the token ids, positions, context and sequence
+lengths, slot mapping, a token-valid mask and the block tables [Bb, max_pages] (int32), then the
+cache format's own per-step bytes (`KVCache.graph_step_bytes`, bound to the bucket's metadata with
+`KVCache.bind_graph_step`: the low-bit cache's index rows and non-finite flags), so the step's one
+copy carries the cache's plan too; a static
 AttentionMetadata whose device tensors are views of it, with `fixed_num_splits` set (asked of the cache
 format: `KVCache.graph_decode_splits`) so the decode kernels size their split-K work on the device; and,
 once captured, the graph and its output logits [Bb, V]. Rows past the step's batch are dummy sequences
@@ -47,21 +50,25 @@ class GraphBucket:
     """Static buffers (and, when captured, the graph) of one batch-size bucket."""
 
     def __init__(self, size: int, max_pages: int, scratch_page: int, page_size: int, num_splits: int | None,
-                 device: torch.device):
+                 device: torch.device, step_bytes: int = 0):
         self.size = size
         self.max_pages = max_pages
         self.page_size = page_size
         self.scratch_page = scratch_page
         self.device = device
         width = len(_FIELDS) * size + size * max_pages
+        offset = -(-4 * width // 8) * 8                    # the cache's bytes start 8-byte aligned
         pin = device.type == "cuda"
-        self.host = torch.zeros(width, dtype=torch.int32, pin_memory=pin)            # [width]
-        self.host_np = self.host.numpy()
-        self.device_buf = torch.zeros(width, dtype=torch.int32, device=device)       # [width]
+        self.host = torch.zeros(offset + step_bytes, dtype=torch.uint8, pin_memory=pin)        # [bytes]
+        self.device_buf = torch.zeros(offset + step_bytes, dtype=torch.uint8, device=device)   # [bytes]
+        self.host_np = self.host[:4 * width].view(torch.int32).numpy()                          # [width]
+        fields = self.device_buf[:4 * width].view(torch.int32)                                  # [width]
+        # the cache format's per-step bytes (host, device): written by its begin_step, copied with the rest
+        self.step_buffers = (self.host[offset:], self.device_buf[offset:]) if step_bytes else None
         self.copied: torch.cuda.Event | None = None        # the last host->device copy (pinned reuse)
-        views = {name: self.device_buf[i * size:(i + 1) * size] for i, name in enumerate(_FIELDS)}
+        views = {name: fields[i * size:(i + 1) * size] for i, name in enumerate(_FIELDS)}
         self.views = views
-        tables = self.device_buf[len(_FIELDS) * size:].view(size, max_pages)          # [Bb, W]
+        tables = fields[len(_FIELDS) * size:].view(size, max_pages)                    # [Bb, W]
         self.meta = AttentionMetadata(
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
             context_lens=views["context_lens"], seq_lens=views["seq_lens"], block_tables=tables,
@@ -78,41 +85,54 @@ class GraphBucket:
         self.kv_flags = False                              # the forward copies the cache's flags into status[2]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None            # [Bb, V] float32, the graph's output
+        self._fields = {name: self.host_np[i * size:(i + 1) * size] for i, name in enumerate(_FIELDS)}
+        self._tables = self.host_np[len(_FIELDS) * size:].reshape(size, max_pages)         # [Bb, W] host
+        self._padding_table = [scratch_page]               # the dummy rows' table (one list: written once)
+        self._written: list[tuple[list[int] | None, int]] = [(None, 0)] * size   # per row: table, entries
 
     def fill(self, rows: list[tuple[int, int, list[int], str]]) -> None:
         """Write a step's rows (token id, position, block table, request id) into the host buffer and the
-        metadata's host lists; rows past len(rows) are dummy sequences."""
+        metadata's host lists; rows past len(rows) are dummy sequences. The cache's begin_step(meta) may
+        then write its own bytes (step_buffers) before `upload`.
+
+        Block tables are written incrementally: a row holding the same table list as in this bucket's last
+        fill writes only the entries appended since (KVCacheManager's tables are append-only while their
+        list lives; a freed and re-admitted sequence gets a new list), so a decode step writes one entry per
+        page a sequence opened, not its whole table (1024 entries per sequence at 16k tokens, page 16)."""
         if self.copied is not None:
             self.copied.synchronize()              # the previous copy out of this pinned buffer is done
-        size, page_size, scratch = self.size, self.page_size, self.scratch_page
-        host = self.host_np
-        fields = {name: host[i * size:(i + 1) * size] for i, name in enumerate(_FIELDS)}
-        tables = host[len(_FIELDS) * size:].reshape(size, self.max_pages)
-        context_lens, block_tables, request_ids = [], [], []
-        for i in range(size):
-            if i < len(rows):
-                token, position, table, request_id = rows[i]
-                valid = 1
-            else:
-                token, position, table, request_id, valid = 0, 0, [scratch], "", 0
-            fields["input_ids"][i] = token
-            fields["positions"][i] = position
-            fields["context_lens"][i] = position
-            fields["seq_lens"][i] = position + 1
-            fields["slot_mapping"][i] = table[position // page_size] * page_size + position % page_size
-            fields["token_valid"][i] = valid
-            tables[i, :len(table)] = table
-            context_lens.append(position)
-            block_tables.append(table)
-            request_ids.append(request_id)
+        size, page_size, count = self.size, self.page_size, len(rows)
+        pad = size - count
+        tokens = [r[0] for r in rows] + [0] * pad
+        positions = [r[1] for r in rows] + [0] * pad
+        block_tables = [r[2] for r in rows] + [self._padding_table] * pad
+        request_ids = [r[3] for r in rows] + [""] * pad
+        fields = self._fields
+        fields["input_ids"][:] = tokens
+        fields["positions"][:] = positions
+        fields["context_lens"][:] = positions
+        fields["seq_lens"][:] = fields["positions"] + 1
+        fields["slot_mapping"][:] = [t[p // page_size] * page_size + p % page_size
+                                     for t, p in zip(block_tables, positions)]
+        fields["token_valid"][:count] = 1
+        fields["token_valid"][count:] = 0
+        tables, written = self._tables, self._written
+        for i, table in enumerate(block_tables):
+            before, done = written[i]
+            length = len(table)
+            if table is not before or done > length:
+                tables[i, :length] = table
+            elif length > done:
+                tables[i, done:length] = table[done:]
+            written[i] = (table, length)
         meta = self.meta
-        meta.context_lens_host = context_lens
+        meta.context_lens_host = positions
         meta.block_tables_host = block_tables
         meta.request_ids = request_ids
-        meta.max_seq_len = max(context_lens) + 1
+        meta.max_seq_len = max(positions) + 1
 
     def upload(self) -> None:
-        """The step's one host->device copy."""
+        """The step's one host->device copy (the rows, the tables and the cache's step bytes)."""
         self.device_buf.copy_(self.host, non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()

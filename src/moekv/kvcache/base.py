@@ -101,6 +101,18 @@ class KVCache(ABC):
         Every format with `supports_graph_decode` must say."""
         raise NotImplementedError(f"{type(self).__name__} does not plan graph decode splits")
 
+    def graph_step_bytes(self, batch: int) -> int:
+        """Bytes of per-step state a decode step of `batch` sequences uploads (0: none). A graph bucket
+        holds them after its own rows, so the step's one host->device copy carries them too."""
+        return 0
+
+    def bind_graph_step(self, meta: AttentionMetadata, host: torch.Tensor, device: torch.Tensor) -> None:
+        """Give the format a graph bucket's step bytes (`graph_step_bytes(meta.num_seqs)` of them, uint8,
+        8-byte aligned; `host` pinned on CUDA, copied to `device` by the runner after begin_step(meta)).
+        The format keeps its views in `meta.step_state`; its begin_step(meta) then writes `host` only."""
+        if self.graph_step_bytes(meta.num_seqs):
+            raise NotImplementedError(f"{type(self).__name__} asks for step bytes but does not bind them")
+
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Host bookkeeping before the step's forward (per-step write plans, slot assignments). It
         writes only into the cache's persistent device buffers (never allocates tensors the forward

@@ -21,11 +21,14 @@ Step hooks (CUDA-graph decode): `begin_step(meta)` plans the step on the host be
 `end_step(meta)` checks and commits it after; `attention()` then does device work only. For a decode
 step of at most `reserve_graph_decode(max_batch)` sequences the plan is three fixed-size index rows in
 persistent device buffers (staging row of each new token, page it fills or -1, that page's slot) and
-a persistent per-sequence non-finite flag, all in one buffer that begin_step uploads in one copy (which
-also clears the flags; no kernel). `step_flags(meta)` is that flag row: the graph runner copies it into
-the outputs it reads back anyway and hands the values to `end_step(meta, flags)`, so the cache adds no
-host read of its own to an ordinary decode step (slots taken or returned when a page starts or fills add
-a small map update on those steps only). Every layer runs one launch that checks the new tokens,
+a persistent per-sequence non-finite flag, all in one buffer (lowbit_plan.StepRows) whose host->device
+copy also clears the flags (no kernel). A graph bucket holds that buffer after its own rows
+(`graph_step_bytes`, `bind_graph_step`): begin_step then only writes the host rows and the bucket's one
+copy carries them (no copy, event or sync of the cache's own); other decode steps within the reservation
+use the cache's own buffer, copied by begin_step. `step_flags(meta)` is the flag row: the graph runner
+copies it into the outputs it reads back anyway and hands the values to `end_step(meta, flags)`, so the
+cache adds no host read of its own to an ordinary decode step (slots taken or returned when a page
+starts or fills add a small map update on those steps only). Every layer runs one launch that checks the new tokens,
 sets the flags and writes the (zeroed where non-finite) rows to staging and to persistent copies the
 attention reads (`dispatch.stage_decode_tokens`), the attention, and one masked, fixed-shape launch
 that quantizes the key and value pages that filled and adds the statistics to the device counters
@@ -44,7 +47,8 @@ from moekv.kvcache import accounting
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.kvcache.base import KVCache, KVCacheSpec
 from moekv.core.lowbit_layout import PackedPages, QuantSpec
-from moekv.kvcache.formats.lowbit_plan import DecodePlan, StagingSlots, StepPlan, build_decode_plan, build_plan
+from moekv.kvcache.formats.lowbit_plan import (DecodePlan, StagingSlots, StepPlan, StepRows, build_decode_plan,
+                                               build_plan, step_bytes)
 from moekv.ops import dispatch
 
 STAGING_SHARE = 8   # default staging pool: one staging page per 8 pages (at least 64, at most num_pages)
@@ -105,13 +109,9 @@ class LowBitKVCache(KVCache):
         self._plan: StepPlan | DecodePlan | None = None
         self._plan_hooked = False       # built by begin_step: end_step checks and commits it
         self._graph_batch = 0           # reserve_graph_decode: decode steps of up to this many sequences
-        self._index_host: torch.Tensor | None = None     # [3, max_batch] int64 (pinned on CUDA)
-        self._index: torch.Tensor | None = None          # [3, max_batch] int64: stage_row, quant_page, quant_slot
-        self._bad_seqs: torch.Tensor | None = None       # [max_batch] bool: non-finite key/value this step
-        self._step_host: torch.Tensor | None = None      # uint8: index rows then flags (0), pinned on CUDA
-        self._step_device: torch.Tensor | None = None    # uint8: its device twin; _index, _bad_seqs view it
+        self._rows: StepRows | None = None   # the cache's own step buffer (decode steps not in a graph bucket)
         self._new_kv: dict = {}                          # (key, value dtype) -> [max_batch, Hkv, D] buffers
-        self._index_copied = None                        # CUDA event: the last host->device index copy is done
+        self._index_copied = None                        # CUDA event: the last copy out of _rows is done
         self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=self.device)
 
     @property
@@ -179,40 +179,43 @@ class LowBitKVCache(KVCache):
                                    f"cannot grow to {max_batch} (captured graphs hold their addresses)")
             return
         cuda = self.device.type == "cuda"
-        # One byte buffer per side: the three int64 index rows, then the per-sequence flags (bool), padded to
-        # 8 bytes. The host twin's flag bytes stay 0, so the step's one host->device copy also clears the flags.
-        index_bytes = 3 * max_batch * 8
-        width = index_bytes + -(-max_batch // 8) * 8
-        self._step_host = torch.zeros(width, dtype=torch.uint8, pin_memory=cuda)          # [width] (pinned on CUDA)
-        self._step_device = torch.zeros(width, dtype=torch.uint8, device=self.device)     # [width]
-        self._index_host = self._step_host[:index_bytes].view(torch.int64).view(3, max_batch)
-        self._index_host.fill_(-1)
-        self._index = self._step_device[:index_bytes].view(torch.int64).view(3, max_batch)
-        self._index.fill_(-1)
-        self._bad_seqs = self._step_device[index_bytes:index_bytes + max_batch].view(torch.bool)
+        width = step_bytes(max_batch)
+        self._rows = StepRows(torch.zeros(width, dtype=torch.uint8, pin_memory=cuda),      # pinned on CUDA
+                              torch.zeros(width, dtype=torch.uint8, device=self.device), max_batch)
+        self._rows.index.fill_(-1)
         self._graph_batch = max_batch
         self._new_token_buffers(self.spec.dtype, self.spec.dtype)
         self._index_copied = torch.cuda.Event() if cuda else None
 
+    def graph_step_bytes(self, batch: int) -> int:
+        """A graph bucket's share for this cache: the decode step's index rows and flags (lowbit_plan.step_bytes)."""
+        return step_bytes(batch) if self._graph_batch and batch <= self._graph_batch else 0
+
+    def bind_graph_step(self, meta: AttentionMetadata, host: torch.Tensor, device: torch.Tensor) -> None:
+        """The bucket of `meta` holds this decode step's rows and flags: begin_step(meta) writes `host` only."""
+        meta.step_state = StepRows(host, device, meta.num_seqs)
+
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Plan the step before its forward (host work, no sync): take staging slots, and for a decode step
-        within the reserved size write the fixed-size device index rows and clear the non-finite flags -- one
-        host->device copy of one buffer, no kernel (staging slots taken or returned add a map update).
-        Replaces a plan still pending (a forward that failed before end_step)."""
+        within the reserved size write the fixed-size index rows (and zeroed non-finite flags): into the graph
+        bucket's host buffer (its copy carries them), else into the cache's own buffer, copied here (one
+        host->device copy, no kernel). Staging slots taken or returned add a map update. Replaces a plan
+        still pending (a forward that failed before end_step)."""
         self._plan, self._plan_hooked = None, False
         if self._graph_batch and 0 < meta.num_seqs <= self._graph_batch and meta.is_decode:
             plan = build_decode_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots)
-            count = meta.num_seqs
-            if self._index_copied is not None:
-                self._index_copied.synchronize()         # the previous step's copy has left the host buffer
-            rows = self._index_host.numpy()
-            rows[0, :count] = plan.stage_rows
-            rows[1, :count] = plan.quant_pages
-            rows[2, :count] = plan.quant_slots
-            # index rows and zeroed flags: the whole buffer in one contiguous copy
-            self._step_device.copy_(self._step_host, non_blocking=True)
-            if self._index_copied is not None:      # on the stream the copy went to (the cache's device)
-                self._index_copied.record(torch.cuda.current_stream(self.device))
+            bound = meta.step_state
+            if isinstance(bound, StepRows) and bound.batch == meta.num_seqs:
+                bound.write(plan)                        # the runner's bucket copy carries it (after this call)
+            else:
+                if self._index_copied is not None:
+                    self._index_copied.synchronize()     # the previous step's copy has left the host buffer
+                rows = self._rows
+                rows.write(plan)
+                # index rows and zeroed flags: the whole buffer in one contiguous copy
+                rows.device_bytes.copy_(rows.host_bytes, non_blocking=True)
+                if self._index_copied is not None:  # on the stream the copy went to (the cache's device)
+                    self._index_copied.record(torch.cuda.current_stream(self.device))
         else:
             plan = build_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots, self.device)
         self._plan, self._plan_hooked = plan, True
@@ -222,7 +225,7 @@ class LowBitKVCache(KVCache):
         buffer begin_step's copy clears), else None."""
         plan = self._plan
         if isinstance(plan, DecodePlan) and plan.meta is meta and self._plan_hooked:
-            return self._bad_seqs[:meta.num_seqs]
+            return plan.rows.flags[:meta.num_seqs]
         return None
 
     def end_step(self, meta: AttentionMetadata, flags: list[bool] | None = None) -> None:
@@ -272,13 +275,14 @@ class LowBitKVCache(KVCache):
         count = meta.num_seqs
         if key.shape[0] != count:
             raise ValueError(f"a decode step of {count} sequences got {key.shape[0]} new tokens")
-        stage_rows, quant_pages, quant_slots = (self._index[i, :count] for i in range(3))   # [B] int64 each
+        rows = self._plan.rows
+        stage_rows, quant_pages, quant_slots = (rows.index[i, :count] for i in range(3))   # [B] int64 each
         key_out, value_out = self._new_token_buffers(key.dtype, value.dtype)
         # one launch: finiteness of each token's key and value rows -> its flag (OR), and the rows (zeros
         # when non-finite) -> its staging row and the persistent copies the attention reads. Writing the
         # staging row first is invisible to the attention: that row lies past the token's context.
         key, value = dispatch.stage_decode_tokens(
-            key, value, self.staging_keys[layer], self.staging_values[layer], stage_rows, self._bad_seqs[:count],
+            key, value, self.staging_keys[layer], self.staging_values[layer], stage_rows, rows.flags[:count],
             key_out[:count], value_out[:count])                                    # [B, Hkv, D]
         out = dispatch.paged_attention_lowbit(
             query, key, value, self.key_pages[layer], self.value_pages[layer], self.key_spec, self.value_spec,
@@ -338,16 +342,18 @@ class LowBitKVCache(KVCache):
         """end_step of a decode plan: one read of the per-sequence flags (unless given), then report or commit."""
         self._plan, self._plan_hooked = None, False
         if flags is None:
-            flags = self._bad_seqs[:plan.meta.num_seqs].tolist()      # the one host sync of a step
+            flags = plan.rows.flags[:plan.meta.num_seqs].tolist()     # the one host sync of a step
         elif len(flags) != plan.meta.num_seqs:
             raise ValueError(f"end_step got {len(flags)} flags for a step of {plan.meta.num_seqs} sequences")
-        ids = plan.meta.request_ids
-        # padding sequences (request id "") write only the runner's scratch page: never reported
-        seq_indices = self._live(plan, [i for i, bad in enumerate(flags)
-                                        if bad and not (i < len(ids) and ids[i] == "")])
-        if seq_indices:
-            self._raise_corruption(plan.meta, seq_indices)
-        self._release(plan.release)
+        if any(flags):
+            ids = plan.meta.request_ids
+            # padding sequences (request id "") write only the runner's scratch page: never reported
+            seq_indices = self._live(plan, [i for i, bad in enumerate(flags)
+                                            if bad and not (i < len(ids) and ids[i] == "")])
+            if seq_indices:
+                self._raise_corruption(plan.meta, seq_indices)
+        if plan.release:                         # pages filled this step (every page_size steps per sequence)
+            self._release(plan.release)
 
     @staticmethod
     def _live(plan: StepPlan | DecodePlan, seq_indices: list[int]) -> list[int]:

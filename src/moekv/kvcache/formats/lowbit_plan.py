@@ -53,6 +53,41 @@ class DecodePlan:
     quant_slots: list[int]          # [B] staging slot of that page, or -1 (read only where quant_pages >= 0)
     release: list[tuple[int, int]] = field(default_factory=list)   # (page, slot) returned at commit, no repeats
     freed: set[int] = field(default_factory=set)   # pages freed while the plan was pending (see pages_freed)
+    rows: "StepRows | None" = None  # the device rows the step's forward reads (set by the cache's begin_step)
+
+
+def step_bytes(batch: int) -> int:
+    """Bytes of a decode step's device state: three int64 index rows [3, batch] (staging row of each new token,
+    page it fills or -1, that page's slot), then the per-sequence non-finite flags (bool [batch]) padded to 8."""
+    return 3 * batch * 8 + -(-batch // 8) * 8
+
+
+class StepRows:
+    """Views of one decode-step buffer, host and device twins of `step_bytes(batch)` uint8 (8-byte aligned): the
+    index rows the forward reads and the flags it sets. The host's flag bytes stay 0, so the host->device copy
+    that carries the rows also clears the flags (no kernel). The owner of the buffer does that copy: the cache
+    for its own buffer, the graph runner for a bucket's (KVCache.bind_graph_step)."""
+
+    def __init__(self, host: torch.Tensor, device: torch.Tensor, batch: int):
+        size = step_bytes(batch)
+        if host.dtype != torch.uint8 or device.dtype != torch.uint8 or host.numel() != size or device.numel() != size:
+            raise ValueError(f"a decode step of {batch} sequences needs two uint8 buffers of {size} bytes, got "
+                             f"{host.dtype} [{host.numel()}] and {device.dtype} [{device.numel()}]")
+        index_bytes = 3 * batch * 8
+        self.batch = batch
+        self.host_bytes, self.device_bytes = host, device
+        self.host = host[:index_bytes].view(torch.int64).view(3, batch).numpy()       # [3, B] (host memory)
+        self.host[:] = -1
+        self.index = device[:index_bytes].view(torch.int64).view(3, batch)           # [3, B] int64 device
+        self.flags = device[index_bytes:index_bytes + batch].view(torch.bool)        # [B] bool device
+
+    def write(self, plan: DecodePlan) -> None:
+        """The plan's rows into the host twin (entries past the plan's batch are left as they are)."""
+        count = len(plan.stage_rows)
+        self.host[0, :count] = plan.stage_rows
+        self.host[1, :count] = plan.quant_pages
+        self.host[2, :count] = plan.quant_slots
+        plan.rows = self
 
 
 class StagingSlots:
