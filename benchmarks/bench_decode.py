@@ -19,10 +19,15 @@ Sections (each in the JSON and the markdown written to --out, default benchmarks
               "eager" and "grouped_mm" (bf16 cache only: transformers has no int3 cache).
               moekv replays a CUDA graph per decode step (system "moekv", the default) or runs every
               step eagerly (system "moekv-eager": --enforce-eager, or both with --eager-too).
+  replay      CUDA-graph rows: the CUDA-event time of each timed step's graph replay, in the same
+              --steps steps as the time per token (gpu_busy_replay = replay / wall), and what a step
+              spends outside its replay (outside_graph_ms = ms/token - replay: host work, the step's
+              copies, eager launches); per step kind (benchmarks/decode_steps.py): ordinary steps,
+              steps that start a KV page and steps that fill one (the low-bit cache quantizes the page
+              in that step's graph: --steps >= the page size, 128 low-bit, holds one per sequence).
   gpu_busy    torch.profiler over --profile-steps decode steps: union of GPU kernel intervals / the
               steps' wall time (the profiler's own CPU overhead makes this a lower bound; its trace
-              also misses many kernels of replayed graphs), and for CUDA-graph rows the CUDA-event time
-              of each step's graph replay over --profile-steps more steps (gpu_busy_replay = / wall).
+              also misses many kernels of replayed graphs).
   prefill     tokens per second of the prefill phase of each scenario (B x context prompt tokens, chunks
               of --prefill-chunk tokens per engine step); the B=1, 16k row is "prefill at 16k".
   moe_layer   layer 0's experts alone at --moe-tokens (benchmarks/bench_moe.py: achieved TB/s).
@@ -57,6 +62,7 @@ import torch
 
 from benchmarks import bench_moe  # noqa: E402  (also turns on the interpreter for --tiny)
 from benchmarks import layer_profile  # noqa: E402
+from benchmarks.decode_steps import time_steps  # noqa: E402
 from benchmarks.synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
 
 from moekv.config import CacheConfig, DeviceConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig  # noqa: E402
@@ -167,43 +173,6 @@ def busy_fraction(step, num_steps: int, device: torch.device, breakdown: dict | 
     return busy / wall
 
 
-class _TimedGraph:
-    """Stands in for a captured CUDA graph: replays it between two timing events."""
-
-    def __init__(self, graph):
-        self.graph, self.events = graph, []
-
-    def replay(self) -> None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.graph.replay()
-        end.record()
-        self.events.append((start, end))
-
-
-def graph_busy(engine: Engine, num_steps: int, device: torch.device) -> tuple[float | None, float | None]:
-    """(GPU ms of one decode step's graph replay, that / the step's wall time), timed with CUDA events
-    around each replay (a graph has no launch gaps). The profiler's trace undercounts graph kernels
-    here, so graph rows report this too. None without captured graphs."""
-    buckets = [b for b in engine.runner._buckets.values() if b.graph is not None]
-    if num_steps <= 0 or not buckets or device.type != "cuda":
-        return None, None
-    for bucket in buckets:
-        bucket.graph = _TimedGraph(bucket.graph)
-    try:
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        sync(device)
-        wall_ms = (time.perf_counter() - start) * 1e3
-        gpu_ms = sum(s.elapsed_time(e) for b in buckets for s, e in b.graph.events)
-    finally:
-        for bucket in buckets:
-            bucket.graph = bucket.graph.graph
-    return gpu_ms / num_steps, gpu_ms / wall_ms
-
-
 # ---------------------------------------------------------------- moekv
 def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args, graphs: bool = True,
                 fusion: bool | None = None) -> Engine:
@@ -232,10 +201,10 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
               fusion: bool | None = None) -> dict:
     # sequences prefilled first decode while the others prefill: room for those steps too
     prefill_steps = -(-batch * context // args.prefill_chunk) + batch
-    new_tokens = prefill_steps + args.warmup + args.steps + 2 * args.profile_steps + 4
+    new_tokens = prefill_steps + args.warmup + args.steps + args.profile_steps + 4
     synthetic = args.synthetic_kv
     if synthetic:
-        new_tokens = args.warmup + args.steps + 2 * args.profile_steps + 4
+        new_tokens = args.warmup + args.steps + args.profile_steps + 4
     engine = make_engine(model, batch, context, kv, new_tokens, args, graphs, fusion)
     fused = "on" if dispatch.fused_decode_layer() else "off"      # what the engine installed for its ops
     prefill_s = None
@@ -254,17 +223,12 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
         prefill_s = time.perf_counter() - start
     for _ in range(args.warmup):
         engine.step()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    sync(device)
-    step_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    timed = time_steps(engine, args.steps, device)          # wall and graph replay of the same steps
+    step_ms, replay_ms = timed["tpot_ms"], timed["graph_replay_ms"]
     breakdown = {} if not graphs else None
     busy = busy_fraction(engine.step, args.profile_steps, device, breakdown)
     layers = layer_profile.profile_layers(engine.step, model, args.profile_steps, device) \
         if not graphs and args.layer_profile else None
-    replay_ms, replay_busy = graph_busy(engine, args.profile_steps, device)
     assert all(len(r.output_token_ids) < new_tokens for r in engine.scheduler.running), "a sequence finished early"
     runner = engine.runner
     row = {"system": "moekv" if graphs else "moekv-eager", "kv": kv, "batch": batch, "context": context,
@@ -272,7 +236,9 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
            "prefill_tokens_per_s": None if prefill_s is None else batch * context / prefill_s,
            "synthetic_kv": synthetic, "kv_bits_per_value": engine.kv_bits_per_value(),
            "cuda_graphs": runner.graph_mode == "cuda", "graph_steps": runner.graph_steps,
-           "graph_replay_ms": replay_ms, "gpu_busy_replay": replay_busy,
+           "graph_replay_ms": replay_ms, "gpu_busy_replay": None if replay_ms is None else replay_ms / step_ms,
+           "outside_graph_ms": timed["outside_graph_ms"], "graph_replays": timed["graph_replays"],
+           "step_ms_median": timed["step_ms_median"], "steps_by_kind": timed["by_kind"],
            "graph_fallback": runner.graph_fallback_reason, "kernel_breakdown": breakdown, "layer_profile": layers,
            "fusion": fused}
     for request_id in list(engine.requests):
@@ -393,6 +359,10 @@ def prefill_cell(row: dict) -> str:
     return f"{row['prefill_tokens_per_s']:.0f}"
 
 
+def ms_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def weight_bytes(model) -> tuple[int, int]:
     """(bytes of the routed experts of one MoE layer's one expert, bytes of everything else read per step): FP8
     codes count 1 byte, their fp32 scales 4; the embedding counts one row per token (not here: negligible)."""
@@ -428,21 +398,32 @@ def markdown(result: dict) -> list[str]:
         lines += [f"Measured copy bandwidth {result['copy_bandwidth_tbps']:.2f} TB/s.", ""]
     lines += ["## Decode: time per output token", "",
               "GPU busy: union of profiled kernel intervals / wall (a lower bound; the trace undercounts graph "
-              "kernels); graph replay: CUDA-event time of the step's graph replay (ms, and / wall).", "",
+              "kernels); graph replay: CUDA-event time of the step's graph replay in the same timed steps (ms, and "
+              "/ wall); outside: ms / token - replay (host work, copies, eager launches).", "",
               "| B | context | system | fusion | weights | KV | ms / token | % of floor | tokens/s | GPU busy "
-              "| graph replay | prefill tok/s | KV bits/value |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| graph replay | outside | prefill tok/s | KV bits/value |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["decode"]:
         busy = "-" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.1f}%"
         replay = "-" if r.get("graph_replay_ms") is None else \
             f"{r['graph_replay_ms']:.3f} ms ({100 * r['gpu_busy_replay']:.1f}%)"
         lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('fusion') or '-'} "
                      f"| {r.get('weights', 'bf16')} | {r['kv']} | {r['tpot_ms']:.3f} | {'-' if r.get('pct_of_floor') is None else format(r['pct_of_floor'], '.1f') + '%'} | "
-                     f"{r['tokens_per_s']:.1f} | {busy} | {replay} | {prefill_cell(r)} | "
-                     f"{r['kv_bits_per_value']:.2f} |")
+                     f"{r['tokens_per_s']:.1f} | {busy} | {replay} | {ms_cell(r.get('outside_graph_ms'))} | "
+                     f"{prefill_cell(r)} | {r['kv_bits_per_value']:.2f} |")
     for r in result["errors"]:
         lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('fusion') or '-'} "
-                     f"| {r.get('weights', 'bf16')} | {r['kv']} | failed: {r['error'][:80]} | | | | | | |")
+                     f"| {r.get('weights', 'bf16')} | {r['kv']} | failed: {r['error'][:80]} | | | | | | | |")
+    kinds = [r for r in result["decode"] if r.get("steps_by_kind")]
+    if kinds:
+        lines += ["", "## Decode steps by kind (fill: a token completes a KV page; start: one opens a page)", "",
+                  "| B | context | system | fusion | KV | kind | steps | wall ms (mean) | wall ms (median) "
+                  "| graph replay ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in kinds:
+            for kind, k in r["steps_by_kind"].items():
+                lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('fusion') or '-'} | {r['kv']} "
+                             f"| {kind} | {k['steps']} | {k['wall_ms']:.3f} | {k['wall_ms_median']:.3f} "
+                             f"| {ms_cell(k['replay_ms'])} |")
     for row in result["decode"]:
         bd = row.get("kernel_breakdown")
         if not bd:
@@ -568,7 +549,8 @@ def run_weights(arch, quantization: str | None, scenarios, args, dtype, device, 
         graphs = "" if "cuda_graphs" not in row else \
             (", CUDA graphs" if row["cuda_graphs"] else f", eager ({row['graph_fallback']})")
         if row.get("graph_replay_ms") is not None:
-            graphs += f" (replay {row['graph_replay_ms']:.3f} ms = {100 * row['gpu_busy_replay']:.1f}% of the step)"
+            graphs += (f" (replay {row['graph_replay_ms']:.3f} ms = {100 * row['gpu_busy_replay']:.1f}% of the step, "
+                       f"{row['outside_graph_ms']:.3f} ms outside)")
         floor = "" if row["floor_ms"] is None else f", {row['pct_of_floor']:.1f}% of its floor {row['floor_ms']:.3f} ms"
         print(f"  {row['tpot_ms']:.3f} ms/token, {row['tokens_per_s']:.1f} tok/s, GPU busy {busy}, "
               f"prefill {prefill_cell(row)} tok/s{graphs}{floor}")

@@ -53,5 +53,8 @@ def admit_with_context(engine, num_seqs: int, context: int, max_tokens: int, voc
         scheduler.running.append(request)
         engine.kv_manager.grow(request_id, context)
         request.num_computed_tokens = context
+        # its full pages are registered now, as a real prefill's are (else the first step that fills a page
+        # would digest the whole context inside the timed steps: 1024 pages per sequence at 16k, page 16)
+        engine.kv_manager.cache_computed(request_id, context, request.token_ids)
         ids.append(request_id)
     return ids

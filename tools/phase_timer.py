@@ -45,9 +45,10 @@ for kv in args.kv.split(","):
             try: return orig(*a, **k)
             finally: mark(name + "<")
         setattr(obj, name, f)
-    for obj, name in ((engine.scheduler, "schedule"), (runner, "execute"), (runner, "_fill"), (runner, "_upload"),
-                      (cache, "begin_step"), (runner, "_run_pre_hooks"), (cache, "end_step"),
-                      (runner, "_static_forward")):
+    targets = [(engine.scheduler, "schedule"), (runner, "execute"), (cache, "begin_step"), (runner, "_run_pre_hooks"),
+               (cache, "end_step"), (runner, "_static_forward")]
+    targets += [(bucket, name) for bucket in runner._buckets.values() for name in ("fill", "upload")]
+    for obj, name in targets:
         wrap(obj, name)
     gpu = []
     for bucket in runner._buckets.values():
