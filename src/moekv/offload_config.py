@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from moekv.errors import ConfigError
 
 EVICTION_POLICIES = ("lru", "lfu")
+HOST_FORMATS = ("native", "fp8")
+STAGING_MODES = ("host", "device")
 _CACHE_SIZE_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
@@ -59,9 +61,31 @@ class OffloadConfig:
     eviction: str = "lru"               # expert-cache eviction: lru | lfu (predicted experts are protected)
     track_prediction: bool = False      # run the predictor for recall statistics even without offloading
     load_decay: float = 0.99            # per-step decay of the windowed expert load (routing_stats)
+    prefetch_threshold: float | str | None = None   # None: copy every guess into the slot it evicts (the first
+                                        # prefetch); a router probability margin in [-1, 1] or "auto": the staged
+                                        # policy (guesses in staging slots, only in idle copy time, never evicting)
+    staging_slots: int = 2              # staged policy: device slots for guesses in flight (shared by all layers)
+    host_format: str = "native"         # host copies of the experts: native (the model's dtype) | fp8 (e4m3 with
+                                        # per-channel scales: half the bytes to move; FP8 models stay as they are)
+    staging: str = "host"               # host: one host read of routing per layer | device: slot table and copies
+                                        # on the device, no host reads (CUDA-graph capturable; loads on demand)
 
     def __post_init__(self) -> None:
         parse_expert_cache_size(self.expert_cache_size)
+        threshold = self.prefetch_threshold
+        if threshold is not None and threshold != "auto" and (
+                isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not -1.0 <= threshold <= 1.0):
+            raise ConfigError(f"prefetch_threshold must be None, 'auto' or a router probability margin in [-1, 1], "
+                              f"got {threshold!r}")
+        if not isinstance(self.staging_slots, int) or isinstance(self.staging_slots, bool) or self.staging_slots < 1:
+            raise ConfigError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}")
+        if self.host_format not in HOST_FORMATS:
+            raise ConfigError(f"host_format must be one of {HOST_FORMATS}, got {self.host_format!r}")
+        if self.staging not in STAGING_MODES:
+            raise ConfigError(f"staging must be one of {STAGING_MODES}, got {self.staging!r}")
+        if self.staging == "device" and threshold is not None:
+            raise ConfigError("staging='device' loads experts on demand; its guesses are not implemented yet, so "
+                              "prefetch_threshold needs staging='host'")
         if self.lookahead not in (1, 2):
             raise ConfigError(f"lookahead must be 1 or 2 layers, got {self.lookahead!r}")
         if not isinstance(self.extra_candidates, int) or isinstance(self.extra_candidates, bool) \
@@ -73,6 +97,11 @@ class OffloadConfig:
             raise ConfigError(f"load_decay must be in (0, 1], got {self.load_decay!r}")
 
     @property
+    def prefetches(self) -> bool:
+        """Whether offloaded experts are prefetched from predictions (host staging only)."""
+        return self.cpu_offload_experts and self.prefetch and self.staging == "host"
+
+    @property
     def predicts(self) -> bool:
         """Whether the expert predictor runs (prefetching needs it; stats may ask for it alone)."""
-        return self.track_prediction or (self.cpu_offload_experts and self.prefetch)
+        return self.track_prediction or self.prefetches

@@ -1,5 +1,6 @@
 """FP8 weights through the offline API and the CLI: `LLM(quantization="fp8")`, FP8 checkpoints loaded as
-they are, `--quantization fp8` parsed, and the clear errors for what does not take FP8 experts yet."""
+they are, `--quantization fp8` parsed, expert offloading of FP8 experts (host copies stay FP8), and the clear
+error for what does not take FP8 experts yet (expert parallelism)."""
 
 from __future__ import annotations
 
@@ -49,15 +50,25 @@ def test_quantization_config_errors(checkpoints):
         ModelConfig(model="x", quantization="int4")
     assert ModelConfig(model="x", quantization="none").quantization is None
     assert ModelConfig(model="x", quantization="FP8").quantization == "fp8"
-    with pytest.raises(ConfigError, match="expert offloading .* does not take FP8 experts"):
-        EngineConfig(model=ModelConfig(model="x", quantization="fp8"), offload=OffloadConfig(cpu_offload_experts=True))
+    EngineConfig(model=ModelConfig(model="x", quantization="fp8"), offload=OffloadConfig(cpu_offload_experts=True))
     with pytest.raises(ConfigError, match="expert parallelism .* does not take FP8 experts"):
         EngineConfig(model=ModelConfig(model="x", quantization="fp8"), parallel=ParallelConfig(expert_parallel_size=2))
-    # an FP8 checkpoint (no flag) with offloading: refused where the experts are swapped
-    with pytest.raises(ConfigError, match="expert offloading"):
-        install_routing(load_model(fp8_dir), OffloadConfig(cpu_offload_experts=True), "cpu")
-    with pytest.raises(ConfigError, match="expert offloading"):
-        LLM(model=str(fp8_dir), device="cpu", cpu_offload_experts=True)
+
+
+def test_fp8_checkpoint_offloads_with_fp8_host_copies(checkpoints):
+    """An FP8 checkpoint (block scales) with expert offloading: host copies and slots stay FP8 (the kernels or
+    the reference compute from them), greedy tokens equal the resident FP8 model's."""
+    _, fp8_dir = checkpoints
+    prompts = [[5, 6, 7, 8], [9]]
+    resident = LLM(model=str(fp8_dir), dtype="fp32", device="cpu")
+    expected = [o.outputs[0].token_ids for o in resident.generate(prompts, GREEDY)]
+    offloaded = LLM(model=str(fp8_dir), dtype="fp32", device="cpu", cpu_offload_experts=True, expert_cache_size=2)
+    assert [o.outputs[0].token_ids for o in offloaded.generate(prompts, GREEDY)] == expected
+    layer = offloaded.engine.routing.offload.layers[0]
+    assert layer.host.fp8 and layer.host.gate_up.block == (16, 32)
+    assert offloaded.engine.routing_stats()["offload"]["misses"] > 0
+    runtime = install_routing(load_model(fp8_dir), OffloadConfig(cpu_offload_experts=True, host_format="fp8"), "cpu")
+    assert runtime.stats()["offload"]["host_format"] == "fp8"
 
 
 def test_expert_parallel_sharding_refuses_fp8_experts(checkpoints):

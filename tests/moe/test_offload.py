@@ -12,7 +12,7 @@ from moekv.config import OffloadConfig
 from moekv.models.loader import build_random_model
 from moekv.layers.experts import LocalExperts
 from moekv.moe.prefetch import ExpertOffload, ExpertPredictor, install_routing
-from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier
+from moekv.moe.prefetch.offload import OffloadedExperts
 from tests.hf_fixtures import moekv_greedy
 from tests.moe.conftest import tiny_arch
 
@@ -29,8 +29,8 @@ def random_local_experts(num_experts=6, hidden=16, inter=24, seed=0):
 @pytest.mark.parametrize("num_slots", [1, 2, 3, 6])
 def test_slot_indexed_compute_matches_resident(num_slots):
     local = random_local_experts()
-    offloaded = OffloadedExperts(0, local.w_gate_up.detach(), local.w_down.detach(), num_slots,
-                                 torch.device("cpu"), torch.float32, SlotCopier(torch.device("cpu")))
+    offloaded = OffloadedExperts.standalone(0, local.w_gate_up.detach(), local.w_down.detach(), num_slots,
+                                            torch.device("cpu"))
     generator = torch.Generator().manual_seed(1)
     for num_tokens in (1, 5, 12):                  # 12 tokens x top-2 touch more experts than slots
         hidden = torch.randn(num_tokens, 16, generator=generator)

@@ -18,7 +18,7 @@ import torch
 from moekv.models.loader import build_random_model
 from moekv.layers.experts import LocalExperts
 from moekv.moe.prefetch import ExpertOffload
-from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier
+from moekv.moe.prefetch.offload import OffloadedExperts
 from moekv.ops import dispatch
 from tests.moe.conftest import tiny_arch
 
@@ -43,9 +43,8 @@ def local_experts(dtype=torch.bfloat16, seed=0, inter=INTER):
     return local
 
 
-def offloaded_from(local, num_slots):
-    return OffloadedExperts(0, local.w_gate_up.detach().cpu(), local.w_down.detach().cpu(), num_slots, DEVICE,
-                            local.w_gate_up.dtype, SlotCopier(DEVICE))
+def offloaded_from(local, num_slots, host_format="native"):
+    return OffloadedExperts.standalone(0, *local.weights(), num_slots, DEVICE, host_format=host_format)
 
 
 def routing(num_tokens, generator, top_k=2):
@@ -138,3 +137,52 @@ def greedy(model, prompt: list[int], steps: int):
         seq.append(token)
         tokens.append(token)
     return tokens, logits
+
+
+# -- FP8 host experts (host_format="fp8") ------------------------------------------------------------------
+def fp8_twin(local):
+    """The same experts held resident in FP8 (per output channel), as LocalExperts.to_fp8 does it."""
+    twin = LocalExperts(NUM_EXPERTS, HIDDEN, local.w_down.shape[2], 0, local.w_gate_up.dtype, DEVICE)
+    with torch.no_grad():
+        twin.w_gate_up.copy_(local.w_gate_up)
+        twin.w_down.copy_(local.w_down)
+    twin.to_fp8()
+    return twin
+
+
+@pytest.mark.parametrize("num_slots", [2])
+def test_fp8_host_experts_are_bit_identical_to_resident_fp8(backend, num_slots):
+    """FP8 host copies are computed from directly (W8A16 kernels, or the reference's fp32 matmuls on
+    dequantized weights): the output equals the resident FP8 experts' bit for bit, in several passes too."""
+    local = local_experts()
+    resident = fp8_twin(local)
+    offloaded = offloaded_from(local, num_slots, host_format="fp8")
+    assert offloaded.host.fp8 and offloaded.expert_bytes < local.w_gate_up[0].nbytes + local.w_down[0].nbytes
+    generator = torch.Generator().manual_seed(2)
+    for num_tokens in (1, 24):                  # decode kernel; grouped kernel in several passes
+        hidden = torch.randn(num_tokens, HIDDEN, generator=generator).to(DEVICE, torch.bfloat16)
+        topk_ids, topk_weights = routing(num_tokens, generator)
+        expected = resident(hidden, topk_ids, topk_weights)
+        actual = offloaded(hidden, topk_ids, topk_weights)
+        assert torch.equal(actual, expected), (backend, num_slots, num_tokens)
+        assert not torch.equal(actual, local(hidden, topk_ids, topk_weights))    # it really is FP8
+
+
+def test_fp8_model_offloads_as_fp8(backend):
+    """An FP8 model (quantized at load) offloads with FP8 host copies whatever host_format says, and its
+    greedy tokens and logits equal the resident FP8 model's."""
+    from moekv.config import OffloadConfig
+    from moekv.models.quantize import quantize_model
+    from moekv.moe.prefetch import install_routing
+
+    arch = tiny_arch(num_layers=2)
+    model = build_random_model(arch, torch.bfloat16, DEVICE, seed=1)
+    quantize_model(model)
+    prompt = torch.randint(0, arch.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    expected_tokens, expected_logits = greedy(model, prompt, 3)
+    runtime = install_routing(model, OffloadConfig(cpu_offload_experts=True, expert_cache_size=2, prefetch=False),
+                              DEVICE)
+    assert all(experts.host.fp8 for experts in runtime.offload.layers.values())
+    tokens, logits = greedy(model, prompt, 3)
+    assert tokens == expected_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, expected_logits))

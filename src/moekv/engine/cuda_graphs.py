@@ -96,7 +96,8 @@ class CudaGraphSteps:
         if not hasattr(self.model, "compute_logits") or not hasattr(self.model, "layers"):
             return "the model is not a moekv decoder"
         for module in self.model.modules():
-            if isinstance(module, Experts) and type(module) is not LocalExperts:
+            if isinstance(module, Experts) and type(module) is not LocalExperts \
+                    and not getattr(module, "graph_capturable", False):     # device-staged offload: capturable
                 if self.coordinator is not None and getattr(module, "step_coordinator", None) is self.coordinator:
                     continue            # expert parallelism: collectives inside the graph, steps agreed
                 return f"experts are {type(module).__name__} (offloaded), not LocalExperts"

@@ -111,7 +111,7 @@ class Engine:
             self.runner.graph_fallback_reason = (
                 "not on CUDA" if self.device.type != "cuda" else
                 "cuda_graphs=False (--enforce-eager)" if not config.device.cuda_graphs else
-                "experts are offloaded to host memory")
+                "experts are offloaded to host memory (staging='device' replays graphs)")
         usable_tokens = (num_pages - self.runner.reserved_pages) * spec.page_size
         if usable_tokens < self.max_model_len:
             raise ConfigError(f"the KV cache holds {usable_tokens} tokens, fewer than "
@@ -148,14 +148,16 @@ class Engine:
 
     def _wants_cuda_graphs(self) -> bool:
         """Config-level: graphs asked for, on CUDA, experts local (the runner checks the rest)."""
+        offload = self.config.offload
         return (self.device.type == "cuda" and self.config.device.cuda_graphs
-                and not self.config.offload.cpu_offload_experts)
+                and (not offload.cpu_offload_experts or offload.staging == "device"))
 
     def _routing_hooks_graph_safe(self) -> bool:
         """Expert offloading and prefetch listeners synchronise or use side streams: not capturable.
         The load tracker (a pre-hook, run eagerly) and a listener-less predictor (device ops) are."""
         routing = self.routing
-        if getattr(routing, "offload", None) is not None:
+        offload = getattr(routing, "offload", None)
+        if offload is not None and getattr(offload, "staging_mode", "host") != "device":
             return False
         predictor = getattr(routing, "predictor", None)
         return predictor is None or not predictor.listeners

@@ -77,7 +77,8 @@ def moe_kernel(path: str):
     return resolve(_MOE_KERNELS[path])
 
 
-def moe_expert_passes(path: str, hidden, top_k: int, num_experts: int, inter: int):
+def moe_expert_passes(path: str, hidden, top_k: int, num_experts: int, inter: int, weights=None):
     """The Triton launch pieces for expert compute in passes over slot tensors ("decode" / "grouped",
-    from moe_experts_path): see ops/triton/moe/passes.py."""
-    return resolve(_MOE_PASSES[path])(hidden, top_k, num_experts, inter)
+    from moe_experts_path): see ops/triton/moe/passes.py. weights: the (w_gate_up, w_down) the passes read
+    (FP8: the FP8 configuration), None: 16-bit."""
+    return resolve(_MOE_PASSES[path])(hidden, top_k, num_experts, inter, weights)

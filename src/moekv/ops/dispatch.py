@@ -168,10 +168,19 @@ def _lowbit_attention_kernel(query, key, value, key_pages, value_pages, key_spec
     return general.paged_attention_lowbit if general.supports(key_spec, value_spec, query) else None
 
 
-def moe_experts_path(hidden: torch.Tensor, num_experts: int, inter: int) -> str:
+def moe_experts_path(hidden: torch.Tensor, num_experts: int, inter: int, weights: tuple | None = None) -> str:
     """The path moe_experts takes for hidden [T, H] over num_experts experts of intermediate size inter:
-    "reference", "decode" or "grouped" (the MoE prefetch compute asks this for the resident shape)."""
-    return choices.moe_kernel_path(hidden, num_experts, inter) if use_triton("moe_experts", hidden) else "reference"
+    "reference", "decode" or "grouped" (the MoE prefetch compute asks this for the resident shape).
+    weights: the (w_gate_up, w_down) it will read, when they may be FP8 (their format and whether the
+    kernels tile their scale blocks decide too); None: 16-bit."""
+    if not use_triton("moe_experts", hidden):
+        return "reference"
+    fmt = None
+    if weights is not None:
+        if not choices.resolve(_TRI + "moe.decode:supports")(*weights):
+            return "reference"
+        fmt = choices.resolve(_TRI + "moe.decode:weight_format")(weights[0])
+    return choices.moe_kernel_path(hidden, num_experts, inter, fmt)
 
 
 def _moe_kernel(hidden, w_gate_up, w_down, *rest, **kwargs):
@@ -261,6 +270,8 @@ OPS: dict[str, Op] = {
                      unsupported=lambda x, weight, bias=None: f"moekv: no Triton FP8 linear for x {tuple(x.shape)} "
                      f"{x.dtype}, weight {tuple(weight.shape)} block {weight.block}; running the reference"),
     "moe_align": Op(_REF + "moe:moe_align_reference", _TRI + "moe.align:moe_align"),
+    "stage_expert_copies": Op(_REF + "moe_stage:stage_expert_copies", _TRI + "moe.stage:stage_expert_copies",
+                              tensor_arg=1),
     "ep_local_routing": Op(_REF + "ep_routing:ep_local_routing", _TRI + "moe.ep_routing:ep_local_routing",
                            lambda m, table, codes, weights, top_k: m.supports(codes, top_k), tensor_arg=1,
                            unsupported=lambda table, codes, *a: f"moekv: no Triton EP routing for "
@@ -376,6 +387,12 @@ def fp8_linear(x, weight, bias=None):
     """x [M, K] @ dequantize(weight)[N, K]^T (+ bias) for an FP8 weight (moekv.core.fp8.Fp8Weight): see
     ops.reference.fp8_linear (Triton: ops.triton.layer.fp8_linear, W8A16, the codes widened in registers)."""
     return _call("fp8_linear", x, weight, bias)
+
+
+def stage_expert_copies(src, dst, src_ids, dst_ids):
+    """dst[dst_ids[m]] = src[src_ids[m]] for the entries with src_ids[m] >= 0, the list on the device: see
+    ops.reference.moe_stage (Triton: ops.triton.moe.stage, reading pinned host memory from the device)."""
+    return _call("stage_expert_copies", src, dst, src_ids, dst_ids)
 
 
 def moe_align(topk_ids, num_experts, block_m):

@@ -28,6 +28,9 @@ Paths (the same choice as `ops.dispatch.moe_experts` for the resident shape):
 The path is `ops.dispatch.moe_experts_path` for the resident shape; the Triton paths are
 `ops.dispatch.moe_expert_passes` (ops/triton/moe/passes.py: the launch pieces of ops.triton.moe.decode /
 moe.grouped, the same functions and kernels `moe_experts_decode` / `moe_experts_grouped` use).
+FP8 slots (core.fp8.Fp8Weight, host format "fp8" or an FP8 model): the W8A16 kernels with the FP8
+tuned configuration, or on the reference path the fp32 matmuls on dequantized weights of
+`moe_experts_reference` -- bit-identical to the resident FP8 model the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moekv.core.fp8 import Fp8Weight
 from moekv.ops import dispatch
 
 
@@ -46,13 +50,15 @@ class SlotExpertCompute:
         out = compute.result()                                  # [T, H], == LocalExperts' output
 
     topk_ids are the true expert ids (they fix the reference path's summation order and select
-    each pass's rows); slot_of_expert maps them to slots (rows of experts outside the pass may
-    point anywhere: their values are discarded). counts: routed slots per expert (host ints,
+    each pass's rows); local_of_expert maps them to the layer's slots and slot_pool those to the
+    pool's (rows of experts outside the pass may point anywhere: their values are discarded). counts: routed slots per expert (host ints,
     already read by the caller), used by the reference path to avoid another host sync.
     """
 
     def __init__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 num_experts: int, inter: int, counts: list[int] | None = None):
+                 num_experts: int, inter: int, counts: list[int] | None = None, weights: tuple | None = None):
+        """weights: (w_gate_up, w_down) the passes will read (their format picks the FP8 configuration;
+        None: 16-bit)."""
         self.hidden = hidden
         self.topk_ids = topk_ids
         self.topk_weights = topk_weights
@@ -61,7 +67,7 @@ class SlotExpertCompute:
         self.top_k = topk_ids.shape[1]
         self.inter = inter
         # the same choice as ops.dispatch.moe_experts makes for the resident shape (E experts)
-        self.path = dispatch.moe_experts_path(hidden, num_experts, inter) if num_tokens > 0 else "reference"
+        self.path = dispatch.moe_experts_path(hidden, num_experts, inter, weights) if num_tokens > 0 else "reference"
         if self.path == "reference":
             num_rows = num_tokens * self.top_k
             flat_ids = topk_ids.reshape(-1)                                            # [T*k]
@@ -75,27 +81,33 @@ class SlotExpertCompute:
             self.segments = {e: (starts[e], int(counts[e])) for e in range(num_experts) if counts[e] > 0}
             self.buffer = torch.empty((num_rows, hidden_size), dtype=hidden.dtype, device=hidden.device)  # sorted
         else:
-            self.kernel = dispatch.moe_expert_passes(self.path, hidden, self.top_k, num_experts, inter)
+            self.kernel = dispatch.moe_expert_passes(self.path, hidden, self.top_k, num_experts, inter, weights)
             self.buffer = self.kernel.buffer
         self.passes = 0
 
     # -- one pass ----------------------------------------------------------------------------------
-    def add(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, slot_of_expert: list[int],
+    def add(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, local_of_expert, slot_pool,
             experts: list[int] | None = None) -> None:
-        """Compute the rows routed to `experts` (None: every row) with the slot tensors
-        w_gate_up [S, 2I, H], w_down [S, H, I]; slot_of_expert [E] (host) maps each of `experts` to
-        its slot (others: any valid slot or -1, their rows are discarded)."""
+        """Compute the rows routed to `experts` (None: every row) with the pool tensors
+        w_gate_up [N, 2I, H], w_down [N, H, I]. local_of_expert [E] maps each expert to the layer's local
+        slot (-1: not resident; rows of experts outside the pass may point anywhere, they are discarded),
+        slot_pool [S] each local slot to its pool slot; both host lists or device int64 tensors."""
         self.passes += 1
         if self.hidden.shape[0] == 0:
             return
+        device = self.topk_ids.device
+        if isinstance(local_of_expert, torch.Tensor):                                  # [E] on the device
+            local = local_of_expert.clamp(min=0)
+        else:
+            local = torch.tensor([max(slot, 0) for slot in local_of_expert], dtype=torch.int64, device=device)
+        if not isinstance(slot_pool, torch.Tensor):
+            slot_pool = torch.tensor(slot_pool, dtype=torch.int64, device=device)     # [S]
         if self.path == "reference":
-            self._add_reference(w_gate_up, w_down, slot_of_expert, experts)
+            self._add_reference(w_gate_up, w_down, slot_pool.index_select(0, local), experts)
             return
-        lut = torch.tensor([max(slot, 0) for slot in slot_of_expert], dtype=torch.int64, device=self.topk_ids.device)
-        slot_ids = lut[self.topk_ids]                                                  # [T, k]
         rows = None if experts is None else self._rows_of(experts)                     # [T*k] bool
         target = self.buffer if rows is None else torch.empty_like(self.buffer)
-        self.kernel.run(w_gate_up, w_down, slot_ids, target)
+        self.kernel.run(w_gate_up, w_down, local[self.topk_ids], slot_pool, target)
         if rows is not None:
             self.kernel.keep_rows(target, rows)
 
@@ -110,11 +122,19 @@ class SlotExpertCompute:
         for expert, (start, count) in self.segments.items():
             if experts is not None and expert not in experts:
                 continue
-            slot = slot_of_expert[expert]
+            slot = int(slot_of_expert[expert])
             segment = self.hidden.index_select(0, tokens[start:start + count])         # [n, H]
-            gate_up = F.linear(segment, w_gate_up[slot])                               # [n, 2I]
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]                      # [n, I]
-            self.buffer[start:start + count] = F.linear(act, w_down[slot])             # [n, H]
+            if isinstance(w_gate_up, Fp8Weight):        # W8A16 as moe_experts_reference: fp32 matmuls
+                gate_up = F.linear(segment.float(), w_gate_up[slot].dequantize())      # [n, 2I] fp32
+                act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(self.hidden.dtype)
+            else:
+                gate_up = F.linear(segment, w_gate_up[slot])                           # [n, 2I]
+                act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]                  # [n, I]
+            if isinstance(w_down, Fp8Weight):
+                self.buffer[start:start + count] = F.linear(act.float(), w_down[slot].dequantize()).to(
+                    self.buffer.dtype)
+            else:
+                self.buffer[start:start + count] = F.linear(act, w_down[slot])         # [n, H]
 
     # -- the weighted sum, once ----------------------------------------------------------------------
     def result(self) -> torch.Tensor:

@@ -8,10 +8,18 @@ Why per layer and not one global pool: decode visits the layers in a cycle, so a
 evict exactly the layers that come next; per-layer caches also keep slot tensors stacked per
 layer, which is what the experts kernel reads.
 
+Device slots live in one pool for all layers (pool.SlotPool): layer i owns S of them, the staged
+policy K staging slots more, and one is a trash slot. Host copies are 16-bit or FP8 (`host_format`).
+
 Predictions (ExpertPredictor listeners) queue up; a block drains the queue after issuing its own
-demand loads, so a layer's misses are never queued behind copies for later layers. Predictions
-made from the embeddings or a dense layer, or with the "layer_out" predictor source, are issued at
-once (no offloaded block is waiting for its misses then).
+demand loads, so a layer's misses are never queued behind copies for later layers. Two policies:
+    prefetch_threshold None   every guess is copied into the slot it evicts (the first prefetch; it
+                              loses over PCIe, docs/expert-offload.md). Predictions made from the
+                              embeddings or a dense layer, or with the "layer_out" predictor source,
+                              are issued at once (no offloaded block is waiting for its misses then).
+    a margin, or "auto"       staged guesses (policy.py, staged.py): confident guesses only, in staging
+                              slots, chunk by chunk in the copy stream's idle time; never evicting
+staging="device" replaces the layers by device_staging.DeviceStagedExperts (no host reads).
 """
 
 from __future__ import annotations
@@ -21,13 +29,20 @@ import torch
 from moekv.config import parse_expert_cache_size
 from moekv.errors import ConfigError
 from moekv.layers.experts import LocalExperts
-from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier, to_host
+from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier
+from moekv.moe.prefetch.policy import NOT_GUESSED
+from moekv.moe.prefetch.pool import HostExperts, SlotPool
 from moekv.moe.prefetch.predictor import ExpertPredictor, moe_layer_ids
 from moekv.moe.prefetch.residency import PREDICTED, PREDICTED_FAR, CacheCounters
+from moekv.moe.prefetch.staged import StagedPrefetch
 
 
-def expert_bytes(arch, dtype: torch.dtype) -> int:
-    """Bytes of one routed expert's weights (gate, up and down projections)."""
+def expert_bytes(arch, dtype: torch.dtype, host_format: str = "native") -> int:
+    """Bytes of one routed expert's weights (gate, up and down projections); "fp8": e4m3 codes plus one
+    fp32 scale per output channel."""
+    if host_format == "fp8":
+        return 3 * arch.hidden_size * arch.expert_intermediate_size + 4 * (2 * arch.expert_intermediate_size
+                                                                           + arch.hidden_size)
     element = torch.empty((), dtype=dtype).element_size()
     return 3 * arch.hidden_size * arch.expert_intermediate_size * element
 
@@ -53,77 +68,116 @@ class ExpertOffload:
 
     def __init__(self, model: torch.nn.Module, num_slots: int, eviction: str = "lru",
                  predictor: ExpertPredictor | None = None, device: torch.device | None = None,
-                 host_weights=None, time_copies: bool = False):
-        """host_weights: optional callable(layer) -> (w_gate_up [E, 2I, H], w_down [E, H, I]) host tensors
-        to use instead of copying the block's own weights (benchmarks share one host copy).
-        time_copies: measure every copy (SlotCopier.copy_seconds(); benchmarks)."""
+                 host_weights=None, time_copies: bool = False, host_format: str = "native",
+                 prefetch_threshold: float | str | None = None, staging_slots: int = 2, chunks: int = 8,
+                 timeline=None, staging: str = "host"):
+        """host_weights: optional callable(layer) -> HostExperts (or (w_gate_up, w_down) host tensors) to use
+        instead of copying the block's own weights (benchmarks share host copies).
+        time_copies: measure every copy (SlotCopier.copy_seconds(); benchmarks).
+        host_format: "native" or "fp8" (pool.py). prefetch_threshold: None (every guess copied), a router
+        probability margin or "auto" (the staged policy, with `staging_slots` staging slots and copies in
+        `chunks` pieces; `timeline`: a fixed policy.Timeline for tests). staging: "host" (one host read per
+        layer) or "device" (device_staging.py: no host reads, CUDA-graph capturable)."""
         self.model = model
         self.device = torch.device(device) if device is not None else model.device
         self.num_slots = num_slots
+        self.host_format = host_format
+        self.staging_mode = staging
         self.predictor: ExpertPredictor | None = None
-        self.copier = SlotCopier(self.device, timing=time_copies)
+        self.copier = SlotCopier(self.device, timing=time_copies, chunks=chunks)
         self.layers: dict[int, OffloadedExperts] = {}
         self.num_experts = model.arch.num_experts
-        for index in moe_layer_ids(model):
+        hosts = {index: self._host_copy(model.layers[index].mlp.experts, index, host_weights)
+                 for index in moe_layer_ids(model)}
+        staged = prefetch_threshold is not None and staging == "host"
+        extra = staging_slots if staged else 0
+        first = next(iter(hosts.values()), None)
+        self.pool = SlotPool(first, len(hosts) * num_slots + extra + 1, self.device) if first is not None else None
+        for position, (index, host) in enumerate(hosts.items()):
             block = model.layers[index].mlp
-            old = block.experts
-            if isinstance(old, OffloadedExperts):            # re-configuring: keep the host copy
-                host_gate_up, host_down = old.host_w_gate_up, old.host_w_down
-                dtype = old.slot_w_gate_up.dtype
-            elif not isinstance(old, LocalExperts):
-                raise ConfigError(f"cpu_offload_experts: layer {index}'s experts are {type(old).__name__}; "
-                                  f"offloading replaces LocalExperts only (not combinable with expert parallelism)")
-            elif host_weights is not None:
-                host_gate_up, host_down = host_weights(index)
-                dtype = old.w_gate_up.dtype
-            else:
-                host_gate_up, host_down = to_host(old.w_gate_up), to_host(old.w_down)
-                dtype = old.w_gate_up.dtype
-            block.experts = OffloadedExperts(index, host_gate_up, host_down, num_slots, self.device, dtype,
-                                             self.copier, eviction, on_routed=self._issue)
-            block.experts.pending_votes = self._pending_votes
+            slots = list(range(position * num_slots, (position + 1) * num_slots))
+            block.experts = self._layer(index, host, slots, eviction)
             self.layers[index] = block.experts
-            del old
-        self._pending: list[tuple[int, int, torch.Tensor]] = []    # (target layer, distance, ids [T, P])
+        self.staged = None
+        if staged and self.layers:
+            self.staged = StagedPrefetch(self, list(range(len(hosts) * num_slots, len(hosts) * num_slots + extra)),
+                                         prefetch_threshold, timeline)
+            for experts in self.layers.values():
+                experts.staging = self.staged
+        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []   # (target, distance, ids, margins)
         self._immediate = False
         if predictor is not None:
             self.attach_predictor(predictor)
+
+    def _host_copy(self, old, index: int, host_weights) -> HostExperts:
+        if host_weights is not None:
+            host = host_weights(index)
+            return host if isinstance(host, HostExperts) else HostExperts.from_weights(*host, self.host_format)
+        if isinstance(old, OffloadedExperts) or hasattr(old, "host"):   # re-configuring: keep the host copy
+            host = old.host
+            return host if host.fp8 or self.host_format == "native" else \
+                HostExperts.from_weights(host.gate_up, host.down, self.host_format)
+        if not isinstance(old, LocalExperts):
+            raise ConfigError(f"cpu_offload_experts: layer {index}'s experts are {type(old).__name__}; "
+                              f"offloading replaces LocalExperts only (not combinable with expert parallelism)")
+        return HostExperts.from_weights(*old.weights(), self.host_format)
+
+    def _layer(self, index: int, host: HostExperts, slots: list[int], eviction: str):
+        if self.staging_mode == "device":
+            from moekv.moe.prefetch.device_staging import DeviceStagedExperts
+
+            return DeviceStagedExperts(index, host, self.pool, slots, eviction)
+        experts = OffloadedExperts(index, host, self.pool, slots, self.copier, eviction, on_routed=self._issue)
+        experts.pending_rows = self._pending_rows
+        return experts
 
     def attach_predictor(self, predictor: ExpertPredictor) -> None:
         """Prefetch what `predictor` predicts (replaces a previously attached predictor)."""
         self.close()
         self.predictor = predictor
-        self._immediate = predictor.source == "layer_out"
+        self._immediate = predictor.source == "layer_out" and self.staged is None
+        if self.staged is not None:
+            predictor.margins = True
         predictor.listeners.append(self._on_prediction)
 
     # -- predictions -> copies -------------------------------------------------------------------
-    def _on_prediction(self, source: int, target: int, distance: int, ids: torch.Tensor) -> None:
+    def _on_prediction(self, source: int, target: int, distance: int, ids: torch.Tensor,
+                       margins: torch.Tensor | None = None) -> None:
         if target not in self.layers:
             return
-        self._pending.append((target, distance, ids))
-        if self._immediate or source not in self.layers:  # no offloaded block at `source` would drain the
-                                                          # queue (embeddings, a dense layer): issue now
-            self._issue(source, torch.stack(self._pending_votes()).tolist())
+        self._pending.append((target, distance, ids, margins))
+        if self.staged is None and (self._immediate or source not in self.layers):
+            # no offloaded block at `source` would drain the queue (embeddings, a dense layer): issue now
+            self._issue(source, [], torch.stack(self._pending_rows()).tolist())
 
-    def _pending_votes(self) -> list[torch.Tensor]:
-        """One [E] float32 score row per queued prediction (read together with a block's routing):
-        each token's guess j of P scores P - j, so batches rank by votes and a single token by rank."""
+    def _pending_rows(self) -> list[torch.Tensor]:
+        """One [E] float32 row per queued prediction (read together with a block's routing). Staged policy:
+        each expert's largest margin over the tokens (NOT_GUESSED where no token guessed it). Otherwise
+        votes: each token's guess j of P scores P - j, so batches rank by votes and a single token by rank."""
         rows = []
-        for _, _, ids in self._pending:                                       # ids [T, P]
+        for _, _, ids, margins in self._pending:                             # ids [T, P]
+            if self.staged is not None:
+                row = torch.full((self.num_experts,), NOT_GUESSED, dtype=torch.float32, device=ids.device)
+                rows.append(row.scatter_reduce_(0, ids.reshape(-1), margins.reshape(-1).float(), "amax"))
+                continue
             width = ids.shape[1]
             score = torch.arange(width, 0, -1, dtype=torch.float32, device=ids.device).expand(ids.shape)
             row = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
             rows.append(row.index_add_(0, ids.reshape(-1), score.reshape(-1)))   # [E] (bincount syncs on CUDA)
         return rows
 
-    def _issue(self, layer: int, vote_rows: list[list[float]]) -> None:
-        """Prefetch the queued predictions, highest score first (at most num_slots per layer)."""
-        for (target, distance, _), votes in zip(self._pending, vote_rows):
+    def _issue(self, layer: int, needed: list[int], rows: list[list[float]], missed: bool = False) -> None:
+        """The queued predictions, read at `layer`'s decision point: staged, or prefetched highest score
+        first (at most num_slots per layer)."""
+        pending, self._pending = self._pending, []
+        if self.staged is not None:
+            self.staged.decide(layer, needed, missed, [(target, row) for (target, *_), row in zip(pending, rows)])
+            return
+        for (target, distance, _, _), votes in zip(pending, rows):
             if target <= layer:                               # too late to help (a stale prediction)
                 continue
             ranked = sorted((e for e in range(self.num_experts) if votes[e] > 0), key=lambda e: (-votes[e], e))
             self.layers[target].prefetch(ranked, PREDICTED if distance == 1 else PREDICTED_FAR)
-        self._pending.clear()
 
     def begin_step(self) -> None:
         """Drop predictions left over from an interrupted forward."""
@@ -147,22 +201,33 @@ class ExpertOffload:
         return total
 
     def reset_stats(self) -> None:
+        """Zero the counters (the staged policy's margin calibration and time estimates are kept)."""
         for experts in self.layers.values():
             experts.cache.counters = CacheCounters()
         self.copier.reset_counters()
+        if self.staged is not None:
+            self.staged.reset_counters()
+
+    def _copy_counts(self, counters: CacheCounters, per_expert: int) -> dict:
+        if self.staging_mode == "device":           # the device copies exactly the misses, whole experts
+            return {"copies": counters.misses, "bytes_copied": counters.misses * per_expert}
+        return {"copies": self.copier.copies, "bytes_copied": self.copier.bytes}
 
     def stats(self) -> dict:
+        """Counters (reads the device tables with staging='device': call between steps)."""
         first = next(iter(self.layers.values()), None)
         per_expert = first.expert_bytes if first is not None else 0
+        counters = self.counters()
         return {
+            "host_format": self.host_format, "staging": self.staging_mode,
+            "staged": self.staged.stats() if self.staged is not None else None,
             "slots_per_layer": self.num_slots,
             "experts_per_layer": self.num_experts,
             "moe_layers": len(self.layers),
             "expert_bytes": per_expert,
             "device_slot_bytes": per_expert * self.num_slots * len(self.layers),
             "prefetch": self.predictor is not None,
-            "copies": self.copier.copies,
-            "bytes_copied": self.copier.bytes,
-            **self.counters().as_dict(),
+            **self._copy_counts(counters, per_expert),
+            **counters.as_dict(),
             "per_layer": {index: experts.cache.counters.as_dict() for index, experts in self.layers.items()},
         }

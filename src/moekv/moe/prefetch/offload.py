@@ -1,24 +1,26 @@
 """Offloaded experts: weights in host memory, a bounded cache of device slots per MoE layer.
 
-`OffloadedExperts` replaces a block's `LocalExperts` after the model is built. Per layer it holds
-the experts' weights in host memory (pinned when CUDA is available) and `num_slots` device slots
-(slot_w_gate_up [S, 2I, H], slot_w_down [S, H, I]). A block's forward:
+`OffloadedExperts` replaces a block's `LocalExperts` after the model is built. Per layer it holds the
+experts' host copies (pool.HostExperts: pinned when CUDA is available, 16-bit or FP8) and owns S slots
+of the shared device pool (pool.SlotPool; `slot_pool[j]` is the pool index of its local slot j).
+A block's forward (the host-driven path; device_staging.py is the one without host reads):
 
-    1. one host read: which experts the router chose (and the vote counts of pending predictions)
-    2. demand-load the chosen experts that are not resident (misses; the block waits for these)
-    3. issue prefetches for later layers from the predictions made so far (ExpertOffload)
-    4. compute with the slot tensors (compute.SlotExpertCompute): the same kernels, launch
-       configuration (that of the resident [E, ...] shape) and summation order as LocalExperts,
-       so the output is bit-identical to the resident model's
+    1. one host read: which experts the router chose (and the rows of pending predictions)
+    2. demand-load the chosen experts that are not resident (misses; the block waits for these). A miss
+       that a staged guess had started (policy.py) takes over the guess's staging slot and copies only
+       the chunks still missing; the slot it evicts becomes a staging slot
+    3. prefetch or stage guesses for later layers from the predictions made so far (ExpertOffload)
+    4. compute with the pool (compute.SlotExpertCompute): the same kernels, launch configuration (that
+       of the resident [E, ...] shape) and summation order as LocalExperts, so the output is
+       bit-identical to the resident model's (FP8 host experts: to the resident FP8 model's)
 When more experts are needed than there are slots (a long prefill), the needed experts are split
 into groups of S and computed in several passes; each pass fills its rows of the per-(token,
 choice) expert outputs and the weighted sum over a token's choices runs once at the end.
 
-Copies: on CUDA they run on one side stream. Each slot has a "ready" event recorded after its
-copy and the main stream waits on exactly the slots a pass uses (so a block waits only for copies
-still in flight: misses and late prefetches); the side stream waits on the layer's last compute
-before overwriting its slots. On the CPU a copy is a plain tensor copy into the slot, so the same
-bookkeeping runs in CI.
+Copies: on CUDA they run on one side stream. Each pool slot has a "ready" event recorded after its
+latest copy and the main stream waits on exactly the slots a pass uses (so a block waits only for
+copies still in flight); before overwriting a slot the side stream waits on the last compute of the
+layer that read it last. On the CPU a copy is a plain tensor copy, so the same bookkeeping runs in CI.
 """
 
 from __future__ import annotations
@@ -29,29 +31,32 @@ import torch
 
 from moekv.layers.experts import Experts
 from moekv.moe.prefetch.compute import SlotExpertCompute
+from moekv.moe.prefetch.pool import HostExperts, SlotPool, plane_rows
 from moekv.moe.prefetch.residency import NEEDED, UNPROTECTED, ExpertCache
 
 
-def to_host(weight: torch.Tensor) -> torch.Tensor:
-    """A host copy of `weight`; pinned (page-locked, for asynchronous copies) only when CUDA exists."""
-    host = weight.detach().to("cpu")                     # no copy when the weight already lives on the CPU
-    return host.pin_memory() if torch.cuda.is_available() else host
-
-
 class SlotCopier:
-    """Host -> device slot copies: a side CUDA stream ordered with events, or plain copies on the CPU.
+    """Host -> pool copies: a side CUDA stream ordered with events, or plain copies on the CPU.
 
-    Counts copies and bytes (host-side integers, no sync).
+    Counts copies and bytes (host-side integers, no sync) and keeps a host-clock estimate of when the
+    copy stream runs dry (`busy_until`, perf_counter seconds; `bandwidth` bytes/s once measured), which
+    the staged prefetch policy plans with.
     """
 
-    def __init__(self, device: torch.device, timing: bool = False):
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    def __init__(self, device: torch.device, timing: bool = False, chunks: int = 8):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.chunks = chunks            # pieces of one expert copy for staged guesses
         self.copies = 0
         self.bytes = 0
         self.timing = timing            # measure each copy (benchmarks): CUDA events on the copy stream
         self._timed: list = []          # (start, end) events on CUDA
         self._seconds = 0.0             # CPU copies, and CUDA events already read
+        self.ready: dict[int, torch.cuda.Event] = {}       # pool index -> event after its latest copy
+        self.reader: dict[int, OffloadedExperts] = {}      # pool index -> the layer that computed with it last
+        self.bandwidth: float | None = None                 # bytes / s, host -> device (measure_bandwidth)
+        self.busy_until = 0.0                               # host-clock estimate: the copy stream is idle after
+        self.last_event = None                              # the latest copy's end event (CUDA)
 
     def copy_seconds(self) -> float:
         """Total time the copies took (copy-stream busy time on CUDA; reads the events: syncs)."""
@@ -66,87 +71,143 @@ class SlotCopier:
         self._timed.clear()
         self._seconds = 0.0
 
-    def copy_expert(self, experts: "OffloadedExperts", expert: int, slot: int) -> None:
-        src_gate_up, src_down = experts.host_w_gate_up[expert], experts.host_w_down[expert]
-        dst_gate_up, dst_down = experts.slot_w_gate_up[slot], experts.slot_w_down[slot]
-        self.copies += 1
-        self.bytes += src_gate_up.nbytes + src_down.nbytes
+    def measure_bandwidth(self, host: HostExperts, pool: SlotPool, index: int) -> float:
+        """Time one whole expert copy into pool slot `index` (synchronous; CUDA) -> bytes / s."""
         if self.stream is None:
-            began = time.perf_counter() if self.timing else 0.0
-            dst_gate_up.copy_(src_gate_up)
-            dst_down.copy_(src_down)
-            if self.timing:
-                self._seconds += time.perf_counter() - began
-            return
+            return 0.0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(experts.compute_done)       # the slot's last reader has finished
+            start.record(self.stream)
+            for src, dst in zip(host.planes, pool.planes):
+                dst[index].copy_(src[0], non_blocking=True)
+            end.record(self.stream)
+        end.synchronize()
+        self.bandwidth = host.expert_bytes / max(start.elapsed_time(end) / 1e3, 1e-9)
+        return self.bandwidth
+
+    def copy(self, host: HostExperts, expert: int, pool: SlotPool, index: int, chunks: range | None = None,
+             new: bool = True) -> int:
+        """Copy `expert`'s planes (only `chunks` of them, each a row range of every plane) into pool slot
+        `index`; `new` counts it as a copy. Returns the bytes moved."""
+        pieces = []
+        for src, dst in zip(host.planes, pool.planes):
+            if chunks is None:
+                pieces.append((src[expert], dst[index]))
+            else:
+                pieces += [(src[expert][plane_rows(src, c, self.chunks)], dst[index][plane_rows(src, c, self.chunks)])
+                           for c in chunks]
+        nbytes = sum(s.nbytes for s, _ in pieces)
+        self.copies += int(new)
+        self.bytes += nbytes
+        now = time.perf_counter()
+        if self.stream is None:
+            for s, d in pieces:
+                d.copy_(s)
+            self._seconds += (time.perf_counter() - now) if self.timing else 0.0
+            self.busy_until = time.perf_counter()
+            return nbytes
+        with torch.cuda.stream(self.stream):
+            reader = self.reader.get(index)
+            if reader is not None:
+                self.stream.wait_event(reader.compute_done)      # the slot's last reader has finished
             start = None
             if self.timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)
-            dst_gate_up.copy_(src_gate_up, non_blocking=True)
-            dst_down.copy_(src_down, non_blocking=True)
+            for s, d in pieces:
+                d.copy_(s, non_blocking=True)
             ready = torch.cuda.Event(enable_timing=self.timing)
             ready.record(self.stream)
         if start is not None:
             self._timed.append((start, ready))
-        experts.slot_ready[slot] = ready
+        self.ready[index] = ready
+        self.last_event = ready
+        if self.bandwidth:
+            self.busy_until = max(self.busy_until, now) + nbytes / self.bandwidth
+        return nbytes
 
-    def wait_for(self, experts: "OffloadedExperts", slots: list[int]) -> None:
-        """Order the current stream after the copies into `slots` (no host wait)."""
+    def mark(self):
+        """A marker of the copies issued so far (their last event; None on the CPU: copies are done)."""
+        return self.last_event
+
+    def passed(self, marker) -> bool:
+        """Whether the copies up to `marker` have finished (an event query: no wait)."""
+        return marker is None or marker.query()
+
+    def wait_for(self, indices: list[int]) -> None:
+        """Order the current stream after the copies into pool slots `indices` (no host wait)."""
         if self.stream is None:
             return
         current = torch.cuda.current_stream(self.device)
-        for slot in slots:
-            ready = experts.slot_ready[slot]
+        for index in indices:
+            ready = self.ready.pop(index, None)
             if ready is not None:
                 current.wait_event(ready)
-                experts.slot_ready[slot] = None
 
-    def mark_computed(self, experts: "OffloadedExperts") -> None:
+    def mark_computed(self, experts: "OffloadedExperts", indices: list[int]) -> None:
+        for index in indices:
+            self.reader[index] = experts
         if self.stream is not None:
             experts.compute_done.record(torch.cuda.current_stream(self.device))
 
 
 class OffloadedExperts(Experts):
-    """One layer's experts: host weights + `num_slots` device slots managed by an ExpertCache."""
+    """One layer's experts: host copies + `len(slots)` slots of the device pool managed by an ExpertCache.
 
-    def __init__(self, layer_idx: int, host_w_gate_up: torch.Tensor, host_w_down: torch.Tensor, num_slots: int,
-                 device: torch.device, dtype: torch.dtype, copier: SlotCopier, eviction: str = "lru",
-                 on_routed=None):
+    staging: the manager's staged-guess bookkeeping (policy.StagedPrefetch) or None; `_load` asks it
+    whether a miss was staged already."""
+
+    def __init__(self, layer_idx: int, host: HostExperts, pool: SlotPool, slots: list[int], copier: SlotCopier,
+                 eviction: str = "lru", on_routed=None):
         super().__init__()
-        num_experts, two_inter, hidden = host_w_gate_up.shape
+        pool.check_compatible(host)
         self.layer_idx = layer_idx
-        self.num_experts = num_experts
-        self.num_slots = num_slots
-        self.host_w_gate_up = host_w_gate_up                    # [E, 2I, H] host (plain attribute: never moved)
-        self.host_w_down = host_w_down                          # [E, H, I] host
-        self.register_buffer("slot_w_gate_up", torch.zeros(num_slots, two_inter, hidden, dtype=dtype,
-                                                           device=device), persistent=False)   # [S, 2I, H]
-        self.register_buffer("slot_w_down", torch.zeros(num_slots, hidden, two_inter // 2, dtype=dtype,
-                                                        device=device), persistent=False)      # [S, H, I]
-        self.cache = ExpertCache(num_experts, num_slots, eviction)
+        self.host = host
+        self.pool = pool
+        self.num_experts = host.num_experts
+        self.num_slots = len(slots)
+        self.slot_pool = list(slots)                            # local slot -> pool index
+        self.cache = ExpertCache(self.num_experts, self.num_slots, eviction)
         self.copier = copier
-        self.slot_ready: list = [None] * num_slots              # CUDA events of copies in flight
-        self.compute_done = torch.cuda.Event() if device.type == "cuda" else None
+        self.compute_done = torch.cuda.Event() if pool.device.type == "cuda" else None
         if self.compute_done is not None:
-            self.compute_done.record(torch.cuda.current_stream(device))
-        self.on_routed = on_routed      # callable(layer, pending vote rows) -> issues prefetches (ExpertOffload)
-        self.pending_votes = None       # callable() -> list of [E] device tensors to read with the routing
+            self.compute_done.record(torch.cuda.current_stream(pool.device))
+        self.on_routed = on_routed      # callable(layer, needed experts, pending rows) -> prefetches (ExpertOffload)
+        self.pending_rows = None        # callable() -> list of [E] device tensors to read with the routing
+        self.staging = None             # policy.StagedPrefetch (staged guesses) or None
         self.events: list[tuple] | None = None   # optional trace for tests: ("load"|"prefetch"|"compute", ...)
+
+    @classmethod
+    def standalone(cls, layer_idx: int, w_gate_up, w_down, num_slots: int, device: torch.device,
+                   copier: SlotCopier | None = None, eviction: str = "lru", host_format: str = "native"):
+        """One layer on its own pool (tests): host copies of the given weights, num_slots slots + trash."""
+        host = HostExperts.from_weights(w_gate_up, w_down, host_format)
+        pool = SlotPool(host, num_slots + 1, device)
+        return cls(layer_idx, host, pool, list(range(num_slots)), copier or SlotCopier(device), eviction)
 
     @property
     def expert_bytes(self) -> int:
-        return self.host_w_gate_up[0].nbytes + self.host_w_down[0].nbytes
+        return self.host.expert_bytes
 
     def _load(self, expert: int, level: int, prefetch: bool) -> bool:
         """Make `expert` resident (copy issued); False if no slot may be taken at `level`."""
         admitted = self.cache.admit(expert, level, prefetch=prefetch)
         if admitted is None:
             return False
-        self.copier.copy_expert(self, expert, admitted[0])
+        slot = admitted[0]
+        staged = self.staging.take(self.layer_idx, expert) if (self.staging is not None and not prefetch) else None
+        if staged is not None:          # a staged guess: its slot joins the layer, the evicted one becomes staging
+            index, done = staged
+            self.staging.release(self.slot_pool[slot])
+            self.slot_pool[slot] = index
+            if done < self.copier.chunks:
+                self.copier.copy(self.host, expert, self.pool, index, range(done, self.copier.chunks), new=False)
+            self.cache.counters.staged_hits += 1
+        else:
+            self.copier.copy(self.host, expert, self.pool, self.slot_pool[slot])
         if self.events is not None:
-            self.events.append(("prefetch" if prefetch else "load", self.layer_idx, expert, admitted[0]))
+            self.events.append(("prefetch" if prefetch else "staged" if staged else "load", self.layer_idx,
+                                expert, self.slot_pool[slot]))
         return True
 
     def prefetch(self, experts: list[int], level: int) -> None:
@@ -163,9 +224,8 @@ class OffloadedExperts(Experts):
         flat_ids = topk_ids.reshape(-1)                                                 # [T*k]
         routed = torch.zeros(num_experts, dtype=torch.float32, device=flat_ids.device)
         routed.index_add_(0, flat_ids, torch.ones(flat_ids.shape, device=flat_ids.device))   # [E] (bincount syncs on CUDA)
-        rows = [routed]
-        pending = self.pending_votes() if self.pending_votes is not None else []
-        counts = torch.stack(rows + pending).tolist()            # the block's one host sync
+        pending = self.pending_rows() if self.pending_rows is not None else []
+        counts = torch.stack([routed] + pending).tolist()        # the block's one host sync
         needed = [e for e in range(num_experts) if counts[0][e] > 0]
         cache = self.cache
         resident = [e for e in needed if cache.record_need(e)]
@@ -178,9 +238,9 @@ class OffloadedExperts(Experts):
             if not cache.is_resident(expert):
                 self._load(expert, NEEDED, prefetch=False)      # a miss: the block waits for this copy
         if self.on_routed is not None:
-            self.on_routed(self.layer_idx, counts[1:])          # prefetches for later layers, after our misses
-        compute = SlotExpertCompute(hidden, topk_ids, topk_weights, num_experts, self.slot_w_down.shape[2],
-                                    [int(c) for c in counts[0]])
+            self.on_routed(self.layer_idx, needed, counts[1:], bool(missing))   # guesses, after our misses
+        compute = SlotExpertCompute(hidden, topk_ids, topk_weights, num_experts, self.host.down.shape[2],
+                                    [int(c) for c in counts[0]], weights=self.pool.weights())
         for index, group in enumerate(groups):
             if index > 0:                                       # more experts than slots: next group
                 for expert in groups[index - 1]:
@@ -197,11 +257,11 @@ class OffloadedExperts(Experts):
 
     def _compute(self, compute: SlotExpertCompute, group: list[int], experts: list[int] | None) -> None:
         """One pass over the slot-resident experts of `group` (experts None: all of the step's rows)."""
-        slots = [self.cache.slot_of_expert[e] for e in group]
-        self.copier.wait_for(self, slots)
+        indices = [self.slot_pool[self.cache.slot_of_expert[e]] for e in group]
+        self.copier.wait_for(indices)
         for expert in group:
             self.cache.use(expert)
         if self.events is not None:
-            self.events.append(("compute", self.layer_idx, tuple(group), tuple(slots)))
-        compute.add(self.slot_w_gate_up, self.slot_w_down, list(self.cache.slot_of_expert), experts)
-        self.copier.mark_computed(self)
+            self.events.append(("compute", self.layer_idx, tuple(group), tuple(indices)))
+        compute.add(*self.pool.weights(), self.cache.slot_of_expert, self.slot_pool, experts)
+        self.copier.mark_computed(self, indices)

@@ -19,6 +19,13 @@ Each token's prediction is its top (top_k + extra_candidates) experts. Recall (t
 (token, expert) pairs that were predicted for that token) is counted per layer and distance in
 device tensors; nothing here synchronises with the host. `listeners` receive every prediction
 (the offload manager turns them into copies).
+
+Confidence (`margins=True`): each guessed expert also gets its **router probability margin**, from the
+target router's softmax over the guess logits with RMSNorm's 1/rms(x) put back (the router's own
+probabilities, up to the change of the residual between the layers): for the guess of rank j < top_k,
+p_j - p_top_k (how far above the first expert left out), for the extra candidates p_j - p_(top_k - 1)
+(<= 0: how far below the cut). The staged prefetch policy (policy.py) issues only guesses above a
+margin threshold.
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from moekv.layers.moe import MoEBlock
 SOURCES = ("attn", "layer_out")
 NORMS = ("next", "current", "none")
 
-# listener(source_layer, target_layer, distance, predicted_ids [T, P] int64 on the device)
-PredictionListener = Callable[[int, int, int, torch.Tensor], None]
+# listener(source_layer, target_layer, distance, predicted_ids [T, P] int64, margins [T, P] float32 or None),
+# all on the device
+PredictionListener = Callable[[int, int, int, torch.Tensor, "torch.Tensor | None"], None]
 
 
 def recall_counts(predicted: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
@@ -54,6 +62,17 @@ def recall_counts_by_width(predicted: torch.Tensor, routed: torch.Tensor) -> tor
     return match.to(torch.int64).cummax(dim=-1).values.sum(dim=(0, 1))      # [W]
 
 
+def probability_margins(probs: torch.Tensor, ids: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Router probability margins of the guesses `ids` [T, W] (most likely first) under `probs` [T, E]:
+    rank j < top_k: p_j - p_top_k; rank j >= top_k: p_j - p_(top_k - 1). -> [T, W] float32 (no sync)."""
+    chosen = probs.float().gather(1, ids)                                         # [T, W] descending
+    sorted_probs = probs.float().topk(min(top_k + 1, probs.shape[1]), dim=-1).values   # [T, k + 1]
+    first_out = sorted_probs[:, -1:] if sorted_probs.shape[1] > top_k else torch.zeros_like(sorted_probs[:, :1])
+    last_in = sorted_probs[:, top_k - 1:top_k]
+    rank = torch.arange(ids.shape[1], device=ids.device)
+    return torch.where(rank < top_k, chosen - first_out, chosen - last_in)          # [T, W]
+
+
 def moe_layer_ids(model: nn.Module) -> list[int]:
     """Indices of the layers whose MLP is a routed MoE block."""
     return [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoEBlock)]
@@ -68,13 +87,14 @@ class ExpertPredictor:
     """
 
     def __init__(self, model: nn.Module, lookahead: int = 1, extra_candidates: int = 0,
-                 source: str = "attn", norm: str = "next"):
+                 source: str = "attn", norm: str = "next", margins: bool = False):
         assert lookahead in (1, 2) and source in SOURCES and norm in NORMS and extra_candidates >= 0
         arch = model.arch
         self.model = model
         self.lookahead = lookahead
         self.source = source
         self.norm = norm
+        self.margins = margins          # hand listeners the router probability margins of the guesses too
         self.top_k = arch.top_k
         self.width = min(arch.num_experts, arch.top_k + extra_candidates)   # P: experts predicted per token
         # the guess is computed one expert wider than P for statistics only (what recall one more
@@ -127,8 +147,9 @@ class ExpertPredictor:
                 continue
             ids = wide[:, :self.width]                                          # [T, P]
             self._pending[(target, distance)] = wide
+            margins = self.confidence(layer, target, residual, normed, ids) if self.margins else None
             for listener in self.listeners:
-                listener(layer, target, distance, ids)
+                listener(layer, target, distance, ids, margins)
 
     def _on_routed(self, layer: int, routed_ids: torch.Tensor) -> None:
         """routed_ids [T, k]: what layer's router chose; compare with the pending predictions."""
@@ -146,10 +167,8 @@ class ExpertPredictor:
             self.guessed_tokens[layer, distance - 1] += wide.shape[0]
 
     # -- the guess (subclasses may replace it, e.g. a routing-trace replay) ------------------------
-    def predict(self, layer: int, target: int, residual: torch.Tensor,
-                normed: torch.Tensor | None) -> torch.Tensor | None:
-        """-> predicted expert ids [T, stat_width] int64 for `target` (most likely first; the top P
-        are the guess), from hidden states at `layer`."""
+    def logits(self, layer: int, target: int, residual: torch.Tensor, normed: torch.Tensor | None) -> torch.Tensor:
+        """The target router's logits [T, E] on hidden states at `layer` (without RMSNorm's 1/rms(x))."""
         router_weight = self.model.layers[target].mlp.router.weight                # [E, H]
         if self.norm == "current" and normed is not None:
             x = normed                                                              # [T, H]
@@ -157,8 +176,24 @@ class ExpertPredictor:
             x = residual
         else:
             x = residual * self.model.layers[target].post_attn_norm.weight          # [T, H]
-        logits = F.linear(x.to(router_weight.dtype), router_weight)                # [T, E]
+        return F.linear(x.to(router_weight.dtype), router_weight)                  # [T, E]
+
+    def predict(self, layer: int, target: int, residual: torch.Tensor,
+                normed: torch.Tensor | None) -> torch.Tensor | None:
+        """-> predicted expert ids [T, stat_width] int64 for `target` (most likely first; the top P
+        are the guess), from hidden states at `layer`."""
+        logits = self.logits(layer, target, residual, normed)
         return torch.topk(logits.float(), self.stat_width, dim=-1).indices          # [T, P + 1]
+
+    def confidence(self, layer: int, target: int, residual: torch.Tensor, normed: torch.Tensor | None,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """Router probability margins [T, P] float32 of the guess `ids` [T, P] (module docstring)."""
+        logits = self.logits(layer, target, residual, normed).float()              # [T, E]
+        if self.norm != "current" or normed is None:                                # put 1/rms(x) back
+            norm = self.model.layers[target].post_attn_norm
+            eps = getattr(norm, "eps", 1e-6)
+            logits = logits * torch.rsqrt(residual.float().pow(2).mean(-1, keepdim=True) + eps)
+        return probability_margins(torch.softmax(logits, dim=-1), ids, self.top_k)
 
     # -- stats (these read the device counters: call outside the step) ----------------------------
     def reset(self) -> None:

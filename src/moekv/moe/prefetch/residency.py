@@ -31,6 +31,7 @@ class CacheCounters:
     prefetches: int = 0             # experts copied ahead of need because they were predicted
     wasted_prefetches: int = 0      # prefetched experts evicted before any use
     evictions: int = 0
+    staged_hits: int = 0            # misses whose copy a staged guess had started (policy.py)
 
     def add(self, other: "CacheCounters") -> None:
         for name in self.__dataclass_fields__:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.config import FP8_OFFLOAD_ERROR, OffloadConfig
+from moekv.config import OffloadConfig
 from moekv.errors import ConfigError
 from moekv.moe.load_stats import ExpertLoadTracker
 from moekv.moe.prefetch.manager import ExpertOffload, expert_bytes, resolve_cache_slots
@@ -72,17 +72,20 @@ def install_routing(model: torch.nn.Module, config: OffloadConfig, device: torch
         raise ConfigError("cpu_offload_experts / track_prediction need a model with routed MoE layers")
     predictor = offload = None
     if config.cpu_offload_experts:
-        if any(getattr(model.layers[i].mlp.experts, "quantized", False) for i in moe_layer_ids(model)):
-            raise ConfigError(FP8_OFFLOAD_ERROR)
         arch = model.arch
+        first = model.layers[moe_layer_ids(model)[0]].mlp.experts
+        host_format = "fp8" if getattr(first, "quantized", False) else config.host_format   # FP8 models stay FP8
         slots = resolve_cache_slots(config.expert_cache_size, arch.num_experts,
-                                    expert_bytes(arch, model.dtype), len(moe_layer_ids(model)))
-        offload = ExpertOffload(model, slots, config.eviction, predictor=None, device=device or model.device)
+                                    expert_bytes(arch, model.dtype, host_format), len(moe_layer_ids(model)))
+        threshold = config.prefetch_threshold if config.prefetches else None
+        offload = ExpertOffload(model, slots, config.eviction, predictor=None, device=device or model.device,
+                                host_format=config.host_format, prefetch_threshold=threshold,
+                                staging_slots=config.staging_slots, staging=config.staging)
     if offload is not None and device is not None:
         model.to(device)                       # non-expert weights; host expert copies are not module state
     if config.predicts:
         predictor = ExpertPredictor(model, config.lookahead, config.extra_candidates, source=predictor_source)
-        if offload is not None and config.prefetch:
+        if offload is not None and config.prefetches:
             offload.attach_predictor(predictor)
     expert_load = getattr(model, "expert_load", None)
     load = ExpertLoadTracker(expert_load, config.load_decay) if isinstance(expert_load, torch.Tensor) else None

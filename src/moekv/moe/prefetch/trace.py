@@ -6,7 +6,9 @@ one) over text and keeps, per layer and token, the routed top-k ids and the pred
 1 and 2 layers ahead. `replay_trace` puts `TraceRouter`s into a (larger) model: layer l replays
 trace layer (l mod L_trace) shifted by (l div L_trace) * token_stride tokens, so the repeated cycles
 of layers see different text; `TracePredictor` hands the offload manager the recorded guesses at
-the same point of the forward where the real predictor would make them.
+the same point of the forward where the real predictor would make them (with their recorded router
+probability margins). A TraceRouter keeps its position in a device tensor, so a replayed step runs
+inside a CUDA graph too.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from moekv.moe.prefetch.predictor import ExpertPredictor, moe_layer_ids
 class RoutingTrace:
     """routed [L, N, k]: experts each token was routed to; predicted[(source, d)][layer] [N, P]: the
     guess made d layers earlier by a predictor with that source (most likely first; None for
-    layers without one), all int64 on the CPU."""
+    layers without one), all int64 on the CPU; margins: the same layout, float32, each guess's router
+    probability margin (predictor.probability_margins; None when not recorded)."""
 
     routed: torch.Tensor
     predicted: dict[tuple[str, int], list[torch.Tensor | None]]
+    margins: dict[tuple[str, int], list[torch.Tensor | None]] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -86,11 +90,17 @@ def record_trace(model: nn.Module, token_ids: list[int], window: int = 512, extr
     num_layers = model.arch.num_layers
     routed: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
     guesses = {(src, d): [[] for _ in range(num_layers)] for src in sources for d in (1, 2)}
+    margins = {(src, d): [[] for _ in range(num_layers)] for src in sources for d in (1, 2)}
+
+    def keep(layer, target, d, ids, margin, source):
+        guesses[(source, d)][target].append(ids.cpu())
+        margins[(source, d)][target].append(margin.cpu())
+
     predictors = []
     for source in sources:
-        predictor = ExpertPredictor(model, lookahead=2, extra_candidates=extra_candidates, source=source)
-        predictor.listeners.append(
-            lambda layer, target, d, ids, source=source: guesses[(source, d)][target].append(ids.cpu()))
+        predictor = ExpertPredictor(model, lookahead=2, extra_candidates=extra_candidates, source=source,
+                                    margins=True)
+        predictor.listeners.append(lambda *args, source=source: keep(*args, source))
         predictors.append(predictor)
     handles = [model.layers[i].mlp.router.register_forward_hook(
         lambda module, args, out, i=i: routed[i].append(out[1].cpu())) for i in moe_layer_ids(model)]
@@ -102,7 +112,8 @@ def record_trace(model: nn.Module, token_ids: list[int], window: int = 512, extr
         for handle in handles:
             handle.remove()
     predicted = {key: [torch.cat(g) if g else None for g in per_layer] for key, per_layer in guesses.items()}
-    return RoutingTrace(torch.stack([torch.cat(r) for r in routed]), predicted)
+    margin = {key: [torch.cat(g) if g else None for g in per_layer] for key, per_layer in margins.items()}
+    return RoutingTrace(torch.stack([torch.cat(r) for r in routed]), predicted, margin)
 
 
 class TraceRouter(nn.Module):
@@ -110,28 +121,37 @@ class TraceRouter(nn.Module):
 
     Reads rows (offset + cursor + t) mod N of its trace layer; weights are uniform 1/k (they do not
     matter for what is measured). `weight` keeps the original router weight for anything that
-    reads it.
+    reads it. The cursor is a device tensor advanced in place (no host work: CUDA-graph capturable);
+    `cursor` reads or sets it from the host (outside a step).
     """
 
     def __init__(self, routed: torch.Tensor, predicted: dict[tuple[str, int], torch.Tensor | None], offset: int,
-                 weight: torch.Tensor):
+                 weight: torch.Tensor, margins: dict[tuple[str, int], torch.Tensor | None] | None = None):
         super().__init__()
         self.routed = routed                               # [N, k] on the model's device
         self.predicted = predicted                         # (source, distance) -> [N, P] or None
+        self.margins = margins or {}                       # (source, distance) -> [N, P] float32 or None
         self.offset = offset
-        self.cursor = 0
+        self.position = torch.zeros(1, dtype=torch.int64, device=routed.device)   # [1] the cursor, on the device
         self.weight = weight
         self.top_k = routed.shape[1]
 
+    @property
+    def cursor(self) -> int:
+        return int(self.position[0])
+
+    @cursor.setter
+    def cursor(self, value: int) -> None:
+        self.position.fill_(value)
+
     def rows(self, table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        start = self.offset + self.cursor
-        index = torch.arange(start, start + num_tokens, device=table.device) % table.shape[0]   # [T]
+        index = (self.position + self.offset + torch.arange(num_tokens, device=table.device)) % table.shape[0]  # [T]
         return table.index_select(0, index)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden.shape[0]
         ids = self.rows(self.routed, num_tokens)                                           # [T, k]
-        self.cursor += num_tokens
+        self.position += num_tokens
         weights = torch.full(ids.shape, 1.0 / self.top_k, dtype=torch.float32, device=hidden.device)   # [T, k]
         return weights, ids
 
@@ -146,7 +166,10 @@ def replay_trace(model: nn.Module, trace: RoutingTrace, token_stride: int = 997)
         block = model.layers[layer].mlp
         predicted = {key: (g[trace_layer].to(device) if g[trace_layer] is not None else None)
                      for key, g in trace.predicted.items()}
-        block.router = TraceRouter(trace.routed[trace_layer].to(device), predicted, offset, block.router.weight)
+        margins = {key: (g[trace_layer].to(device) if g[trace_layer] is not None else None)
+                   for key, g in (trace.margins or {}).items()}
+        block.router = TraceRouter(trace.routed[trace_layer].to(device), predicted, offset, block.router.weight,
+                                   margins)
         mapping.append((trace_layer, offset))
     return mapping
 
@@ -160,6 +183,12 @@ class TracePredictor(ExpertPredictor):
         if table is None:
             return None
         return router.rows(table, residual.shape[0])[:, :self.stat_width]               # [T, <= P + 1]
+
+    def confidence(self, layer, target, residual, normed, ids):
+        table = self.model.layers[target].mlp.router.margins.get((self.source, target - layer))
+        if table is None:
+            raise ValueError("the trace holds no margins for this prediction: record it with record_trace")
+        return self.model.layers[target].mlp.router.rows(table, residual.shape[0])[:, :ids.shape[1]]   # [T, P]
 
 
 def simulate_cache(trace: RoutingTrace, num_slots: int, width: int | None = None, source: str = "attn",
