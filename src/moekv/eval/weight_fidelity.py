@@ -6,6 +6,12 @@ at load time (`--quantization fp8`: W8A16, per output channel). Reported per row
 against the reference in percent (issue 19's target: within 1%), mean KL(reference || fp8) of the next-token
 distributions, top-1 agreement and the weight bytes. An FP8 checkpoint compares against itself (no row to
 add), so give this the 16-bit checkpoint.
+
+`--rows` picks the rows: `16-bit` (the reference, always run first), `fp8` (every projection and expert FP8)
+and `offload-fp8`: the 16-bit model with its experts offloaded to host memory as FP8 copies
+(`OffloadConfig(host_format="fp8")`, half the expert cache), computed from directly by the W8A16 experts
+kernels (issue 24's compressed host experts; the projections stay 16-bit). Its weight bytes count the FP8
+host copies of the experts.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=64, help="tokens per sequence per step (default 64)")
     parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
                         help="activation / KV dtype of both runs (default bf16)")
+    parser.add_argument("--rows", default="16-bit,fp8", help="comma-separated rows after the 16-bit reference: "
+                        "fp8 (all projections and experts), offload-fp8 (experts offloaded as FP8 host copies); "
+                        "default 16-bit,fp8")
     parser.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
 
 
@@ -39,21 +48,27 @@ def run(args: argparse.Namespace) -> int:
     from moekv.models.loader import load_model
     from moekv.models.quantize import is_quantized
 
+    asked = [row.strip() for row in getattr(args, "rows", "16-bit,fp8").split(",") if row.strip()]
+    wanted = ["16-bit"] + [row for row in asked if row != "16-bit"]
+    unknown = sorted(set(wanted) - set(ROWS))
+    if unknown:
+        raise ConfigError(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
     model_dir, windows = validation_windows(args)                      # [W, C] token ids
     started = time.perf_counter()
     rows, reference = [], None
-    for weights in ("16-bit", "fp8"):
+    for weights in wanted:
         model = load_model(model_dir, dtype=args.dtype, device="cpu",
                            quantization="fp8" if weights == "fp8" else None)
         if weights == "16-bit" and is_quantized(model):
             raise ConfigError(f"{model_dir} holds FP8 weights already: give the 16-bit checkpoint")
+        weight_bytes = _offload_fp8(model) if weights == "offload-fp8" else \
+            sum(t.numel() * t.element_size() for t in model.parameters())
         result = run_windows(model, windows, Variant(args.dtype), args.chunk)
         reference = reference or result
         metrics = compare(result, reference)
-        rows.append({"weights": weights if weights == "fp8" else args.dtype, **metrics,
+        rows.append({"weights": args.dtype if weights == "16-bit" else weights, **metrics,
                      "ppl_delta_pct": 100.0 * (metrics["perplexity"] / math.exp(reference.nll_mean) - 1.0),
-                     "weight_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
-                     "seconds": round(result.seconds, 1)})
+                     "weight_bytes": weight_bytes, "seconds": round(result.seconds, 1)})
         print(f"{rows[-1]['weights']}: ppl {rows[-1]['perplexity']:.4f} ({rows[-1]['ppl_delta_pct']:+.3f}%) "
               f"kl {rows[-1]['kl']:.5f} top-1 {rows[-1]['top1_agreement']:.2f}%", file=sys.stderr, flush=True)
         del model
@@ -66,6 +81,20 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps([{**row, **meta} for row in rows], indent=1) + "\n")
         print(f"wrote {len(rows)} rows to {args.json}")
     return 0
+
+
+ROWS = ("16-bit", "fp8", "offload-fp8")
+
+
+def _offload_fp8(model) -> int:
+    """Offload the experts as FP8 host copies (half the cache, loaded on demand); -> the weight bytes: the
+    parameters left in the model plus the experts' FP8 host copies."""
+    from moekv.config import OffloadConfig
+    from moekv.moe.prefetch import install_routing
+
+    runtime = install_routing(model, OffloadConfig(cpu_offload_experts=True, host_format="fp8", prefetch=False), "cpu")
+    left = sum(t.numel() * t.element_size() for t in model.parameters())             # experts are gone
+    return left + sum(e.expert_bytes * e.num_experts for e in runtime.offload.layers.values())
 
 
 def _print_table(rows: list[dict], model_dir: Path, args, seconds: float) -> None:
