@@ -45,6 +45,30 @@ def parse_expert_cache_size(value: int | str | None) -> tuple[str, float] | None
                           f"each layer's experts (50%) or device bytes for all expert slots (12GB, 12GiB)") from None
 
 
+def parse_prefetch_threshold(text: str | None) -> float | str | None:
+    """The --prefetch-threshold spelling: "auto", a margin ("0.1"), or "none" / None (every guess copied)."""
+    if text is None or str(text).strip().lower() == "none":
+        return None
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--prefetch-threshold takes auto, none or a router probability margin in [-1, 1], "
+                          f"got {text!r}") from None
+
+
+OFFLOAD_FLAGS_HELP = {
+    "prefetch_threshold": "with --cpu-offload-experts: staged prefetch, only guesses whose router probability margin "
+                          "clears this (auto: from the measured copy / compute ratio; none: copy every guess, the "
+                          "default)",
+    "host_format": "with --cpu-offload-experts: host copies of the experts in the model's dtype (native) or FP8 "
+                   "(half the bytes to copy)",
+    "expert_staging": "with --cpu-offload-experts: host (one host read of routing per layer) or device (slot table "
+                      "and copies on the device: decode replays CUDA graphs; loads on demand)",
+}
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Expert offloading to host memory with a bounded device expert cache, and expert prediction.

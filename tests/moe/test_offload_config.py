@@ -101,3 +101,26 @@ def test_llm_with_offloading_matches_resident_and_reports_stats(tmp_path):
     assert stats["expert_load"]["hot_experts"] and len(stats["expert_load"]["imbalance"]) == 3
     assert resident.engine.routing_stats()["prediction"] is None
     assert all(p.device.type == "cpu" for p in offloaded.engine.model.parameters())
+
+
+def test_issue_24_switches_route_and_parse():
+    from moekv.cli import build_parser
+    from moekv.offload_config import parse_prefetch_threshold
+
+    config = make_engine_config("m", cpu_offload_experts=True, prefetch_threshold="auto", host_format="fp8",
+                                staging_slots=3)
+    assert (config.offload.prefetch_threshold, config.offload.host_format, config.offload.staging_slots) == \
+        ("auto", "fp8", 3)
+    assert parse_prefetch_threshold("auto") == "auto" and parse_prefetch_threshold("0.25") == 0.25
+    assert parse_prefetch_threshold("none") is None and parse_prefetch_threshold(None) is None
+    with pytest.raises(ConfigError, match="--prefetch-threshold"):
+        parse_prefetch_threshold("often")
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--cpu-offload-experts", "--host-format", "fp8",
+                                      "--expert-staging", "device", "--prefetch-threshold", "auto"])
+    assert (args.host_format, args.expert_staging, args.prefetch_threshold) == ("fp8", "device", "auto")
+    # device staging loads on demand: it runs no predictor unless statistics ask for one
+    device = OffloadConfig(cpu_offload_experts=True, staging="device")
+    assert not device.prefetches and not device.predicts
+    for field, value in (("host_format", "int4"), ("staging", "gpu"), ("staging_slots", 0)):
+        with pytest.raises(ConfigError, match=field):
+            OffloadConfig(**{field: value})

@@ -19,6 +19,7 @@ from pathlib import Path
 from moekv.config import ServerLimits
 from moekv.entrypoints.openai.vllm_args import add_vllm_arguments, engine_kwargs
 from moekv.errors import ConfigError
+from moekv.offload_config import OFFLOAD_FLAGS_HELP, parse_prefetch_threshold
 from moekv.paths import default_model_dir
 
 logger = logging.getLogger("moekv.server")
@@ -64,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --cpu-offload-experts: slots per MoE layer (int), a share ('50%%') or bytes ('12GB')")
     parser.add_argument("--no-prefetch", action="store_true", help="with --cpu-offload-experts: load experts on "
                         "demand only, no prediction-driven prefetch")
+    parser.add_argument("--prefetch-threshold", default=None, help=OFFLOAD_FLAGS_HELP["prefetch_threshold"])
+    parser.add_argument("--host-format", default="native", choices=("native", "fp8"),
+                        help=OFFLOAD_FLAGS_HELP["host_format"])
+    parser.add_argument("--expert-staging", default="host", choices=("host", "device"),
+                        help=OFFLOAD_FLAGS_HELP["expert_staging"])
     parser.add_argument("--no-expert-prediction-stats", action="store_true",
                         help="do not run the next-layer expert predictor for the recall metrics")
     parser.add_argument("--expert-parallel-size", type=int, default=1,
@@ -169,6 +175,8 @@ def engine_config_from_args(args: argparse.Namespace):
                                            ("num_pages", args.num_pages), ("page_size", args.page_size))
              if value is not None}
     extra.update(cpu_offload_experts=args.cpu_offload_experts, prefetch=not args.no_prefetch,
+                 prefetch_threshold=parse_prefetch_threshold(args.prefetch_threshold), host_format=args.host_format,
+                 staging=args.expert_staging,
                  track_prediction=not args.no_expert_prediction_stats, cuda_graphs=not args.enforce_eager,
                  enable_prefix_caching=args.enable_prefix_caching)
     if args.expert_cache_size is not None:
