@@ -1,0 +1,47 @@
+"""bench_offload.py: the speed command's CPU plumbing (tiny shape, a few modes) and the timeline command."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from moekv import datasets
+
+
+@pytest.fixture(autouse=True)
+def _needs_bundled():
+    if not (datasets.bundled_model_dir() / "model.safetensors").is_file():
+        pytest.skip("the bundled model is not in this checkout")
+
+
+def _run(monkeypatch, argv):
+    from benchmarks import bench_offload
+
+    monkeypatch.setattr(sys, "argv", ["bench_offload.py", *argv])
+    bench_offload.main()
+
+
+def test_speed_runs_every_harness_and_checks_tokens(monkeypatch, tmp_path):
+    out = tmp_path / "speed"
+    _run(monkeypatch, ["speed", "--tiny", "--device", "cpu", "--trace-tokens", "512", "--tokens", "4",
+                       "--warmup", "1", "--profile-steps", "0", "--cache", "50",
+                       "--modes", "on-demand,staged,device-graph", "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    modes = [run["mode"] for run in report["runs"]]
+    assert modes == ["resident", "resident-graph", "on-demand", "staged", "device-graph"]
+    by_mode = {run["mode"]: run for run in report["runs"]}
+    assert by_mode["staged"]["matches"] == "resident" and by_mode["device-graph"]["matches"] == "resident-graph"
+    assert by_mode["on-demand"]["misses_per_token"] > 0 and by_mode["device-graph"]["misses_per_token"] > 0
+    assert not report["mismatches"] and not report["failures"]
+    assert "Issue 24's targets" in out.with_suffix(".md").read_text()
+
+
+def test_timeline_command(monkeypatch, tmp_path):
+    out = tmp_path / "timeline"
+    _run(monkeypatch, ["timeline", "--max-tokens", "256", "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    staged = [r for r in rows if r["mode"] == "staged"]
+    assert len(staged) == 6 and all(r["steps_slower_than_on_demand"] == 0 for r in staged)
+    assert all(r["speedup_vs_on_demand"] >= 1.0 for r in staged)
