@@ -4,11 +4,18 @@
                   state guess their experts; recall counted on the device
     residency.py  ExpertCache: slot bookkeeping of one layer's device expert cache (LRU / LFU,
                   predicted experts protected for the step)
-    offload.py    OffloadedExperts (the Experts seam with host weights + device slots), SlotCopier
-                  (side CUDA stream + events; plain copies on the CPU)
-    manager.py    ExpertOffload: installs OffloadedExperts in every MoE block, turns predictions
+    pool.py       HostExperts (host copies, 16-bit or FP8) and SlotPool (the device slots of all layers)
+    offload.py    OffloadedExperts (the Experts seam with host copies + pool slots, one host read of
+                  routing per layer), SlotCopier (side CUDA stream + events; plain copies on the CPU)
+    policy.py     the staged prefetch policy: margin calibration, threshold, staging slots (Stager)
+    staged.py     StagedPrefetch: the policy driving chunked guess copies at each decision point
+    timeline.py   simulate_decode: the copy / compute timeline simulator (on-demand, prefetch, staged)
+    device_staging.py  DeviceStagedExperts: slot table and copies on the device, no host reads
+    compute.py    SlotExpertCompute: expert compute over pool slots, bit-identical to LocalExperts
+    manager.py    ExpertOffload: installs offloaded experts in every MoE block, turns predictions
                   into prefetches, cache-size resolution
     runtime.py    install_routing(model, OffloadConfig): the one call the engine makes
+    trace.py      routing traces of a trained model, replayed in another (benchmarks, tests)
 See docs/expert-offload.md.
 """
 
