@@ -9,7 +9,7 @@ timeline, and decode speed.
     # model's trace, for given copy and compute times (default: the H200 run's 6.36 ms copy, 11.8 ms / 8 layers)
     PYTHONPATH=src:. python benchmarks/bench_offload.py timeline --out benchmarks/results/offload-timeline-cpu
     # decode speed, every issue-24 mode side by side (benchmarks/offload_speed.py; one H200, ~3 min)
-    PYTHONPATH=src:. python3 benchmarks/bench_offload.py speed --device cuda --num-layers 8 --out benchmarks/results/offload-speed-h200
+    PYTHONPATH=src:. python3 -u benchmarks/bench_offload.py speed --device cuda --num-layers 8 --out benchmarks/results/offload-speed-h200-issue24
     # the same at a tiny scale on the CPU (plumbing + self-checks, timings meaningless)
     PYTHONPATH=src:. python benchmarks/bench_offload.py speed --tiny --device cpu
 

@@ -19,6 +19,7 @@ from moekv.ops.reference.moe_stage import stage_expert_copies as stage_reference
 from tests.hf_fixtures import moekv_greedy
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # Triton: the GPU, else its interpreter
 
 
 def host_step(cache: ExpertCache, needed: list[int]) -> list[int]:
@@ -77,13 +78,16 @@ def test_stage_kernel_matches_reference(dtype, shape):
     generator = torch.Generator().manual_seed(0)
     src = torch.randint(0, 255, shape, dtype=torch.uint8, generator=generator).view(dtype) if dtype in (
         FP8_DTYPE, torch.uint8) else torch.randn(shape, generator=generator).to(dtype)
+    if DEVICE.type == "cuda":
+        src = src.pin_memory()                                  # the kernel reads it from the device (UVA)
     for ids, slots in [([3, -1, 0], [1, 6, 4]), ([-1, -1], [6, 6]), ([4, 4, 2, 1], [0, 2, 3, 5])]:
         out = {}
         for name, fn in (("reference", stage_reference), ("triton", stage_triton)):
             dst = torch.full((7, *shape[1:]), 7, dtype=torch.uint8).view(dtype) if dtype in (FP8_DTYPE, torch.uint8) \
                 else torch.full((7, *shape[1:]), -3.0, dtype=dtype)
-            fn(src, dst, torch.tensor(ids), torch.tensor(slots))
-            out[name] = dst
+            dst = dst.to(DEVICE)
+            fn(src, dst, torch.tensor(ids, device=DEVICE), torch.tensor(slots, device=DEVICE))
+            out[name] = dst.cpu()
         valid = [(e, s) for e, s in zip(ids, slots) if e >= 0]
         for e, s in valid:
             assert torch.equal(out["triton"][s].view(torch.uint8), src[e].view(torch.uint8))
@@ -94,7 +98,15 @@ def test_stage_kernel_matches_reference(dtype, shape):
 
 @pytest.mark.parametrize("backend,host_format", [("reference", "native"), ("reference", "fp8"),
                                                   ("triton", "native")], indirect=["backend"])
-def test_device_staged_model_matches_resident_and_host_staging(backend, tiny_model, host_format):
+def test_device_staged_model_matches_resident_and_host_staging(backend, host_format):
+    from moekv.models.loader import build_random_model
+    from tests.moe.conftest import tiny_arch
+
+    device = DEVICE if backend == "triton" else torch.device("cpu")
+
+    def tiny_model(seed):
+        return build_random_model(tiny_arch(), torch.float32, device, seed=seed)
+
     prompt = [[3, 1, 4, 1, 5, 9]]                              # prefill: groups of S read on the host
     reference = tiny_model(seed=2)
     if host_format == "fp8":
@@ -109,7 +121,7 @@ def test_device_staged_model_matches_resident_and_host_staging(backend, tiny_mod
     for staging in ("host", "device"):
         model = tiny_model(seed=2)
         runtime = install_routing(model, OffloadConfig(cpu_offload_experts=True, expert_cache_size=3, prefetch=False,
-                                                       staging=staging, host_format=host_format))
+                                                       staging=staging, host_format=host_format), device)
         tokens, _ = moekv_greedy(model, prompt, max_new_tokens=new_tokens)
         runs[staging] = (tokens, runtime.stats()["offload"])
     assert runs["device"][0] == runs["host"][0] == expected
@@ -118,20 +130,23 @@ def test_device_staged_model_matches_resident_and_host_staging(backend, tiny_mod
     assert device["staging"] == "device" and device["misses"] > 0
 
 
-def test_device_staged_decode_reads_nothing_back(monkeypatch, tiny_model):
-    """A decode step (T*k <= S) through the Triton kernels (the CPU interpreter): no .item() / .tolist() /
-    .cpu() / torch.tensor / bool() of a tensor, and the output equals the resident experts'."""
+def test_device_staged_decode_reads_nothing_back(monkeypatch):
+    """A decode step (T*k <= S) through the Triton kernels (on the GPU, else the CPU interpreter): no .item() /
+    .tolist() / .cpu() / torch.tensor / bool() of a tensor, and the output equals the resident experts'."""
     pytest.importorskip("triton")
-    model = tiny_model(seed=1)
+    from moekv.models.loader import build_random_model
+    from tests.moe.conftest import tiny_arch
+
+    model = build_random_model(tiny_arch(), torch.float32, DEVICE, seed=1)
     local = model.layers[0].mlp.experts
     host = HostExperts.from_weights(*local.weights())
-    experts = DeviceStagedExperts(0, host, SlotPool(host, 4, torch.device("cpu")), [0, 1, 2])
+    experts = DeviceStagedExperts(0, host, SlotPool(host, 4, DEVICE), [0, 1, 2])
     generator = torch.Generator().manual_seed(3)
     with dispatch.override(backend="triton"):
         for step in range(4):
-            hidden = torch.randn(1, model.arch.hidden_size, generator=generator)
-            ids = torch.randperm(8, generator=generator)[:2].reshape(1, 2)
-            weights = torch.softmax(torch.randn(1, 2, generator=generator), -1)
+            hidden = torch.randn(1, model.arch.hidden_size, generator=generator).to(DEVICE)
+            ids = torch.randperm(8, generator=generator)[:2].reshape(1, 2).to(DEVICE)
+            weights = torch.softmax(torch.randn(1, 2, generator=generator), -1).to(DEVICE)
             expected = local(hidden, ids, weights)
 
             def forbidden(*args, **kwargs):
