@@ -15,7 +15,7 @@ expert cache size (25 / 50 / 75% of each layer's experts):
 next to all experts resident, eagerly (the bench's own loop; "compute") and as a CUDA graph (the engine).
 Eager modes run the bench's decode loop; graph modes run the engine (its CUDA-graph decode step). Per run:
 ms / token, speed-up against on-demand at the same cache size, GPU busy share of the step (torch.profiler
-for eager steps, graph replay time for graph steps), hit rate, copies, misses and bytes moved per token,
+for eager steps, graph replay time / wall time of the same steps for graph steps), hit rate, copies, misses and bytes moved per token,
 copy-stream busy time (eager host modes), the staged policy's counters; then the issue's targets with the
 numbers, and what the timeline simulator predicts from this run's copy and compute times.
 
@@ -108,13 +108,15 @@ def run_eager(model, prompt, args, device, on_warm) -> dict:
 
 
 def run_graph(model, prompt, args, device, dtype_name: str, on_warm, routers) -> dict:
-    """Decode through the engine: CUDA graphs on CUDA (static buffers run eagerly on the CPU)."""
-    from benchmarks.bench_decode import graph_busy
+    """Decode through the engine: CUDA graphs on CUDA (static buffers run eagerly on the CPU). The timed steps
+    are benchmarks.decode_steps.time_steps's: wall time per step and each step's graph replay time (CUDA
+    events) from the same steps; GPU busy = replay / wall."""
+    from benchmarks.decode_steps import time_steps
     from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
     from moekv.engine.engine import Engine
     from moekv.sampling import SamplingParams
 
-    new_tokens = args.warmup + args.tokens + args.profile_steps + 2
+    new_tokens = args.warmup + args.tokens + 2
     max_len = len(prompt) + new_tokens + 8
     config = EngineConfig(model=ModelConfig(model="random:mixtral-8x7b", max_model_len=max_len),
                           cache=CacheConfig(kv_cache_dtype=dtype_name, page_size=16, num_pages=-(-max_len // 16) + 2,
@@ -123,32 +125,30 @@ def run_graph(model, prompt, args, device, dtype_name: str, on_warm, routers) ->
                           device=DeviceConfig(str(device), cuda_graphs=device.type == "cuda"))
     engine = Engine(config, model=model)
     runner = engine.runner
-    if device.type != "cuda":
-        runner.enable_graphs(capture=False)
-    if runner.graph_mode is None:
-        raise RuntimeError(f"the engine runs eagerly: {runner.graph_fallback_reason}")
-    engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-    outputs = engine.step()                                                # the prompt
-    saved = [router.position.clone() for router in routers]
-    with torch.inference_mode():
-        runner._bucket(1)                          # capture now; its warm-up forwards must not move the replay
-    for router, position in zip(routers, saved):
-        router.position.copy_(position)
-    for _ in range(args.warmup):
-        outputs = engine.step()
-    on_warm()
-    times = []
-    for _ in range(args.tokens):
-        sync(device)
-        began = time.perf_counter()
-        outputs = engine.step()
-        sync(device)
-        times.append(time.perf_counter() - began)
-    tokens = list(outputs[0].token_ids)
-    replay_ms, busy = graph_busy(engine, args.profile_steps, device) if args.profile_steps else (None, None)
-    engine.routing.remove_hooks()
-    return {"seconds_per_token": sum(times) / len(times), "tokens": tokens[:args.warmup + args.tokens + 1],
-            "gpu_busy": busy, "graph_replay_ms": replay_ms, "graph_replays": runner.graph_replays}
+    try:
+        if device.type != "cuda":
+            runner.enable_graphs(capture=False)
+        if runner.graph_mode is None:
+            raise RuntimeError(f"the engine runs eagerly: {runner.graph_fallback_reason}")
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                               ignore_eos=True))
+        request = engine.requests[request_id]
+        engine.step()                                                      # the prompt
+        saved = [router.position.clone() for router in routers]
+        with torch.inference_mode():
+            runner._bucket(1)                      # capture now; its warm-up forwards must not move the replay
+        for router, position in zip(routers, saved):
+            router.position.copy_(position)
+        for _ in range(args.warmup):
+            engine.step()
+        on_warm()
+        timed = time_steps(engine, args.tokens, device)
+        tokens = list(request.output_token_ids)
+    finally:
+        engine.routing.remove_hooks()
+    replay = timed["graph_replay_ms"]
+    return {"seconds_per_token": timed["tpot_ms"] / 1e3, "tokens": tokens, "graph_replay_ms": replay,
+            "gpu_busy": replay / timed["tpot_ms"] if replay else None, "graph_replays": timed["graph_replays"]}
 
 
 def host_copies(model, formats: set[str], shared: bool) -> dict[str, dict[int, HostExperts]]:
