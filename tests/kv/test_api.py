@@ -97,4 +97,13 @@ def test_range_search_defaults_follow_the_cache_and_lower_the_value_error():
                                                    dtype=torch.float32), CacheConfig(kv_cache_dtype="int3",
                                                                                       key_clip_steps=3))
     assert (key_spec.clip_steps, value_spec.clip_steps) == (3, 8)
+    assert (key_spec.clip_refine, value_spec.clip_refine) == (0, defaults.value_clip_refine) == (0, 2)
     assert isinstance(value_spec, QuantSpec)
+    # the refinement is capped at the clip steps (no search: nothing to refine)
+    assert kv.quantize(x, "value", bits=2, clip_steps=1).spec.clip_refine == 1
+    assert kv.quantize(x, "value", bits=2, clip_steps=0).spec.clip_refine == 0
+    symmetric = kv.quantize(x, "value", bits=2, clip_refine=0)
+    assert searched.spec.clip_refine == 2 and searched.nbytes == symmetric.nbytes
+    assert float((searched.dequantize() - x).norm()) <= float((symmetric.dequantize() - x).norm())
+    with pytest.raises(ValueError, match="clip_refine"):
+        kv.quantize(x, "value", bits=2, clip_refine=-1)

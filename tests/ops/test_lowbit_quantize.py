@@ -74,13 +74,15 @@ def test_dispatch_switch(device, triton_backend):
 
 @pytest.mark.parametrize("axis,group_size", [("channel", None), ("token", None), ("token", 16)])
 @pytest.mark.parametrize("kind,bits", [("normal", 2), ("heavy_tail", 3), ("spikes", 2), ("constant", 4),
-                                       ("near_max", 3)])
-def test_range_search_matches_reference(device, bits, axis, group_size, kind):
-    # range search (clip_steps): same stored layout, candidates chosen by least squared error; adversarial data
-    # (heavy tails, sparse spikes, constant pages, values near the fp16 maximum) with and without outliers
+                                       ("near_max", 3), ("outlier_channels", 3)])
+@pytest.mark.parametrize("refine", [0, 3])
+def test_range_search_matches_reference(device, bits, axis, group_size, kind, refine):
+    # range search (clip_steps, then each end alone: clip_refine): same stored layout, candidates chosen by
+    # least squared error; adversarial data (heavy tails, sparse spikes, constant pages, values near the fp16
+    # maximum, heavy channels) with and without outliers
     capacity = QuantSpec.capacity_for(0.01 if kind != "normal" else 0.0, 16, 64)
     spec = QuantSpec(bits=bits, axis=axis, head_dim=64, page_size=16, group_size=group_size,
-                     outlier_capacity=capacity, clip_steps=6)
+                     outlier_capacity=capacity, clip_steps=6, clip_refine=refine)
     x = make_data((2, 2, 16, 64), torch.float32, kind, torch.Generator().manual_seed(10 + bits)).to(device)
     compare(x, spec)
 
@@ -89,8 +91,9 @@ def test_range_search_staged_kv_matches_reference(device):
     # the decode step's one-launch key + value quantizer with different clip steps per side
     from moekv.ops.triton.lowbit import quantize as triton_quantize
 
-    key_spec = QuantSpec(bits=2, axis="channel", head_dim=64, page_size=16, clip_steps=3)
-    value_spec = QuantSpec(bits=2, axis="token", head_dim=64, page_size=16, outlier_capacity=4, clip_steps=8)
+    key_spec = QuantSpec(bits=2, axis="channel", head_dim=64, page_size=16, clip_steps=3, clip_refine=1)
+    value_spec = QuantSpec(bits=2, axis="token", head_dim=64, page_size=16, outlier_capacity=4, clip_steps=8,
+                           clip_refine=2)
     gen = torch.Generator().manual_seed(21)
     staging_k = make_data((3, 16, 2, 64), torch.float32, "heavy_tail", gen).to(device)
     staging_v = make_data((3, 16, 2, 64), torch.float32, "normal", gen).to(device)
@@ -124,6 +127,28 @@ def test_range_search_never_raises_the_squared_error(axis, bits):
     assert errors[2] < (0.85 if bits == 2 else 0.95) * errors[0]
 
 
+@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_range_refine_never_raises_the_squared_error(axis, bits):
+    # clip_refine only adds candidates after the symmetric search (a later one wins only when strictly better),
+    # so per group the squared error cannot rise; on skewed data (a Gaussian plus an exponential tail on one
+    # side) the asymmetric ranges it finds lower the page's error measurably
+    gen = torch.Generator().manual_seed(30 + bits)
+    x = torch.randn(4, 2, 128, 64, generator=gen) + torch.empty(4, 2, 128, 64).exponential_(generator=gen)
+    spec = QuantSpec(bits=bits, axis=axis, head_dim=64, page_size=128, clip_steps=8)
+    grouped_errors = []
+    for refine in (0, 4):
+        spec = QuantSpec(bits=bits, axis=axis, head_dim=64, page_size=128, clip_steps=8, clip_refine=refine)
+        packed, _ = reference.quantize_pages(x, spec)
+        squared = (reference.dequantize_pages(packed, spec) - x).square()
+        grouped_errors.append(squared.sum(2) if axis == "channel" else squared.sum(-1))
+    plain, refined = grouped_errors
+    assert (refined <= plain).all()
+    assert refined.sum() < 0.98 * plain.sum()
+
+
 def test_clip_steps_validated():
     with pytest.raises(ValueError, match="clip_steps"):
         QuantSpec(bits=3, axis="channel", head_dim=64, page_size=16, clip_steps=9)
+    with pytest.raises(ValueError, match="clip_refine"):
+        QuantSpec(bits=3, axis="channel", head_dim=64, page_size=16, clip_steps=2, clip_refine=3)

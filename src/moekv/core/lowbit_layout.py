@@ -47,6 +47,7 @@ class QuantSpec:
     outlier_tau: float = 3.0     # a value qualifies when |x - mean| > tau * std of its group
     clip_steps: int = 0          # range search: candidates k = 0..clip_steps shrink each group's inlier range
                                  # [lo, hi] by k/16 about its centre; the one of least squared error wins
+    clip_refine: int = 0         # range search, then each end of the best range alone moved by -R..R steps
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -69,6 +70,9 @@ class QuantSpec:
             raise ValueError(f"outlier_tau must be positive, got {self.outlier_tau}")
         if not isinstance(self.clip_steps, int) or not 0 <= self.clip_steps <= MAX_CLIP_STEPS:
             raise ValueError(f"clip_steps must be an integer in [0, {MAX_CLIP_STEPS}], got {self.clip_steps!r}")
+        if not isinstance(self.clip_refine, int) or not 0 <= self.clip_refine <= self.clip_steps:
+            raise ValueError(f"clip_refine must be an integer in [0, clip_steps = {self.clip_steps}], "
+                             f"got {self.clip_refine!r}")
 
     @staticmethod
     def capacity_for(fraction: float, page_size: int, head_dim: int) -> int:

@@ -43,6 +43,8 @@ class Variant:
     outlier_tau: float | None = None
     key_clip_steps: int | None = None             # None: CacheConfig default
     value_clip_steps: int | None = None
+    key_clip_refine: int | None = None            # None: CacheConfig default
+    value_clip_refine: int | None = None
     note: str = ""
 
     @property
@@ -67,7 +69,11 @@ class Variant:
                            key_clip_steps=defaults.key_clip_steps if self.key_clip_steps is None
                            else self.key_clip_steps,
                            value_clip_steps=defaults.value_clip_steps if self.value_clip_steps is None
-                           else self.value_clip_steps)
+                           else self.value_clip_steps,
+                           key_clip_refine=defaults.key_clip_refine if self.key_clip_refine is None
+                           else self.key_clip_refine,
+                           value_clip_refine=defaults.value_clip_refine if self.value_clip_refine is None
+                           else self.value_clip_refine)
 
 
 def default_variants(ablations: bool = False, full: bool = True) -> list[Variant]:
@@ -90,6 +96,7 @@ def default_variants(ablations: bool = False, full: bool = True) -> list[Variant
         ]
         for bits in ("int4", "int3", "int2"):     # the range search's share (docs/kv-fidelity.md)
             rows.append(Variant(bits, True, "channel", value_clip_steps=0, note="values min/max"))
+            rows.append(Variant(bits, True, "channel", value_clip_refine=0, note="values symmetric search"))
             rows.append(Variant(bits, True, "channel", key_clip_steps=8, note="+ key range search"))
     return rows
 

@@ -145,9 +145,11 @@ def tensor_errors(record: TensorRecord, variant, stride: int = 4) -> dict[str, f
             common = dict(bits=config.bits, page_size=config.resolved_page_size, outlier_tau=config.outlier_tau,
                           group_size=config.token_group_size)
             key_hat = kv.quantize(key, "key", outlier_fraction=config.key_outlier_fraction, axis=config.key_axis,
-                                  clip_steps=config.key_clip_steps, **common).dequantize()
+                                  clip_steps=config.key_clip_steps, clip_refine=config.key_clip_refine,
+                                  **common).dequantize()
             value_hat = kv.quantize(value, "value", outlier_fraction=config.value_outlier_fraction,
-                                    clip_steps=config.value_clip_steps, **common).dequantize()
+                                    clip_steps=config.value_clip_steps, clip_refine=config.value_clip_refine,
+                                    **common).dequantize()
         else:
             dtype = torch_dtype(config.kv_cache_dtype)
             key_hat, value_hat = key.to(dtype).float(), value.to(dtype).float()

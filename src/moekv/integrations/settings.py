@@ -26,6 +26,8 @@ class LowBitCacheSettings:
         win. 2.0 lets the budget fill on typical models (at 3.0 only ~0.2% of values qualify).
     key_clip_steps, value_clip_steps: range search of each group's scale and zero point (moekv.config.CacheConfig,
         docs/kv-format.md section 3): same stored bits, less error; keys default 0 (min/max wins on attention).
+    key_clip_refine, value_clip_refine: then each end of the searched range moves alone by up to this many
+        steps (capped at the clip steps); values default 2.
     dequantized_copy: keep a dequantized copy of the quantized part so each step only dequantizes new pages
         (fast, but as much memory as a full-precision cache); False: dequantize every page at every step.
 
@@ -44,6 +46,8 @@ class LowBitCacheSettings:
     dequantized_copy: bool = True
     key_clip_steps: int = 0
     value_clip_steps: int = 8
+    key_clip_refine: int = 0
+    value_clip_refine: int = 2
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -59,7 +63,7 @@ class LowBitCacheSettings:
         if self.value_group_size is not None and (not isinstance(self.value_group_size, int)
                                                   or self.value_group_size < 1):
             raise ValueError(f"value_group_size must be a positive integer or None, got {self.value_group_size!r}")
-        for name in ("key_clip_steps", "value_clip_steps"):
+        for name in ("key_clip_steps", "value_clip_steps", "key_clip_refine", "value_clip_refine"):
             if not isinstance(getattr(self, name), int) or not 0 <= getattr(self, name) <= 8:
                 raise ValueError(f"{name} must be an integer in [0, 8], got {getattr(self, name)!r}")
         if not self.outlier_tau > 0:

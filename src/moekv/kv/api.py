@@ -70,7 +70,8 @@ class QuantizedKV:
 
 def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction: float | None = None, *,
              page_size: int | None = None, axis: str | None = None, outlier_tau: float | None = None,
-             group_size: int | None = None, clip_steps: int | None = None) -> QuantizedKV:
+             group_size: int | None = None, clip_steps: int | None = None,
+             clip_refine: int | None = None) -> QuantizedKV:
     """Quantize keys or values x [tokens, kv_heads, head_dim] in moekv's low-bit page format.
 
     kind: "key" (default axis "channel": per-channel statistics over each page) or "value" (axis "token").
@@ -79,7 +80,9 @@ def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction
     the cache default, 128). axis: "channel" | "token" overrides the kind's axis. outlier_tau: the
     qualifying threshold in standard deviations (None: 3). group_size: token axis, head_dim values
     per group (None: head_dim). clip_steps: range-search candidates (None: the cache default for the kind,
-    CacheConfig.key_clip_steps / value_clip_steps). Non-finite input raises ValueError.
+    CacheConfig.key_clip_steps / value_clip_steps). clip_refine: steps each end of the searched range then
+    moves alone (None: the cache default, CacheConfig.key_clip_refine / value_clip_refine; at most clip_steps,
+    a larger value is capped). Non-finite input raises ValueError.
     """
     from moekv.ops.reference.lowbit import quantize_pages
 
@@ -103,8 +106,13 @@ def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction
         raise ValueError(f"outlier_fraction must be in [0, 0.5], got {outlier_fraction!r}")
     if clip_steps is None:
         clip_steps = defaults.key_clip_steps if kind == "key" else defaults.value_clip_steps
+    if clip_refine is None:
+        clip_refine = defaults.key_clip_refine if kind == "key" else defaults.value_clip_refine
+    if not isinstance(clip_refine, int) or clip_refine < 0:
+        raise ValueError(f"clip_refine must be a non-negative integer, got {clip_refine!r}")
     tokens, heads, head_dim = x.shape
-    spec = QuantSpec(clip_steps=clip_steps, bits=bits, axis=axis, head_dim=head_dim, page_size=page_size, group_size=group_size,
+    spec = QuantSpec(clip_steps=clip_steps, clip_refine=min(clip_refine, clip_steps) if isinstance(clip_steps, int) else 0,
+                     bits=bits, axis=axis, head_dim=head_dim, page_size=page_size, group_size=group_size,
                      outlier_capacity=QuantSpec.capacity_for(outlier_fraction, page_size, head_dim),
                      outlier_tau=outlier_tau if outlier_tau is not None else defaults.outlier_tau)
     num_full, rest = divmod(tokens, page_size)

@@ -104,9 +104,12 @@ def _choose_ranges(grouped: torch.Tensor, dim: int, inlier: torch.Tensor, lo: to
                    spec: QuantSpec):
     """Scale, zero point and codes per group from its inlier range [lo, hi] (keepdim along `dim`).
 
-    With spec.clip_steps = K, candidates k = 0..K shrink the range about its centre by k * CLIP_STEP of its
-    width (lo + s * w/2, hi - s * w/2); per group the candidate of least squared error over its inliers wins
-    (ties: the smaller k). k = 0 is min/max. Token axis: scale_base comes from the unshrunk ranges.
+    Range search (docs/kv-format.md §3): a candidate (a, b) shrinks the range's low end by a and its high end
+    by b steps of CLIP_STEP of its half width (lo + a/16 * w/2, hi - b/16 * w/2); per group the candidate of
+    least squared error over its inliers wins, a later candidate only when strictly better. Stage 1: the
+    symmetric a = b = k for k = 0..clip_steps (k = 0 is min/max); with clip_refine = R, stage 2 moves the low
+    end alone, a = A + j for j = -R..R (j != 0, clamped to [0, clip_steps]), from each group's best (A, B),
+    then stage 3 the high end alone likewise. Token axis: scale_base comes from the unshrunk ranges.
     Returns (S, Z fp32 keepdim, stored scale, stored zero, scale_base or None, codes fp32 like grouped).
     """
     scale_base = None
@@ -114,25 +117,38 @@ def _choose_ranges(grouped: torch.Tensor, dim: int, inlier: torch.Tensor, lo: to
         lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)                             # the range includes 0
         scale_base = _fp16_rounded(_needed(lo, hi, spec).amax(dim=(2, 3, 4)).clamp_min(SCALE_BASE_FLOOR), up=True)
     half = (hi - lo) * 0.5
-    best, best_error = None, None
-    for k in range(spec.clip_steps + 1):
-        shrink = k * CLIP_STEP
-        lo_k, hi_k = (lo, hi) if k == 0 else (lo + shrink * half, hi - shrink * half)
-        scale, zero, stored_scale, stored_zero = _scale_zero(lo_k, hi_k, scale_base, spec)
+    state = {}
+
+    def consider(a: torch.Tensor | float, b: torch.Tensor | float) -> None:
+        lo_c = lo if isinstance(a, float) and a == 0 else lo + (a * CLIP_STEP) * half
+        hi_c = hi if isinstance(b, float) and b == 0 else hi - (b * CLIP_STEP) * half
+        scale, zero, stored_scale, stored_zero = _scale_zero(lo_c, hi_c, scale_base, spec)
         codes = ((grouped - zero) / scale).round().clamp(0, spec.levels)
         candidate = (scale, zero, stored_scale, stored_zero, codes)
         if spec.clip_steps == 0:
-            best = candidate
-            break
+            state["best"] = candidate
+            return
         diff = codes * scale + zero - grouped
         error = torch.where(inlier, diff * diff, torch.zeros_like(diff)).sum(dim, keepdim=True)
-        if best is None:
-            best, best_error = candidate, error
-            continue
-        better = error < best_error
-        best = tuple(torch.where(better, new, old) for new, old in zip(candidate, best))
-        best_error = torch.where(better, error, best_error)
-    scale, zero, stored_scale, stored_zero, codes = best
+        a, b = torch.as_tensor(a).expand_as(error), torch.as_tensor(b).expand_as(error)
+        if "best" not in state:
+            state.update(best=candidate, error=error, a=a, b=b)
+            return
+        better = error < state["error"]
+        state["best"] = tuple(torch.where(better, new, old) for new, old in zip(candidate, state["best"]))
+        state["error"] = torch.where(better, error, state["error"])
+        state["a"], state["b"] = torch.where(better, a, state["a"]), torch.where(better, b, state["b"])
+
+    for k in range(spec.clip_steps + 1):
+        consider(float(k), float(k))
+    for end in ("a", "b") if spec.clip_refine else ():
+        start = state[end]
+        for j in range(-spec.clip_refine, spec.clip_refine + 1):
+            if j == 0:
+                continue
+            moved = (start + j).clamp(0, spec.clip_steps)
+            consider(moved, state["b"]) if end == "a" else consider(state["a"], moved)
+    scale, zero, stored_scale, stored_zero, codes = state["best"]
     squeeze = 2 if spec.axis == "channel" else -1
     return scale, zero, stored_scale.squeeze(squeeze), stored_zero.squeeze(squeeze), scale_base, codes
 

@@ -47,7 +47,7 @@ def _quantize_kernel(
     CNT_PAGES: tl.constexpr,
     STAGED: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
-    CLIP_STEPS: tl.constexpr,
+    CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -64,7 +64,7 @@ def _quantize_kernel(
         codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
         qualifying_ptr, tau, counters_ptr, entry, head, page, source,
         COUNT, CNT_BUDGET, CNT_OUTLIERS, CNT_QUALIFYING, CNT_PAGES,
-        NUM_HEADS, P, D, G, BITS, AXIS_CHANNEL, GROUP_LEN, CAPACITY, BLOCK_C, WORDS, CLIP_STEPS)
+        NUM_HEADS, P, D, G, BITS, AXIS_CHANNEL, GROUP_LEN, CAPACITY, BLOCK_C, WORDS, CLIP_STEPS, CLIP_REFINE)
 
 
 @triton.jit
@@ -76,8 +76,10 @@ def _quantize_kv_staged_kernel(
     NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     K_G: tl.constexpr, K_BITS: tl.constexpr, K_AXIS_CHANNEL: tl.constexpr, K_GROUP_LEN: tl.constexpr,
     K_CAPACITY: tl.constexpr, K_BLOCK_C: tl.constexpr, K_WORDS: tl.constexpr, K_CLIP_STEPS: tl.constexpr,
+    K_CLIP_REFINE: tl.constexpr,
     V_G: tl.constexpr, V_BITS: tl.constexpr, V_AXIS_CHANNEL: tl.constexpr, V_GROUP_LEN: tl.constexpr,
     V_CAPACITY: tl.constexpr, V_BLOCK_C: tl.constexpr, V_WORDS: tl.constexpr, V_CLIP_STEPS: tl.constexpr,
+    V_CLIP_REFINE: tl.constexpr,
     K_CNT_BUDGET: tl.constexpr, K_CNT_OUTLIERS: tl.constexpr, K_CNT_QUALIFYING: tl.constexpr,
     K_CNT_PAGES: tl.constexpr, V_CNT_BUDGET: tl.constexpr, V_CNT_OUTLIERS: tl.constexpr,
     V_CNT_QUALIFYING: tl.constexpr, V_CNT_PAGES: tl.constexpr,
@@ -96,7 +98,7 @@ def _quantize_kv_staged_kernel(
                 counters_ptr, k_tau, counters_ptr, entry, head, page, source,
                 True, K_CNT_BUDGET, K_CNT_OUTLIERS, K_CNT_QUALIFYING, K_CNT_PAGES,
                 NUM_HEADS, P, D, K_G, K_BITS, K_AXIS_CHANNEL, K_GROUP_LEN, K_CAPACITY, K_BLOCK_C, K_WORDS,
-                K_CLIP_STEPS)
+                K_CLIP_STEPS, K_CLIP_REFINE)
         else:
             _quantize_page_head(
                 vx_ptr, stride_xn, stride_xh, stride_xp,
@@ -104,7 +106,7 @@ def _quantize_kv_staged_kernel(
                 counters_ptr, v_tau, counters_ptr, entry, head, page, source,
                 True, V_CNT_BUDGET, V_CNT_OUTLIERS, V_CNT_QUALIFYING, V_CNT_PAGES,
                 NUM_HEADS, P, D, V_G, V_BITS, V_AXIS_CHANNEL, V_GROUP_LEN, V_CAPACITY, V_BLOCK_C, V_WORDS,
-                V_CLIP_STEPS)
+                V_CLIP_STEPS, V_CLIP_REFINE)
 
 
 @triton.jit
@@ -115,7 +117,7 @@ def _quantize_page_head(
     COUNT: tl.constexpr, CNT_BUDGET: tl.constexpr, CNT_OUTLIERS: tl.constexpr, CNT_QUALIFYING: tl.constexpr,
     CNT_PAGES: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr,
-    BLOCK_C: tl.constexpr, WORDS: tl.constexpr, CLIP_STEPS: tl.constexpr,
+    BLOCK_C: tl.constexpr, WORDS: tl.constexpr, CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr,
 ):
     """Quantize rows `source` of x (head `head`) into page `page` of the output: the body of both kernels."""
     page_head = page * NUM_HEADS + head
@@ -180,7 +182,7 @@ def _quantize_page_head(
         base = fp16_rounded(tl.maximum(tl.max(tl.max(needed, axis=1), axis=0), 2.0 ** -14), True)
         tl.store(base_ptr + page_head, base.to(tl.float16))
     stored_scale, stored_zero, scale_full, zero_full, codes_f = choose_ranges(
-        x, outlier, lo_x, hi_x, base, AXIS_CHANNEL, P, D, G, BITS, CLIP_STEPS)
+        x, outlier, lo_x, hi_x, base, AXIS_CHANNEL, P, D, G, BITS, CLIP_STEPS, CLIP_REFINE)
     if AXIS_CHANNEL:
         tl.store(scale_ptr + page_head * D + offs_d, stored_scale.to(tl.float16))
         tl.store(zero_ptr + page_head * D + offs_d, stored_zero.to(tl.float16))
@@ -328,7 +330,7 @@ def _launch(x: torch.Tensor, strides: tuple[int, int, int], out: PackedPages, qu
         BITS=spec.bits, AXIS_CHANNEL=spec.axis == "channel",
         GROUP_LEN=spec.page_size if spec.axis == "channel" else spec.group_size, CAPACITY=spec.outlier_capacity,
         BLOCK_C=min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))), WORDS=spec.words_per_row,
-        CLIP_STEPS=spec.clip_steps, num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)
+        CLIP_STEPS=spec.clip_steps, CLIP_REFINE=spec.clip_refine, num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)
 
 
 def quantize_staged_kv_counted(staging_keys: torch.Tensor, staging_values: torch.Tensor, slots: torch.Tensor,
@@ -372,7 +374,8 @@ def _launch_kv(staging_keys, staging_values, slots, pages, key_spec, value_spec,
                 f"{prefix}GROUP_LEN": spec.page_size if spec.axis == "channel" else spec.group_size,
                 f"{prefix}CAPACITY": spec.outlier_capacity,
                 f"{prefix}BLOCK_C": min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))),
-                f"{prefix}WORDS": spec.words_per_row, f"{prefix}CLIP_STEPS": spec.clip_steps}
+                f"{prefix}WORDS": spec.words_per_row, f"{prefix}CLIP_STEPS": spec.clip_steps,
+                f"{prefix}CLIP_REFINE": spec.clip_refine}
 
     def out_args(out: PackedPages) -> tuple:
         base = out.scale_base if out.scale_base is not None else out.scale

@@ -115,26 +115,63 @@ def range_candidate(x, outlier, lo, hi, base, AXIS_CHANNEL: tl.constexpr, P: tl.
 
 
 @triton.jit
+def _keep_better(better, c_scale, c_zero, c_scale_full, c_zero_full, c_codes, c_error, stored_scale, stored_zero,
+                 scale_full, zero_full, codes_f, error, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+                 G: tl.constexpr):
+    """Per group, the candidate where `better` ([D] or [P, G]) holds, else the current best."""
+    if AXIS_CHANNEL:
+        better_full = tl.broadcast_to(better[None, :], (P, D))
+    else:
+        better_full = tl.reshape(tl.broadcast_to(better[:, :, None], (P, G, D // G)), (P, D))
+    return (tl.where(better, c_scale, stored_scale), tl.where(better, c_zero, stored_zero),
+            tl.where(better_full, c_scale_full, scale_full), tl.where(better_full, c_zero_full, zero_full),
+            tl.where(better_full, c_codes, codes_f), tl.where(better, c_error, error))
+
+
+@triton.jit
 def choose_ranges(x, outlier, lo, hi, base, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-                  G: tl.constexpr, BITS: tl.constexpr, CLIP_STEPS: tl.constexpr):
-    """The reference's _choose_ranges: candidates k = 0..CLIP_STEPS shrink [lo, hi] by k/16 of its width about
-    its centre; per group the least squared error over the inliers wins (ties: the smaller k)."""
+                  G: tl.constexpr, BITS: tl.constexpr, CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr):
+    """The reference's _choose_ranges: candidates (a, b) shrink the low end of [lo, hi] by a/16 and the high end
+    by b/16 of its half width; per group the least squared error over the inliers wins, a later candidate only
+    when strictly better. Stage 1: a = b = k, k = 0..CLIP_STEPS; then (CLIP_REFINE > 0) the low end alone
+    a = A + j, j = -R..R, j != 0, clamped to [0, CLIP_STEPS], from each group's best (A, B); then the high end."""
     stored_scale, stored_zero, scale_full, zero_full, codes_f, error = range_candidate(
         x, outlier, lo, hi, base, AXIS_CHANNEL, P, D, G, BITS, CLIP_STEPS > 0)
     half = (hi - lo) * 0.5
+    best_a = lo * 0.0
+    best_b = lo * 0.0
     for k in tl.static_range(1, CLIP_STEPS + 1):
         shrink = k * 0.0625                              # a constexpr (k is): not re-annotated per step
         c_scale, c_zero, c_scale_full, c_zero_full, c_codes, c_error = range_candidate(
             x, outlier, lo + shrink * half, hi - shrink * half, base, AXIS_CHANNEL, P, D, G, BITS, True)
         better = c_error < error
-        if AXIS_CHANNEL:
-            better_full = tl.broadcast_to(better[None, :], (P, D))
-        else:
-            better_full = tl.reshape(tl.broadcast_to(better[:, :, None], (P, G, D // G)), (P, D))
-        stored_scale = tl.where(better, c_scale, stored_scale)
-        stored_zero = tl.where(better, c_zero, stored_zero)
-        error = tl.where(better, c_error, error)
-        scale_full = tl.where(better_full, c_scale_full, scale_full)
-        zero_full = tl.where(better_full, c_zero_full, zero_full)
-        codes_f = tl.where(better_full, c_codes, codes_f)
+        stored_scale, stored_zero, scale_full, zero_full, codes_f, error = _keep_better(
+            better, c_scale, c_zero, c_scale_full, c_zero_full, c_codes, c_error, stored_scale, stored_zero,
+            scale_full, zero_full, codes_f, error, AXIS_CHANNEL, P, D, G)
+        best_a = tl.where(better, k * 1.0, best_a)
+        best_b = tl.where(better, k * 1.0, best_b)
+    if CLIP_REFINE > 0:
+        for end in tl.static_range(2):               # 0: the low end moves alone, then 1: the high end
+            if end == 0:
+                start = best_a
+            else:
+                start = best_b
+            for step in tl.static_range(2 * CLIP_REFINE + 1):
+                if step != CLIP_REFINE:
+                    moved = tl.minimum(tl.maximum(start + (step - CLIP_REFINE), 0.0), CLIP_STEPS * 1.0)
+                    if end == 0:
+                        a = moved
+                        b = best_b
+                    else:
+                        a = best_a
+                        b = moved
+                    c_scale, c_zero, c_scale_full, c_zero_full, c_codes, c_error = range_candidate(
+                        x, outlier, lo + (a * 0.0625) * half, hi - (b * 0.0625) * half, base, AXIS_CHANNEL, P, D,
+                        G, BITS, True)
+                    better = c_error < error
+                    stored_scale, stored_zero, scale_full, zero_full, codes_f, error = _keep_better(
+                        better, c_scale, c_zero, c_scale_full, c_zero_full, c_codes, c_error, stored_scale,
+                        stored_zero, scale_full, zero_full, codes_f, error, AXIS_CHANNEL, P, D, G)
+                    best_a = tl.where(better, a, best_a)
+                    best_b = tl.where(better, b, best_b)
     return stored_scale, stored_zero, scale_full, zero_full, codes_f
