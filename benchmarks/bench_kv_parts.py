@@ -207,7 +207,7 @@ def model_level(model, windows, row: Row, reference, chunk: int) -> dict:
     key, value = row.key or Part(), row.value or Part()
     variant = Variant(f"int{row.width}", True, "channel", outlier_fraction=key.fraction,
                       value_outlier_fraction=value.fraction, key_clip_steps=key.clip_steps,
-                      value_clip_steps=value.clip_steps)
+                      value_clip_steps=value.clip_steps, key_clip_refine=key.refine, value_clip_refine=value.refine)
     result = run_windows(model, windows, variant, chunk, tail_dtype=torch.bfloat16)
     metrics = compare(result, reference)
     return {**metrics, "ppl_delta_pct": 100.0 * (metrics["perplexity"] / math.exp(reference.nll_mean) - 1.0),
