@@ -1,0 +1,33 @@
+"""Compile the Triton page quantizer for Hopper (sm_90) on a machine without a GPU: catches what the interpreter
+accepts and the compiler refuses (session 18: a constexpr re-declared inside tl.static_range passed
+TRITON_INTERPRET=1 and failed on the H200). Run it with the device's triton version (3.6) in a side venv:
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
+    PYTHONPATH=/tmp/t36/lib/python3.11/site-packages:src:.:.venv/lib/python3.11/site-packages \
+        /tmp/t36/bin/python tools/compile_quantizer_sm90.py
+
+(the value quantizer with the default range search + refinement: ~200 s on 2 cores, ~10 MB of PTX).
+"""
+import time, triton, triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from moekv.ops.triton.lowbit.quantize import _quantize_kernel as k
+import inspect
+names = list(inspect.signature(k.fn).parameters)
+ptr = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scale_ptr": "*u8", "zero_ptr": "*u8", "base_ptr": "*fp16",
+       "outlier_vals_ptr": "*fp16", "outlier_idx_ptr": "*i16", "outlier_count_ptr": "*i16", "qualifying_ptr": "*i32",
+       "pages_ptr": "*i32", "slots_ptr": "*i32", "counters_ptr": "*i32"}
+for axis_channel, clip, refine, G in ((False, 8, 2, 1), (True, 0, 0, 1)):
+    cexpr = dict(COUNT=False, CNT_BUDGET=0, CNT_OUTLIERS=0, CNT_QUALIFYING=0, CNT_PAGES=0, STAGED=True, NUM_HEADS=8,
+                 P=128, D=128, G=G, BITS=3, AXIS_CHANNEL=axis_channel, GROUP_LEN=128, CAPACITY=41, BLOCK_C=64,
+                 WORDS=12, CLIP_STEPS=clip, CLIP_REFINE=refine)
+    sig = {}
+    for n in names:
+        if n in cexpr: sig[n] = "constexpr"
+        elif n in ptr: sig[n] = ptr[n]
+        elif n == "tau": sig[n] = "fp32"
+        else: sig[n] = "i32"
+    t0 = time.time()
+    src = ASTSource(fn=k, signature=sig, constexprs={(names.index(n),): v for n, v in cexpr.items()})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    print("ok", axis_channel, clip, refine, round(time.time() - t0, 1), "s", len(c.asm.get("ptx", "")))
