@@ -8,7 +8,7 @@ TRITON_INTERPRET=1 and failed on the H200). Run it with the device's triton vers
 
 (the value quantizer with the default range search + refinement: ~200 s on 2 cores, ~10 MB of PTX).
 """
-import time, triton, triton.language as tl
+import time, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from moekv.ops.triton.lowbit.quantize import _quantize_kernel as k

@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from moekv.layers.experts import Experts
 from moekv.moe.prefetch.compute import SlotExpertCompute
-from moekv.moe.prefetch.pool import HostExperts, SlotPool
+from moekv.moe.prefetch.pool import HostExperts, PooledExperts, SlotPool
 from moekv.moe.prefetch.residency import CacheCounters
 from moekv.ops import dispatch
 
@@ -123,28 +122,17 @@ class _DeviceCounters:
         self.table.counters.copy_(torch.tensor([value.hits, value.misses, value.evictions]))
 
 
-class DeviceStagedExperts(Experts):
+class DeviceStagedExperts(PooledExperts):
     """One layer's offloaded experts, staged by the device (module docstring)."""
 
     graph_capturable = True         # decode steps with T*k <= S read nothing back to the host
 
     def __init__(self, layer_idx: int, host: HostExperts, pool: SlotPool, slots: list[int], eviction: str = "lru"):
-        super().__init__()
-        pool.check_compatible(host)
-        self.layer_idx = layer_idx
-        self.host = host
-        self.pool = pool
-        self.num_experts = host.num_experts
-        self.num_slots = len(slots)
-        self.slot_pool = list(slots)
+        super().__init__(layer_idx, host, pool, slots)
         self.table = DeviceSlotTable(self.num_experts, self.slot_pool, pool.trash, eviction, pool.device)
         self.cache = _DeviceCounters(self.table)
         self.staging = None
         self.events = None
-
-    @property
-    def expert_bytes(self) -> int:
-        return self.host.expert_bytes
 
     def _stage(self, expert_ids: torch.Tensor) -> None:
         src, dst = self.table.plan(expert_ids)

@@ -29,9 +29,8 @@ import time
 
 import torch
 
-from moekv.layers.experts import Experts
 from moekv.moe.prefetch.compute import SlotExpertCompute
-from moekv.moe.prefetch.pool import HostExperts, SlotPool, plane_rows
+from moekv.moe.prefetch.pool import HostExperts, PooledExperts, SlotPool, plane_rows
 from moekv.moe.prefetch.residency import NEEDED, UNPROTECTED, ExpertCache
 
 
@@ -151,7 +150,7 @@ class SlotCopier:
             experts.compute_done.record(torch.cuda.current_stream(self.device))
 
 
-class OffloadedExperts(Experts):
+class OffloadedExperts(PooledExperts):
     """One layer's experts: host copies + `len(slots)` slots of the device pool managed by an ExpertCache.
 
     staging: the manager's staged-guess bookkeeping (policy.StagedPrefetch) or None; `_load` asks it
@@ -159,14 +158,7 @@ class OffloadedExperts(Experts):
 
     def __init__(self, layer_idx: int, host: HostExperts, pool: SlotPool, slots: list[int], copier: SlotCopier,
                  eviction: str = "lru", on_routed=None):
-        super().__init__()
-        pool.check_compatible(host)
-        self.layer_idx = layer_idx
-        self.host = host
-        self.pool = pool
-        self.num_experts = host.num_experts
-        self.num_slots = len(slots)
-        self.slot_pool = list(slots)                            # local slot -> pool index
+        super().__init__(layer_idx, host, pool, slots)
         self.cache = ExpertCache(self.num_experts, self.num_slots, eviction)
         self.copier = copier
         self.compute_done = torch.cuda.Event() if pool.device.type == "cuda" else None
@@ -184,10 +176,6 @@ class OffloadedExperts(Experts):
         host = HostExperts.from_weights(w_gate_up, w_down, host_format)
         pool = SlotPool(host, num_slots + 1, device)
         return cls(layer_idx, host, pool, list(range(num_slots)), copier or SlotCopier(device), eviction)
-
-    @property
-    def expert_bytes(self) -> int:
-        return self.host.expert_bytes
 
     def _load(self, expert: int, level: int, prefetch: bool) -> bool:
         """Make `expert` resident (copy issued); False if no slot may be taken at `level`."""

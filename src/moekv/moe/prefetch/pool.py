@@ -13,6 +13,10 @@ A pool index means the same thing in every layer, so slots can change hands: eac
 K more are staging slots for guesses (policy.py), and the last one is a trash slot for the entries a
 device-side copy list leaves unused (device_staging.py). `weights()` is what the experts kernels read:
 the plane tensors, or Fp8Weight records over the pool's codes and scales.
+
+PooledExperts: what every offloaded layer holds -- its host copies, the pool, and the pool indices of its
+slots -- the base of the host-managed (offload.OffloadedExperts) and the device-staged
+(device_staging.DeviceStagedExperts) layers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from moekv.core.fp8 import Fp8Weight, quantize_per_expert
 from moekv.errors import ConfigError
+from moekv.layers.experts import Experts
 
 HOST_FORMATS = ("native", "fp8")
 
@@ -121,3 +126,21 @@ class SlotPool:
             if mine.shape[1:] != theirs.shape[1:] or mine.dtype != theirs.dtype:
                 raise ConfigError(f"offloaded layers must share one expert layout; got {list(theirs.shape[1:])} "
                                   f"{theirs.dtype} next to {list(mine.shape[1:])} {mine.dtype}")
+
+
+class PooledExperts(Experts):
+    """One layer's offloaded experts: host copies + `len(slots)` slots of the shared device pool."""
+
+    def __init__(self, layer_idx: int, host: HostExperts, pool: SlotPool, slots: list[int]):
+        super().__init__()
+        pool.check_compatible(host)
+        self.layer_idx = layer_idx
+        self.host = host
+        self.pool = pool
+        self.num_experts = host.num_experts
+        self.num_slots = len(slots)
+        self.slot_pool = list(slots)                            # local slot -> pool index
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.host.expert_bytes

@@ -49,17 +49,24 @@ def _rotate_heads(x_ptr, out_ptr, t, num_heads, stride_t, stride_h, c1, c2, s1, 
 
 
 @triton.jit
-def _rotary_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads, half,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-                      BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
-                      EMULATE_BF16: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def load_cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, half, HALF: tl.constexpr):
+    """Token t's cos and sin rows as fp32 halves (c1, c2, s1, s2), each [HALF] (zero past `half`)."""
     dims = tl.arange(0, HALF)
     dmask = dims < half
     c1 = tl.load(cos_ptr + t * stride_ct + dims, mask=dmask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + t * stride_ct + half + dims, mask=dmask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_st + dims, mask=dmask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_st + half + dims, mask=dmask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rotary_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads, half,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                      BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+                      EMULATE_BF16: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, half, HALF)
     _rotate_heads(q_ptr, q_out_ptr, t, num_q_heads, stride_qt, stride_qh, c1, c2, s1, s2, half,
                   BLOCK_HQ, HALF, EMULATE_BF16)
     _rotate_heads(k_ptr, k_out_ptr, t, num_k_heads, stride_kt, stride_kh, c1, c2, s1, s2, half,

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from moekv.ops.triton.common import check_launchable
 from moekv.ops.triton.layer.norm import round_to
+from moekv.ops.triton.layer.rotary import load_cos_sin
 
 MAX_VALUES = 16384          # q (or k) values of one token held in registers
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -100,12 +101,7 @@ def _qk_norm_rotary_write_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, HALF)
-    dmask = dims < half
-    c1 = tl.load(cos_ptr + t * stride_ct + dims, mask=dmask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + half + dims, mask=dmask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + dims, mask=dmask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + half + dims, mask=dmask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, half, HALF)
     if WRITE:
         slot = tl.load(slots_ptr + t).to(tl.int64)
     else:
