@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-SHAPES = [(1, 2048, (3, 4)), (1, 16384, (3, 4)), (1, 131072, (3, 4)), (8, 32768, (3,)), (32, 16384, (3,))]
+SHAPES = [(1, 2048, (3, 4)), (1, 16384, (3, 4)), (1, 131072, (3, 4)), (8, 32768, (3,)), (32, 16384, (2, 3, 4)),
+          (128, 16384, (3,))]
 
 
 def load_baseline(folder: pathlib.Path):
@@ -32,8 +33,9 @@ def load_baseline(folder: pathlib.Path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--a-dir", required=True, type=pathlib.Path)
-    ap.add_argument("--a-name", default="baseline")
+    ap.add_argument("--a-dir", required=True, type=pathlib.Path, action="append",
+                    help="baseline folder (repeat for more baselines: A, A2, A3, ...)")
+    ap.add_argument("--a-name", default=None, action="append", help="name of each --a-dir, in order")
     ap.add_argument("--b-name", default="this checkout")
     ap.add_argument("--tag", default="ab")
     ap.add_argument("--title", default="v7 decode kernel A/B")
@@ -42,9 +44,16 @@ def main(argv=None) -> int:
     import benchmarks.bench_attention as ba        # after argument parsing (it reads no argv at import)
     from moekv.ops.cuda import lowbit_decode as mod_b
 
-    mods = {"A": load_baseline(args.a_dir), "B": mod_b}
+    names = args.a_name or []
+    mods, labels = {}, {}
+    for k, folder in enumerate(args.a_dir):
+        key = "A" if k == 0 else f"A{k + 1}"
+        mods[key] = load_baseline(folder)
+        labels[key] = names[k] if k < len(names) else str(folder)
+    mods["B"] = mod_b
+    labels["B"] = args.b_name
     device = torch.device("cuda")
-    with cf.ThreadPoolExecutor(2) as ex:             # both extensions build in parallel
+    with cf.ThreadPoolExecutor(len(mods)) as ex:     # the extensions build in parallel
         list(ex.map(lambda m: m.module(device), mods.values()))
     timer = ba.Timer(cold=True)
     rows = []
@@ -63,16 +72,20 @@ def main(argv=None) -> int:
             rows.append(row)
     env = {"gpu": torch.cuda.get_device_name(0), "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "commit": os.environ.get("MOEKV_COMMIT", "?"), "command": " ".join(["python3"] + sys.argv),
-           "A": args.a_name, "B": args.b_name}
+           **labels}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"attention-ab-{args.tag}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    lines = [f"# {args.title}", "", f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}; A = {env['A']}, "
-             f"B = {env['B']}", f"Command: `{env['command']}` (median of CUDA-graph replays, cold L2, Hq=32 Hkv=8 "
-             "D=128, default format)", "", "| B | L | bits | A ms | B ms | B / A | max abs diff B vs A |",
-             "|---|---|---|---|---|---|---|"]
+    keys = list(mods)
+    named = ", ".join(f"{k} = {labels[k]}" for k in keys)
+    lines = [f"# {args.title}", "", f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}; {named}",
+             f"Command: `{env['command']}` (median of CUDA-graph replays, cold L2, Hq=32 Hkv=8 D=128, default format)",
+             "", "| B | L | bits | " + " | ".join(f"{k} ms" for k in keys) + " | "
+             + " | ".join(f"{k} / A" for k in keys[1:]) + " | max abs diff B vs A |",
+             "|---|---|---|" + "---|" * (2 * len(keys) - 1) + "---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['length']} | int{r['bits']} | {r['A_ms']} | {r['B_ms']} | "
-                     f"{r['B_ms'] / r['A_ms']:.3f} | {r['B_max_abs_diff_vs_A']:.2e} |")
+        lines.append(f"| {r['batch']} | {r['length']} | int{r['bits']} | " + " | ".join(str(r[f"{k}_ms"]) for k in keys)
+                     + " | " + " | ".join(f"{r[f'{k}_ms'] / r['A_ms']:.3f}" for k in keys[1:])
+                     + f" | {r['B_max_abs_diff_vs_A']:.2e} |")
     (args.out / f"attention-ab-{args.tag}.md").write_text("\n".join(lines) + "\n")
     return 0
 

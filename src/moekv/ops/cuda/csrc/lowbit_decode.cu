@@ -16,6 +16,34 @@ int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap) {
   return smem_plan<2>(k_cap, v_cap).total;
 }
 
+// The page's small arrays as uniform 16-byte pieces (Params::m_*): for each array its base, bytes, bytes per
+// page-head (per page for the slots) and its offset in a meta stage; then the list of (array, piece) per page.
+static void meta_pieces(Params& p, std::initializer_list<const torch::Tensor*> arrays) {
+  using L = Layout<3>;                      // the meta stage's layout is the same for every width
+  const int ocK = outlier_chunk_bytes(p.k_cap), ocV = outlier_chunk_bytes(p.v_cap);
+  const int nk = ocK / 16, nv = ocV / 16;
+  const int dst[MARRAYS] = {L::K_SCALE, L::K_ZERO, L::V_SCALE, L::V_ZERO, L::V_BASE, L::K_COUNT, L::V_COUNT, L::SLOT,
+                            L::FIXED, L::FIXED + nk * 16, L::FIXED + 2 * ocK, L::FIXED + 2 * ocK + nv * 16};
+  const int stride[MARRAYS] = {2 * D, 2 * D, P, P, 2, 2, 2, 4, 2 * p.k_cap, 2 * p.k_cap, 2 * p.v_cap, 2 * p.v_cap};
+  const int pieces[MARRAYS] = {16, 16, 8, 8, 1, 1, 1, 1, p.k_cap > 0 ? nk : 0, p.k_cap > 0 ? nk : 0,
+                               p.v_cap > 0 ? nv : 0, p.v_cap > 0 ? nv : 0};
+  int a = 0, q = 0;
+  for (const torch::Tensor* t : arrays) {
+    p.m_base[a] = reinterpret_cast<const uint8_t*>(t->data_ptr());
+    p.m_total[a] = t->numel() * t->element_size();
+    p.m_stride[a] = stride[a];
+    p.m_dst[a] = dst[a];
+    for (int k = 0; k < pieces[a]; ++k) {
+      if (a < 8) p.m_piece[q] = static_cast<uint8_t>(a);
+      ++q;
+    }
+    ++a;
+  }
+  p.m_nk = p.k_cap > 0 ? nk : 0;
+  p.m_nv = p.v_cap > 0 ? nv : 0;
+  p.m_pieces = q;
+}
+
 void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Tensor out,
             torch::Tensor partial, torch::Tensor lse, torch::Tensor counters,
             torch::Tensor k_codes, torch::Tensor k_scale, torch::Tensor k_zero,
@@ -62,8 +90,8 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   p.pages_per_split = static_cast<int>(pages_per_split);
   p.k_cap = static_cast<int>(k_ovals.size(-1));
   p.v_cap = static_cast<int>(v_ovals.size(-1));
-  p.k_oc_bytes = k_oidx.numel() * 2; p.v_oc_bytes = v_oidx.numel() * 2;
-  p.v_base_bytes = v_base.numel() * 2; p.k_count_bytes = k_ocount.numel() * 2; p.v_count_bytes = v_ocount.numel() * 2;
+  meta_pieces(p, {&k_scale, &k_zero, &v_scale, &v_zero, &v_base, &k_ocount, &v_ocount, &slot_of_page, &k_oidx, &k_ovals,
+                  &v_oidx, &v_ovals});
   p.stride_qt = q.stride(0); p.stride_qh = q.stride(1);
   p.stride_kt = new_k.stride(0); p.stride_kh = new_k.stride(1);
   p.stride_vt = new_v.stride(0); p.stride_vh = new_v.stride(1);

@@ -36,7 +36,10 @@ constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
 constexpr int NH = 8;             // MMA N: the GQA group padded to 8 heads
 constexpr int TABLE_MAX = 512;    // block-table entries of one split held in shared memory
-constexpr int SLOT_TILE = 16;     // outlier slots per one-hot MMA step
+constexpr int SLOT_TILE = 8;      // outlier slots per one-hot MMA step (m16n8k8)
+constexpr int MARRAYS = 12;       // small per-page arrays (scales, zeros, base, counts, slot, outlier slots)
+constexpr int FIXED_PIECES = 52;  // 16-byte pieces of the fixed-size ones (scales, zeros, base, counts, slot)
+constexpr int SLOT_ARRAY = 7;     // the staging-slot array: indexed by page, not page-head
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // ---------------------------------------------------------------- per-width layout constants
@@ -73,8 +76,15 @@ struct Params {
   float qk_scale;                   // softmax scale * log2(e)
   int num_kv_heads, group, num_splits, pages_per_split;   // pages_per_split 0: ceil(pages / splits) on the device
   int k_cap, v_cap;                 // outlier slots per page-head
-  long long k_oc_bytes, v_oc_bytes; // bytes of the outlier index / value tensors (covering loads stay inside)
-  long long v_base_bytes, k_count_bytes, v_count_bytes;
+  // a page's small arrays as uniform 16-byte pieces (built by the host, lowbit_decode.cu: meta_pieces): piece q
+  // copies bytes [(index * stride) & ~15 + 16 k, +16) of array a (clamped to its end) to meta-stage offset
+  // dst[a] + 16 k; index = the page-head, or the page for the slot array
+  const uint8_t* m_base[MARRAYS];
+  long long m_total[MARRAYS];
+  int m_stride[MARRAYS], m_dst[MARRAYS];
+  int m_pieces;                     // pieces per page: FIXED_PIECES, then the outlier slots' (nk, nk, nv, nv)
+  int m_nk, m_nv;                   // 16-byte pieces of one page-head's key / value outlier index (or value) slots
+  uint8_t m_piece[FIXED_PIECES];    // array of each fixed piece (k: its rank within the array)
   int stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt;
 };
 
@@ -84,20 +94,29 @@ struct Params {
 
 namespace moekv_v7 {
 
-// ---------------------------------------------------------------- shared memory layout
-// Two rings: the codes of a page-head (CODE_STAGES deep: the page being computed and the next one in flight) and
-// its small arrays (META_STAGES deep, one page further ahead, so that the prep of page i + 1 runs while page i is
-// computed and one CTA barrier per page suffices).
-constexpr int CODE_STAGES = 2;
-constexpr int META_STAGES = 3;
+// ---------------------------------------------------------------- shared memory layout (v9)
+// Every warp streams its own pages (warp w: pages w, w + 4, ... of the CTA's split) through rings of its own, so
+// no CTA barrier runs inside the page loop:
+//   code ring : RING_BUFS buffers of one 32-token chunk of key OR value codes (planes apart, rows padded as Bits
+//               says); fills alternate K_0, V_0, K_1, V_1, ... round the ring, so a chunk's key codes go into the
+//               buffer its values left one chunk earlier (three buffers keep one fill in flight at all times);
+//   meta ring : META_STAGES stages of a page's small arrays (scales, zeros, counts, slot, outliers), one page ahead;
+//   prep      : the page's B fragments (key scale folded into the query), each token's value scale / zero point;
+//   outliers  : the one-hot tile and the chunk's probabilities.
+constexpr int CHUNK = 32;                          // tokens per warp step
+constexpr int CHUNKS = P / CHUNK;
+constexpr int RING_BUFS = 3;
+constexpr int META_STAGES = 2;
 template <int B> struct Layout {
   using W = Bits<B>;
-  // code stage: a page-head's codes, planes apart, rows padded as W says
+  // one ring buffer: a chunk's key codes (KC_*) or value codes (VC_*)
   static constexpr int KC_LO = 0;
-  static constexpr int KC_HI = KC_LO + P * W::K_LO;
-  static constexpr int VC_LO = KC_HI + P * W::K_HI;
-  static constexpr int VC_HI = VC_LO + P * W::V_LO;
-  static constexpr int CODE_BYTES = VC_HI + P * W::V_HI;
+  static constexpr int KC_HI = KC_LO + CHUNK * W::K_LO;
+  static constexpr int K_BYTES = KC_HI + CHUNK * W::K_HI;
+  static constexpr int VC_LO = 0;
+  static constexpr int VC_HI = VC_LO + CHUNK * W::V_LO;
+  static constexpr int V_BYTES = VC_HI + CHUNK * W::V_HI;
+  static constexpr int BUF_BYTES = K_BYTES > V_BYTES ? K_BYTES : V_BYTES;
   // meta stage: scales, zeros, counts, slot, then the outliers (runtime capacity)
   static constexpr int K_SCALE = 0;
   static constexpr int K_ZERO = K_SCALE + 2 * D;
@@ -112,43 +131,51 @@ template <int B> struct Layout {
 
 __host__ __device__ inline int outlier_chunk_bytes(int cap) { return cap > 0 ? (((2 * cap + 15) / 16) + 1) * 16 : 0; }
 
-// prep area (two, page i computes from one while page i + 1 is prepared into the other): B fragments per lane,
-// q . Z per head, value scale / zero per token, flags
-constexpr int PREP_BFRAG = 0;                      // [4 blocks][32 lanes][4] uint32
-constexpr int PREP_BIAS = PREP_BFRAG + 4 * 32 * 16;
-constexpr int PREP_VSZ = PREP_BIAS + NH * 4;       // [P] float2
-constexpr int PREP_FLAGS = PREP_VSZ + P * 8;       // int: staged, k count, v count, page index
-constexpr int PREP_BYTES = PREP_FLAGS + 16;
-// per-warp outlier scratch: one one-hot tile (values: [D rows][SLOT_TILE]; keys use its first 32 rows; both kept
-// zero between uses) and the warp's probabilities
+// per-warp prep area: B fragments [4 register groups][32 lanes][4] uint32, [P] float2 value scale / zero, the
+// outlier slots' chunk bounds
+constexpr int PREP_BFRAG = 0;
+constexpr int PREP_VSZ = PREP_BFRAG + 4 * 32 * 16;
+constexpr int PREP_BOUNDS = PREP_VSZ + P * 8;       // int [2][CHUNKS + 1]: first slot of each chunk, keys / values
+constexpr int PREP_BYTES = PREP_BOUNDS + 2 * (CHUNKS + 1) * 4 + 8;
+// per-warp outlier scratch: the one-hot tile (values: [D rows][SLOT_TILE]; keys use its first 32 rows; kept zero
+// between uses), the chunk's probabilities, the warp's staged pages
 constexpr int W_ONEHOT = 0;                        // [D rows][SLOT_TILE] fp16
-constexpr int W_PTILE = W_ONEHOT + D * SLOT_TILE * 2;        // [32 tokens][NH] fp16 probabilities
-constexpr int W_BYTES = W_PTILE + 32 * NH * 2;
+constexpr int W_PTILE = W_ONEHOT + D * SLOT_TILE * 2;        // [CHUNK tokens][NH] fp16 probabilities
+constexpr int W_BYTES = W_PTILE + CHUNK * NH * 2;
+constexpr int STAGED_MAX = 16;                     // staged pages of one split (the tail page, sink pages)
 
 struct SmemPlan {      // byte offsets into dynamic shared memory (host and device agree)
-  int code_bytes, meta_bytes, meta, ring, prep, warp, table, qn, qmax, staged, total;
+  int buf_bytes, meta_bytes, warp_bytes, ring, meta, prep, scratch, staged, table, qf, qp, qn, qmax, flag, stlist,
+      total;
 };
 
 // after the page loop the rings hold the merge: per-warp outputs and (max, sum), the staged pages' state and
-// their score tile
+// their score tile, and the natural-order normalised query [NH][D] fp16
 constexpr int MERGE_BYTES = (WARPS * NH * D + 2 * WARPS * NH + NH * D + 2 * NH + P * NH + 2 * WARPS * NH) * 4;
 
 template <int B>
 __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   SmemPlan s;
-  s.code_bytes = Layout<B>::CODE_BYTES;
+  s.buf_bytes = Layout<B>::BUF_BYTES;
   s.meta_bytes = Layout<B>::FIXED + 2 * outlier_chunk_bytes(k_cap) + 2 * outlier_chunk_bytes(v_cap);
-  s.meta_bytes = (s.meta_bytes + 127) / 128 * 128;
+  const bool outliers = k_cap > 0 || v_cap > 0;
+  // one warp's share: ring, meta stages, prep, outlier scratch, staged list
   s.ring = 0;
-  s.meta = s.ring + CODE_STAGES * s.code_bytes;
-  const int ring_bytes = s.meta + META_STAGES * s.meta_bytes;
-  s.prep = s.ring + (ring_bytes > MERGE_BYTES ? ring_bytes : MERGE_BYTES);
-  s.warp = s.prep + 2 * PREP_BYTES;
-  s.table = s.warp + ((k_cap > 0 || v_cap > 0) ? WARPS * W_BYTES : 0);
-  s.qn = s.table + TABLE_MAX * 4;                  // [NH][D] fp16 normalised query
-  s.qmax = s.qn + NH * D * 2;                      // [NH] fp32 |q| max per head
-  s.staged = s.qmax + NH * 4;                      // [1 + 16] staged page count and indices
-  s.total = s.staged + 17 * 4;
+  s.meta = s.ring + RING_BUFS * s.buf_bytes;
+  s.prep = s.meta + META_STAGES * s.meta_bytes;
+  s.scratch = s.prep + PREP_BYTES;
+  s.staged = s.scratch + (outliers ? W_BYTES : 0);
+  s.warp_bytes = (s.staged + (1 + STAGED_MAX) * 4 + 15) / 16 * 16;
+  const int warps_bytes = WARPS * s.warp_bytes;
+  const int region = warps_bytes > MERGE_BYTES + NH * D * 2 ? warps_bytes : MERGE_BYTES + NH * D * 2;
+  s.table = region;
+  s.qf = s.table + TABLE_MAX * 4;                  // [4][32 lanes][4] half2: query pairs * 2^-off (B fragments)
+  s.qp = s.qf + 4 * 32 * 16;                       // the same pairs without the unit (bias MMA, key outliers)
+  s.qn = MERGE_BYTES;                              // natural-order query, rebuilt after the loop (merge region)
+  s.qmax = s.qp + 4 * 32 * 16;                     // [NH] fp32 |q| max per head
+  s.flag = s.qmax + NH * 4;                        // the split combine's "last CTA" flag
+  s.stlist = s.flag + 16;                          // [1 + WARPS * STAGED_MAX] the split's staged pages, in page order
+  s.total = s.stlist + (1 + WARPS * STAGED_MAX) * 4;
   return s;
 }
 
@@ -191,83 +218,64 @@ template <int B> struct Loads {
   }
 };
 
-// Destinations of a thread's code chunks in a code stage (precomputed once).
+// Destinations of a lane's 16-byte pieces of one chunk's key / value codes in a ring buffer (the same for every
+// chunk). A chunk of a page-head is contiguous in global memory (CHUNK rows of WORDS words).
 template <int B> struct CopyPlan {
-  static constexpr int CPR = Bits<B>::WORDS / 4;            // 16-byte chunks per code row
-  static constexpr int PER_THREAD = P * CPR / THREADS;
-  int kdst[PER_THREAD], vdst[PER_THREAD];
-  __device__ __forceinline__ void init(int tid) {
+  static constexpr int CPR = Bits<B>::WORDS / 4;            // 16-byte pieces per code row
+  static constexpr int PER_LANE = CHUNK * CPR / 32;
+  static constexpr bool SAME = Bits<B>::K_LO == Bits<B>::V_LO && Bits<B>::K_HI == Bits<B>::V_HI;
+  int kdst[PER_LANE], vdst[SAME ? 1 : PER_LANE];
+  __device__ __forceinline__ int dst(bool values, int k) const { return (values && !SAME) ? vdst[SAME ? 0 : k] : kdst[k]; }
+  __device__ __forceinline__ void init(int lane) {
     using L = Layout<B>;
     using W = Bits<B>;
 #pragma unroll
-    for (int k = 0; k < PER_THREAD; ++k) {
-      const int q = tid + k * THREADS, row = q / CPR, part = q % CPR;
+    for (int k = 0; k < PER_LANE; ++k) {
+      const int q = lane + k * 32, row = q / CPR, part = q % CPR;
       if constexpr (B == 3) {
         kdst[k] = part < 2 ? L::KC_LO + row * 32 + part * 16 : L::KC_HI + row * 16;
-        vdst[k] = part < 2 ? L::VC_LO + row * W::V_LO + part * 16 : L::VC_HI + row * 16;
       } else {
         kdst[k] = L::KC_LO + row * W::K_LO + part * 16;
-        vdst[k] = L::VC_LO + row * W::V_LO + part * 16;
+        if constexpr (!SAME) vdst[k] = L::VC_LO + row * W::V_LO + part * 16;
       }
     }
   }
 };
+
+// chunk `chunk` of page-head `ph`: its key (values = false) or value codes into ring buffer `buf`
+template <int B>
+__device__ __forceinline__ void issue_chunk(const Params& p, const CopyPlan<B>& cp, uint8_t* buf, long long ph,
+                                            int chunk, bool values, int lane) {
+  using W = Bits<B>;
+  constexpr int CB = CHUNK * W::WORDS * 4;                  // bytes of one chunk of one plane set
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(values ? p.v_codes : p.k_codes) + ph * (P * W::WORDS * 4)
+                       + chunk * CB + lane * 16;
+#pragma unroll
+  for (int k = 0; k < CopyPlan<B>::PER_LANE; ++k) cp_async16(buf + cp.dst(values, k), src + k * 512, 16);
+}
 
 __device__ __forceinline__ void covering_copy(uint8_t* dst, const void* base, long long total, long long off) {
   const int bytes = (int)max(0ll, min(16ll, total - off));
   cp_async16(dst, reinterpret_cast<const uint8_t*>(base) + (bytes > 0 ? off : 0), bytes);
 }
 
-// the codes of page `page` (kv head kvh) into code stage `st`: every thread the same number of 16-byte chunks
-template <int B>
-__device__ __forceinline__ void issue_codes(const Params& p, const CopyPlan<B>& cp, uint8_t* st, int page, int kvh,
-                                            int tid) {
-  using W = Bits<B>;
-  const long long ph = (long long)page * p.num_kv_heads + kvh;
-  const uint8_t* kc = reinterpret_cast<const uint8_t*>(p.k_codes) + ph * (P * W::WORDS * 4) + tid * 16;
-  const uint8_t* vc = reinterpret_cast<const uint8_t*>(p.v_codes) + ph * (P * W::WORDS * 4) + tid * 16;
-#pragma unroll
-  for (int k = 0; k < CopyPlan<B>::PER_THREAD; ++k) {
-    cp_async16(st + cp.kdst[k], kc + k * THREADS * 16, 16);
-    cp_async16(st + cp.vdst[k], vc + k * THREADS * 16, 16);
-  }
-}
-
-// the small arrays of page `page` into meta stage `st`: fixed lanes of warps 2 and 3; the outlier slots' covering
-// chunks: warps 0 and 1
-template <int B>
-__device__ __forceinline__ void issue_meta(const Params& p, uint8_t* st, int page, int kvh, int tid, int ocK, int ocV) {
-  using L = Layout<B>;
-  const long long ph = (long long)page * p.num_kv_heads + kvh;
-  const int warp = tid >> 5, lane = tid & 31;
-  if (warp == 3) {                        // key scale and zero: 16 chunks each
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(lane < 16 ? p.k_scale : p.k_zero) + ph * (2 * D);
-    cp_async16(st + L::K_SCALE + lane * 16, src + (lane & 15) * 16, 16);
-  } else if (warp == 2) {
-    if (lane < 16) {                      // value scale / zero codes: 8 chunks each
-      const uint8_t* src = (lane < 8 ? p.v_scale : p.v_zero) + ph * P;
-      cp_async16(st + L::V_SCALE + lane * 16, src + (lane & 7) * 16, 16);
-    } else if (lane < 19) {               // chunks holding the fp16 base and the int16 counts
-      const int k = lane - 16;
-      const void* base = k == 0 ? (const void*)p.v_base : k == 1 ? (const void*)p.k_ocount : (const void*)p.v_ocount;
-      const long long total = k == 0 ? p.v_base_bytes : k == 1 ? p.k_count_bytes : p.v_count_bytes;
-      covering_copy(st + L::V_BASE + k * 16, base, total, (ph * 2) & ~15ll);
-    } else if (lane == 19) {
-      cp_async4(st + L::SLOT, p.slot_of_page + page);
+// the small arrays of page-head `ph` (page `page`) into meta stage `st`, by one warp: one piece per lane and round
+__device__ __forceinline__ void issue_meta(const Params& p, uint8_t* st, int page, long long ph, int lane) {
+#pragma unroll 1
+  for (int q = lane; q < p.m_pieces; q += 32) {
+    int a, k;
+    if (q < FIXED_PIECES) {
+      a = p.m_piece[q];
+      k = q - (a == 0 ? 0 : a == 1 ? 16 : a == 2 ? 32 : a == 3 ? 40 : 44 + a);
+    } else {                                 // outlier slots: key indices, key values, value indices, value values
+      const int r = q - FIXED_PIECES;
+      const int kk = 2 * p.m_nk;
+      a = r < kk ? 8 + (r >= p.m_nk) : 10 + (r - kk >= p.m_nv);
+      k = r < kk ? (r >= p.m_nk ? r - p.m_nk : r) : (r - kk >= p.m_nv ? r - kk - p.m_nv : r - kk);
     }
-  } else {                                // outliers: index and value arrays, keys then values
-    const int nk = ocK / 16, nv = ocV / 16;
-    for (int q = tid; q < 2 * (nk + nv); q += 64) {
-      const bool keys = q < 2 * nk;
-      const int r = keys ? q : q - 2 * nk, n = keys ? nk : nv;
-      const bool vals = r >= n;
-      const int k = vals ? r - n : r;
-      const void* base = keys ? (vals ? (const void*)p.k_ovals : (const void*)p.k_oidx)
-                              : (vals ? (const void*)p.v_ovals : (const void*)p.v_oidx);
-      const long long off = ((ph * (keys ? p.k_cap : p.v_cap) * 2) & ~15ll) + k * 16;
-      covering_copy(st + L::FIXED + (keys ? 0 : 2 * ocK) + (vals ? n * 16 : 0) + k * 16, base,
-                    keys ? p.k_oc_bytes : p.v_oc_bytes, off);
-    }
+    const long long off = (((a == SLOT_ARRAY ? (long long)page : ph) * p.m_stride[a]) & ~15ll) + 16 * k;
+    const int bytes = (int)max(0ll, min(16ll, p.m_total[a] - off));
+    cp_async16(st + p.m_dst[a] + 16 * k, p.m_base[a] + (bytes > 0 ? off : 0), bytes);
   }
 }
 

@@ -116,6 +116,74 @@ __device__ __forceinline__ void attend_staged_pages(const Params& p, const int* 
   }
 }
 
+// The query of this CTA's heads (kvh * G + h), normalised per head (|qn| <= 1), as fp16 in natural channel order;
+// thread: head qh = tid / 16, channels qd = 8 (tid % 16) + 0..7 (all threads call it).
+template <typename QT>
+__device__ __forceinline__ void load_query(const Params& p, long long q_row, int kvh, int G, int qh, int qd,
+                                           __half* qn_tab, float* qmax_tab, bool write_max) {
+  float qv[8];
+  const QT* qp = reinterpret_cast<const QT*>(p.q) + q_row * p.stride_qt + (long long)(kvh * G + qh) * p.stride_qh + qd;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) qv[k] = qh < G ? to_float<QT>(qp[k]) : 0.f;
+  float mx = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) mx = fmaxf(mx, fabsf(qv[k]));
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  mx = mx > 0.f ? mx : 1.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) qn_tab[qh * D + qd + k] = __float2half_rn(qv[k] / mx);
+  if (write_max && (threadIdx.x & 15) == 0) qmax_tab[qh] = mx;
+}
+
+// Combine the warps' states, the staged pages' state and (split 0) the new token; thread = channel. One split:
+// the output; several: the normalised partial output and its log-sum-exp.
+template <typename QT>
+__device__ __forceinline__ void combine_warps(const Params& p, const float* mo, const float* ml, const float* st_o,
+                                              const float* st_m, const float* st_l, const __half* qn_tab,
+                                              const float* qmax_tab, long long q_row, int kvh, int G, int seq,
+                                              int split) {
+  const int ch = threadIdx.x;
+  const bool write_direct = p.num_splits == 1;
+  for (int h = 0; h < G; ++h) {
+    float M = st_m[h];
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, ml[w * NH + h]);
+    float s_new = NEG_INF, v_new = 0.f;
+    if (split == 0) {
+      const QT* kn = reinterpret_cast<const QT*>(p.new_k) + q_row * p.stride_kt + (long long)kvh * p.stride_kh;
+      float dot = 0.f;
+      for (int d = 0; d < D; ++d) dot = fmaf(__half2float(qn_tab[h * D + d]), to_float<QT>(kn[d]), dot);
+      s_new = dot * (qmax_tab[h] * p.qk_scale);
+      v_new = to_float<QT>(reinterpret_cast<const QT*>(p.new_v)[q_row * p.stride_vt + (long long)kvh * p.stride_vh + ch]);
+      M = fmaxf(M, s_new);
+    }
+    const float Mu = M == NEG_INF ? 0.f : M;
+    float Lsum = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float wgt = ex2(ml[w * NH + h] - Mu);
+      Lsum = fmaf(wgt, ml[(WARPS + w) * NH + h], Lsum);
+      O = fmaf(wgt, mo[(w * NH + h) * D + ch], O);
+    }
+    {
+      const float wgt = ex2(st_m[h] - Mu);
+      Lsum = fmaf(wgt, st_l[h], Lsum);
+      O = fmaf(wgt, st_o[h * D + ch], O);
+    }
+    if (split == 0) { const float wgt = ex2(s_new - Mu); Lsum += wgt; O = fmaf(wgt, v_new, O); }
+    const float res = Lsum > 0.f ? O / Lsum : 0.f;
+    const int head = kvh * G + h;
+    if (write_direct) {
+      reinterpret_cast<QT*>(p.out)[q_row * p.stride_ot + (long long)head * p.stride_oh + ch] = from_float<QT>(res);
+    } else {
+      const long long base = (((long long)seq * p.num_kv_heads + kvh) * p.num_splits + split) * NH + h;
+      p.partial[base * D + ch] = res;
+      if (ch == 0) p.lse[base] = Lsum > 0.f ? M + __log2f(Lsum) : NEG_INF;
+    }
+  }
+}
+
 // Split-K: every CTA of a (sequence, kv head) has written its normalised partial output and log-sum-exp; the last
 // to arrive (arrival counter, which it resets: CUDA-graph safe) combines them into the output. flag: one int of
 // shared memory.

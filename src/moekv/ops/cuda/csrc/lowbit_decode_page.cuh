@@ -1,0 +1,350 @@
+// The page loop of one warp (v9): its pages w, w + WARPS, ... of the CTA's split, 32-token chunks at a time.
+//
+// Copies (cp.async, 16 bytes per lane, one commit group per fill) walk a ring of RING_BUFS chunk buffers:
+// fills go K_0, V_0, K_1, V_1, ...; K_{q+1} is issued at the top of chunk q into the buffer V_{q-1} left, V_{q+1}
+// right after chunk q's key MMAs into the buffer K_q left. A page's small arrays come one page ahead (meta ring).
+// Waits: before chunk q's keys, everything but the latest group (V_q); before its values, all but the two latest
+// (K_{q+1}, V_{q+1}). A __syncwarp after each wait makes the other lanes' copies visible.
+#pragma once
+#include "lowbit_decode.cuh"
+
+namespace moekv_v7 {
+
+struct WarpState {
+  float acc[8][4];
+  float m0, m1, l0, l1, z0, z1;
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f; }
+    m0 = m1 = NEG_INF; l0 = l1 = z0 = z1 = 0.f;
+  }
+};
+
+struct SlotView {
+  const uint16_t* idx;   // page-head's slot indices (token * D + channel), ascending
+  const __half* val;     // residuals
+};
+
+__device__ __forceinline__ SlotView slot_view(const uint8_t* st, int off_idx, int off_val, long long ph, int cap) {
+  const int shift = (int)((ph * cap * 2) & 15);
+  return SlotView{reinterpret_cast<const uint16_t*>(st + off_idx + shift),
+                  reinterpret_cast<const __half*>(st + off_val + shift)};
+}
+
+// the first slot of every chunk among the first `count` (slots sorted by token * D + channel) into bounds[0..CHUNKS]
+__device__ __forceinline__ void chunk_bounds(const SlotView& sv, int count, int lane, int* bounds) {
+  int b1 = 0, b2 = 0, b3 = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int s = base + lane;
+    const int idx = s < count ? (int)sv.idx[s] : 0x7fffffff;
+    b1 += __popc(__ballot_sync(0xffffffffu, idx < CHUNK * D));
+    b2 += __popc(__ballot_sync(0xffffffffu, idx < 2 * CHUNK * D));
+    b3 += __popc(__ballot_sync(0xffffffffu, idx < 3 * CHUNK * D));
+  }
+  if (lane == 0) { bounds[0] = 0; bounds[1] = b1; bounds[2] = b2; bounds[3] = b3; bounds[4] = count; }
+}
+
+// channel pairs (lo, lo + gap) of the 16 B-fragment registers of lane block c from a [32] fp16 row in shared memory
+template <int B>
+__device__ __forceinline__ void channel_pairs(uint32_t (&r)[16], const uint8_t* row32) {
+  uint32_t w[16];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint4 v = *reinterpret_cast<const uint4*>(row32 + 16 * k);
+    w[4 * k] = v.x; w[4 * k + 1] = v.y; w[4 * k + 2] = v.z; w[4 * k + 3] = v.w;
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int lo = key_lo<B>(j), hi = lo + key_gap<B>();
+    r[j] = prmt(w[lo >> 1], w[hi >> 1], (lo & 1) ? 0x7632 : 0x5410);
+  }
+}
+
+__device__ __forceinline__ void load_frag16(uint32_t (&r)[16], const uint8_t* tab, int lane) {
+#pragma unroll
+  for (int b4 = 0; b4 < 4; ++b4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(tab + (b4 * 32 + lane) * 16);
+    r[4 * b4] = v.x; r[4 * b4 + 1] = v.y; r[4 * b4 + 2] = v.z; r[4 * b4 + 3] = v.w;
+  }
+}
+
+// qn[head][ch] (natural channel order) from the pair table qp (B-fragment order)
+template <int B>
+__device__ __forceinline__ float qn_at(const uint8_t* qp, int head, int ch) {
+  const int blk = ch >> 5, w = ch & 31;
+  const int j = B == 4 ? (w & 3) + 4 * (w >> 3) : (w & 7) + 8 * (w >> 4);
+  const int half = B == 4 ? (w >> 2) & 1 : (w >> 3) & 1;
+  const __half* e = reinterpret_cast<const __half*>(qp + ((j >> 2) * 32 + head * 4 + blk) * 16 + (j & 3) * 4);
+  return __half2float(e[half]);
+}
+
+template <int B>
+__device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan, uint8_t* wb, const int* table,
+                                           const uint8_t* qf_tab, const uint8_t* qp_tab, int first, int ctx, int kvh,
+                                           int warp, int lane, int my_n, int ocK, int ocV, float qms0, float qms1,
+                                           WarpState& st) {
+  using L = Layout<B>;
+  const int g = lane >> 2, c = lane & 3, odd = g & 1;
+  CopyPlan<B> copies;
+  copies.init(lane);
+  auto buf = [&](int b) { return wb + plan.ring + b * plan.buf_bytes; };
+  auto meta = [&](int jj) { return wb + plan.meta + (jj & 1) * plan.meta_bytes; };
+  auto page_of = [&](int jj) { return table[warp + WARPS * jj]; };
+  auto ph_of = [&](int page) { return (long long)page * p.num_kv_heads + kvh; };
+  uint8_t* prep = wb + plan.prep;
+  uint8_t* scr = wb + plan.scratch;
+  int* wstaged = reinterpret_cast<int*>(wb + plan.staged);
+  if (my_n <= 0) return;
+  {
+    const int page = page_of(0);
+    issue_meta(p, meta(0), page, ph_of(page), lane);
+    issue_chunk<B>(p, copies, buf(0), ph_of(page), 0, false, lane);
+    cp_commit();
+    issue_chunk<B>(p, copies, buf(1), ph_of(page), 0, true, lane);
+    cp_commit();
+  }
+  int kb = 0;                                    // ring buffer of K_q (V_q: kb + 1, the next fill: kb + 2, mod 3)
+  for (int jj = 0; jj < my_n; ++jj) {
+    const int page = page_of(jj);
+    const long long ph = ph_of(page);
+    const int page_index = first + warp + WARPS * jj;
+    const bool full_page = (page_index + 1) * P <= ctx;
+    const uint8_t* mt = meta(jj);
+    const bool has_next = jj + 1 < my_n;
+    const int next_page = has_next ? page_of(jj + 1) : page;
+    int kcount = 0, vcount = 0;
+    int* kbd = reinterpret_cast<int*>(prep + PREP_BOUNDS);
+    int* vbd = kbd + CHUNKS + 1;
+    float bias0 = 0.f, bias1 = 0.f;
+    bool staged = false;
+#pragma unroll 1
+    for (int k = 0; k < CHUNKS; ++k) {
+      const int vbuf = kb == 2 ? 0 : kb + 1, nbuf = kb == 0 ? 2 : kb - 1;
+      cp_wait<1>();                              // K_q (and the page's small arrays) landed
+      __syncwarp();
+      {                                          // K_{q+1}; with the first chunk, the next page's small arrays
+        const bool more = k + 1 < CHUNKS || has_next;
+        const long long nph = k + 1 < CHUNKS ? ph : ph_of(next_page);
+        if (more) issue_chunk<B>(p, copies, buf(nbuf), nph, (k + 1) & (CHUNKS - 1), false, lane);
+        if (k == 0 && has_next) issue_meta(p, meta(jj + 1), next_page, ph_of(next_page), lane);
+        cp_commit();
+      }
+      if (k == 0) {                              // ---- the page's prep
+        const int slot = *reinterpret_cast<const int*>(mt + L::SLOT + ((page * 4) & 15));
+        staged = slot >= 0;
+        if (staged) {                            // staged page: its low-bit storage is stale; the CTA does it later
+          if (lane == 0) { const int s = wstaged[0]; if (s < STAGED_MAX) wstaged[1 + s] = warp + WARPS * jj; wstaged[0] = s + 1; }
+        } else {
+          kcount = p.k_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(mt + L::K_COUNT + ((ph * 2) & 15)), p.k_cap) : 0;
+          vcount = p.v_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(mt + L::V_COUNT + ((ph * 2) & 15)), p.v_cap) : 0;
+          uint32_t sp[16], qf[16];
+          channel_pairs<B>(sp, mt + L::K_SCALE + 64 * c);
+          load_frag16(qf, qf_tab, lane);
+#pragma unroll
+          for (int b4 = 0; b4 < 4; ++b4) {
+            uint32_t o[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const __half2 prod = __hmul2(*reinterpret_cast<const __half2*>(&qf[4 * b4 + r]),
+                                           *reinterpret_cast<const __half2*>(&sp[4 * b4 + r]));
+              o[r] = *reinterpret_cast<const uint32_t*>(&prod);
+            }
+            *reinterpret_cast<uint4*>(prep + PREP_BFRAG + (b4 * 32 + lane) * 16) = make_uint4(o[0], o[1], o[2], o[3]);
+          }
+          // q . Z per head on the tensor cores: every A row is the zero row, B the query pairs
+          uint32_t zp[16], qp[16];
+          channel_pairs<B>(zp, mt + L::K_ZERO + 64 * c);
+          load_frag16(qp, qp_tab, lane);
+          float bacc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int s = 0; s < 8; ++s) mma16816(bacc, zp[2 * s], zp[2 * s], zp[2 * s + 1], zp[2 * s + 1], qp[2 * s], qp[2 * s + 1]);
+          bias0 = bacc[0]; bias1 = bacc[1];
+          // each token's value scale / zero point
+          const float base = __half2float(*reinterpret_cast<const __half*>(mt + L::V_BASE + ((ph * 2) & 15)));
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int t = lane + 32 * r;
+            const float rel = ex2(-(float)mt[L::V_SCALE + t] * (1.f / 16.f));
+            const float sv = base * rel;
+            const float zv = -(sv * (float)mt[L::V_ZERO + t]) * (1.f / (float)(1 << (8 - B)));
+            reinterpret_cast<float2*>(prep + PREP_VSZ)[t] = make_float2(sv, zv);
+          }
+          if (kcount > 0) chunk_bounds(slot_view(mt, L::FIXED, L::FIXED + ocK, ph, p.k_cap), kcount, lane, kbd);
+          if (vcount > 0)
+            chunk_bounds(slot_view(mt, L::FIXED + 2 * ocK, L::FIXED + 2 * ocK + ocV, ph, p.v_cap), vcount, lane, vbd);
+          __syncwarp();
+        }
+      }
+      if (staged) {                              // keep the ring's fills and waits in step
+        if (k + 1 < CHUNKS || has_next) {
+          __syncwarp();
+          issue_chunk<B>(p, copies, buf(kb), k + 1 < CHUNKS ? ph : ph_of(next_page), (k + 1) & (CHUNKS - 1), true, lane);
+        }
+        cp_commit();
+        cp_wait<2>();
+        kb = nbuf;
+        continue;
+      }
+      const uint8_t* kst = buf(kb);
+      // ---- keys -> scores
+      float cs[2][4];
+      {
+        uint32_t bq[16];
+        load_frag16(bq, prep + PREP_BFRAG, lane);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const int row = 16 * m + tau<B>(g);
+          uint32_t ka[16], kb2[16];
+          unpack_key_row<B>(ka, Loads<B>::key(kst, row, c));
+          unpack_key_row<B>(kb2, Loads<B>::key(kst, row + 8, c));
+          cs[m][0] = cs[m][1] = cs[m][2] = cs[m][3] = 0.f;
+#pragma unroll
+          for (int s = 0; s < 8; ++s) mma16816(cs[m], ka[2 * s], kb2[2 * s], ka[2 * s + 1], kb2[2 * s + 1], bq[2 * s], bq[2 * s + 1]);
+        }
+      }
+      if (kcount > 0) {                          // key outliers: scores += onehot(token, slot) . (r * qn)
+        const SlotView sv = slot_view(mt, L::FIXED, L::FIXED + ocK, ph, p.k_cap);
+        const int lo = kbd[k], hi = kbd[k + 1];
+        __half* onehot = reinterpret_cast<__half*>(scr + W_ONEHOT);
+        for (int base = lo; base < hi; base += SLOT_TILE) {
+          const int s = base + lane;
+          const bool live = lane < SLOT_TILE && s < hi;
+          const int idx = live ? (int)sv.idx[s] : 0;
+          const int tok = live ? idx / D - CHUNK * k : 0, ch = live ? idx % D : 0;
+          const float r = live ? __half2float(sv.val[s]) : 0.f;
+          const int krow = (tok & 16) + tau<B>(tok & 15);
+          if (live) onehot[krow * SLOT_TILE + lane] = __ushort_as_half((unsigned short)1);   // 2^-24
+          __syncwarp();
+          float prod[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float rr = __shfl_sync(0xffffffffu, r, 2 * c + e);
+            const int cc = __shfl_sync(0xffffffffu, ch, 2 * c + e);
+            prod[e] = rr * qn_at<B>(qp_tab, g, cc);
+          }
+          const uint32_t b0 = pack_half2(prod[0], prod[1]);
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            uint32_t a[2];
+            ldmatrix_x2(a, onehot + (16 * m + (lane & 15)) * SLOT_TILE);
+            mma1688(cs[m], a[0], a[1], b0);
+          }
+          __syncwarp();
+          if (live) onehot[krow * SLOT_TILE + lane] = __ushort_as_half((unsigned short)0);
+          __syncwarp();
+        }
+      }
+      __syncwarp();                              // every lane is done with K_q: V_{q+1} may overwrite it
+      if (k + 1 < CHUNKS || has_next)
+        issue_chunk<B>(p, copies, buf(kb), k + 1 < CHUNKS ? ph : ph_of(next_page), (k + 1) & (CHUNKS - 1), true, lane);
+      cp_commit();
+      cp_wait<2>();                              // V_q landed
+      __syncwarp();
+      const uint8_t* vst = buf(vbuf);
+      ValueWords<B> vw[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const int t0 = 16 * m + tau<B>(2 * c), t1 = 16 * m + tau<B>(2 * c + 1);
+        vw[m][0] = Loads<B>::value(vst, t0, g); vw[m][1] = Loads<B>::value(vst, t1, g);
+        vw[m][2] = Loads<B>::value(vst, t0 + 8, g); vw[m][3] = Loads<B>::value(vst, t1 + 8, g);
+      }
+      // ---- online softmax (base 2)
+      const float2* vsz = reinterpret_cast<const float2*>(prep + PREP_VSZ) + CHUNK * k;
+      const int tok0 = page_index * P + CHUNK * k;
+      float sc[2][4];
+      float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = 16 * m + tau<B>(g) + 8 * (e >> 1);
+          const bool valid = full_page || tok0 + tok < ctx;
+          const float v = (e & 1) ? qms1 * fmaf(cs[m][e], 16777216.f, bias1) : qms0 * fmaf(cs[m][e], 16777216.f, bias0);
+          sc[m][e] = valid ? v : NEG_INF;
+          if (e & 1) mx1 = fmaxf(mx1, sc[m][e]); else mx0 = fmaxf(mx0, sc[m][e]);
+        }
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+      }
+      const float n0 = fmaxf(st.m0, mx0), n1 = fmaxf(st.m1, mx1);
+      const float u0 = n0 == NEG_INF ? 0.f : n0, u1 = n1 == NEG_INF ? 0.f : n1;
+      if (__any_sync(0xffffffffu, n0 > st.m0 || n1 > st.m1)) {
+        const float a0 = ex2(st.m0 - u0), a1 = ex2(st.m1 - u1);
+#pragma unroll
+        for (int i2 = 0; i2 < 8; ++i2) { st.acc[i2][0] *= a0; st.acc[i2][2] *= a0; st.acc[i2][1] *= a1; st.acc[i2][3] *= a1; }
+        st.l0 *= a0; st.z0 *= a0; st.l1 *= a1; st.z1 *= a1;
+      }
+      st.m0 = n0; st.m1 = n1;
+      uint32_t pb[2][2];                                   // PV B fragments per k-step (= QK m-tile)
+      __half2* ptile = reinterpret_cast<__half2*>(scr + W_PTILE);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        float pr[4], ps[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = 16 * m + tau<B>(g) + 8 * (e >> 1);
+          pr[e] = ex2(sc[m][e] - ((e & 1) ? u1 : u0));
+          const float2 sz = vsz[tok];
+          ps[e] = pr[e] * sz.x;
+          if (e & 1) { st.l1 += pr[e]; st.z1 = fmaf(pr[e], sz.y, st.z1); } else { st.l0 += pr[e]; st.z0 = fmaf(pr[e], sz.y, st.z0); }
+        }
+        pb[m][0] = movmatrix_trans(pack_half2(ps[0], ps[1]));
+        pb[m][1] = movmatrix_trans(pack_half2(ps[2], ps[3]));
+        if (vcount > 0) {
+          ptile[(16 * m + tau<B>(g)) * (NH / 2) + c] = __floats2half2_rn(pr[0], pr[1]);
+          ptile[(16 * m + tau<B>(g) + 8) * (NH / 2) + c] = __floats2half2_rn(pr[2], pr[3]);
+        }
+      }
+      // ---- values
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        uint32_t r01[16], r23[16];
+        unpack_value_pair<B>(r01, vw[m][0], vw[m][1], odd);
+        unpack_value_pair<B>(r23, vw[m][2], vw[m][3], odd);
+#pragma unroll
+        for (int i2 = 0; i2 < 8; ++i2) mma16816(st.acc[i2], r01[2 * i2], r01[2 * i2 + 1], r23[2 * i2], r23[2 * i2 + 1], pb[m][0], pb[m][1]);
+      }
+      if (vcount > 0) {          // value outliers: acc += onehot(row(ch), slot) * unit . (r * p[token][head])
+        const int lo = vbd[k], hi = vbd[k + 1];
+        if (lo < hi) {
+          __syncwarp();
+          const SlotView sv = slot_view(mt, L::FIXED + 2 * ocK, L::FIXED + 2 * ocK + ocV, ph, p.v_cap);
+          __half* onehot = reinterpret_cast<__half*>(scr + W_ONEHOT);
+          const __half* pt = reinterpret_cast<const __half*>(scr + W_PTILE);
+          for (int base = lo; base < hi; base += SLOT_TILE) {
+            const int s = base + lane;
+            const bool live = lane < SLOT_TILE && s < hi;
+            const int idx = live ? (int)sv.idx[s] : 0;
+            const int tok = live ? idx / D - CHUNK * k : 0, ch = live ? idx % D : 0;
+            const int vj = ch & 15, row = 16 * (vj >> 1) + (ch >> 4) + 8 * (vj & 1);
+            const float r = live ? __half2float(sv.val[s]) : 0.f;
+            if (live) onehot[row * SLOT_TILE + lane] = __ushort_as_half((unsigned short)(1u << value_off<B>(vj)));
+            __syncwarp();
+            float prod[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float rr = __shfl_sync(0xffffffffu, r, 2 * c + e);
+              const int tt = __shfl_sync(0xffffffffu, tok, 2 * c + e);
+              prod[e] = rr * __half2float(pt[tt * NH + g]);
+            }
+            const uint32_t b0 = pack_half2(prod[0], prod[1]);
+#pragma unroll
+            for (int i2 = 0; i2 < 8; ++i2) {
+              uint32_t a[2];
+              ldmatrix_x2(a, onehot + (16 * i2 + (lane & 15)) * SLOT_TILE);
+              mma1688(st.acc[i2], a[0], a[1], b0);
+            }
+            __syncwarp();
+            if (live) onehot[row * SLOT_TILE + lane] = __ushort_as_half((unsigned short)0);
+            __syncwarp();
+          }
+        }
+      }
+      kb = nbuf;
+    }
+  }
+}
+
+}  // namespace moekv_v7
