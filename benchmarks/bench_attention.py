@@ -27,7 +27,7 @@ if "--dry" in sys.argv:                    # plumbing test on a CPU: Triton's in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from benchmarks.timing import cuda_graph_ms  # noqa: E402
+from benchmarks.timing import cuda_graph_ms, read_bandwidth  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from moekv.core.attention_metadata import AttentionMetadata
@@ -349,8 +349,9 @@ def best(timer: Timer, fns: dict, sweep: dict | None = None) -> tuple[float, str
 def run_benchmark(args) -> dict:
     timer = Timer(cold=not args.hot)
     gen = torch.Generator().manual_seed(0)
-    bandwidth = copy_bandwidth(timer)
-    print(f"copy bandwidth {bandwidth:.2f} TB/s", flush=True)
+    bandwidth, read = copy_bandwidth(timer), read_bandwidth(torch.device(DEVICE))
+    print(f"copy bandwidth {bandwidth:.2f} TB/s" + ("" if read is None else f", read bandwidth {read:.2f} TB/s"),
+          flush=True)
     shapes = SHAPES if not args.quick else SHAPES[:1]
     shapes = shapes + ([] if args.quick else [s for s in CURVE if s not in SHAPES])
     shapes = [s for s in TUNING if s in shapes] + [s for s in shapes if s not in TUNING]
@@ -395,7 +396,8 @@ def run_benchmark(args) -> dict:
         print(f"[{time.perf_counter() - T0:.0f}s] " + short_row(row), flush=True)
         with open(os.path.join(args.out, "attention-bench.partial.json"), "w") as f:
             json.dump(rows, f)
-    return finish({"copy_bandwidth_tbps": bandwidth, "rows": rows, "cold_l2": not args.hot})
+    return finish({"copy_bandwidth_tbps": bandwidth, "read_bandwidth_tbps": read, "rows": rows,
+                   "cold_l2": not args.hot})
 
 
 NAMES = ["bf16_paged", *[f"int{b}" for b in BITS], "sdpa"]
@@ -412,11 +414,13 @@ def add_derived(row: dict, bandwidth: float) -> None:
 
 
 def finish(result: dict) -> dict:
-    """Floors at the read bandwidth the run showed reachable: the larger of the copy measurement and
-    the best TB/s any bf16 kernel achieved (SDPA or the paged kernel)."""
+    """Floors at the read bandwidth the run showed reachable: the largest of the copy measurement, the
+    read-only one (benchmarks.timing.read_bandwidth, shared with bench_decode's floors) and the best TB/s any
+    bf16 kernel achieved (SDPA or the paged kernel)."""
     achieved = max((r[f"{n}_bytes"] / r[f"{n}_ms"] / 1e9 for r in result["rows"] for n in ("sdpa", "bf16_paged")),
                    default=0.0)
-    result["floor_bandwidth_tbps"] = max(result["copy_bandwidth_tbps"], achieved)
+    result["floor_bandwidth_tbps"] = max(result["copy_bandwidth_tbps"], result.get("read_bandwidth_tbps") or 0.0,
+                                         achieved)
     for row in result["rows"]:
         add_derived(row, result["floor_bandwidth_tbps"])
     return result
@@ -569,7 +573,10 @@ def write_markdown(path, env, result) -> None:
              f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton {env['triton']}",
              f"Command: `{env['command']}`", "", *([result["note"], ""] if result.get("note") else []),
              f"Median of CUDA-graph replays, {'cold L2 (flushed before each call)' if result['cold_l2'] else 'hot L2'}; "
-             f"copy bandwidth {result['copy_bandwidth_tbps']:.2f} TB/s (read + write); floors at "
+             f"copy bandwidth {result['copy_bandwidth_tbps']:.2f} TB/s (read + write)"
+             + ("" if not result.get("read_bandwidth_tbps") else
+                f", read bandwidth {result['read_bandwidth_tbps']:.2f} TB/s (torch.sum over 2 GiB, cold L2)")
+             + "; floors at "
              f"{result['floor_bandwidth_tbps']:.2f} TB/s, the best read bandwidth seen in the run. Speed-up = SDPA "
              "time / kernel time; TB/s over the bytes each kernel reads; floor = those bytes at that bandwidth.", "",
              "| B | L | SDPA bf16 ms | paged bf16 ms (x, TB/s) | int4 ms (x, TB/s) | int3 ms (x, TB/s) | int2 ms (x, TB/s) | int3 floor ms |",

@@ -10,7 +10,7 @@ Timing (CUDA): median of CUDA-graph replays (benchmarks/timing.py); each capture
 different copy of the weight, cycling over enough copies (>= 512 MB together) that the weights come
 from HBM, not L2, as in a model whose layers each read their own weights once per step (the small x
 stays in L2, as activations do). Achieved TB/s = (weight + x + out + bias bytes) / time; "% read" is
-that over the measured read bandwidth (torch.sum over 2 GiB: bytes read / time), "copy" the measured
+that over the measured read bandwidth (torch.sum over 2 GiB, cold L2: bytes read / time), "copy" the measured
 device-to-device copy ((read + write) / time, as bench_moe.py reports it). Every output is checked
 against the fp32 reference (max error / max |ref|) and compared with F.linear (fraction bit-equal).
 "Mixtral B=1" sums the per-token cost of the hooked projections (32 x (qkv + o)) and the lm_head.
@@ -82,12 +82,14 @@ def cpu_ms(calls: list) -> float:
 
 
 def read_bandwidth(device: torch.device) -> tuple[float | None, float | None]:
-    """(read TB/s of torch.sum over 2 GiB, copy TB/s as (read + write) / time); None on a CPU."""
+    """(read TB/s of torch.sum over 2 GiB, cold L2: benchmarks.timing.read_bandwidth, copy TB/s as
+    (read + write) / time); None on a CPU."""
+    from benchmarks import timing
+
     if device.type != "cuda":
         return None, None
-    src = torch.empty(2**30, dtype=torch.bfloat16, device=device).normal_()
-    acc = torch.empty((), dtype=torch.float32, device=device)
-    read = 2 * 2**30 / graph_ms([lambda: torch.sum(src, dim=0, dtype=torch.float32, out=acc)], reps=5) / 1e9
+    read = timing.read_bandwidth(device)
+    src = torch.empty(2**30, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     copy = 2 * 2 * 2**30 / graph_ms([lambda: dst.copy_(src)], reps=5) / 1e9
     del src, dst

@@ -1,4 +1,5 @@
-"""Engine decode steps timed one by one, for bench_decode and tools/phase_timer.py.
+"""Engine decode steps timed one by one, for bench_decode and tools/phase_timer.py, and the GPU-busy share
+of profiled steps (`busy_fraction`, also bench_offload's).
 
 `time_steps(engine, n, device)` runs n engine steps and reports, from the same steps: the wall time per
 step (mean = time per output token; every decode step ends in its one host read, so a step's wall time
@@ -15,8 +16,13 @@ returns its staging slot), "start" (a token opens a page: a staging slot is take
 
 from __future__ import annotations
 
+import gc
+import json
+import math
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -47,9 +53,15 @@ def step_kinds(engine, num_steps: int) -> list[str]:
     return kinds
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def time_steps(engine, num_steps: int, device: torch.device) -> dict:
@@ -69,14 +81,14 @@ def time_steps(engine, num_steps: int, device: torch.device) -> dict:
     before = {id(r): r.num_computed_tokens for r in engine.scheduler.running}
     walls = []
     try:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         for i in range(num_steps):
             step[0] = i
             t0 = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t0)
-        _sync(device)
+        sync(device)
         total = time.perf_counter() - start
     finally:
         for bucket in buckets:
@@ -98,3 +110,68 @@ def time_steps(engine, num_steps: int, device: torch.device) -> dict:
                                     "wall_ms_median": statistics.median(ms),
                                     "replay_ms": sum(replays) / len(replays) if replays else None}
     return row
+
+
+# ---------------------------------------------------------------- GPU busy (torch.profiler)
+KERNEL_GROUPS = (("attention (low-bit)", ("lowbit", "moekv_v7::decode_kernel")), ("attention (bf16 paged)", ("_paged_decode", "attention")),
+                 ("experts (fused MoE)", ("moe", "expert")), ("GEMM (projections, logits)", ("gemm", "sm90", "cutlass", "nvjet")),
+                 ("norm / rotary / routing", ("norm", "rotary", "route", "topk", "softmax")),
+                 ("copies / fills", ("copy", "memcpy", "memset", "fill")))
+
+
+def kernel_group(name: str) -> str:
+    lowered = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(key in lowered for key in keys):
+            return group
+    return "other"
+
+
+def busy_fraction(step, num_steps: int, device: torch.device, breakdown: dict | None = None) -> float | None:
+    """Union of GPU activity intervals (kernels, memcpy, memset) / wall time of `num_steps` calls of
+    step(), read from the profiler's exported Chrome trace (a documented, stable format). With
+    `breakdown` (a dict), fill it with per-step GPU ms and launch counts per kernel name and per group
+    (exact for eager steps; a replayed graph's kernels are undercounted by the trace)."""
+    if num_steps <= 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            with record_function("bench_decode_step"):
+                step()
+                sync(device)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "bench_decode_step"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, cursor = 0.0, -math.inf
+    for start, end in gpu:                                        # union of possibly overlapping intervals
+        start = max(start, cursor)
+        if end > start:
+            busy += end - start
+            cursor = end
+    wall = sum(end - start for start, end in windows)
+    if device.type != "cuda" or wall <= 0:
+        return None
+    if breakdown is not None:
+        kernels, groups = {}, {}
+        for e in events:
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+                ms, count = kernels.get(e["name"], (0.0, 0))
+                kernels[e["name"]] = (ms + e["dur"] / 1e3 / num_steps, count + 1)
+        for name, (ms, count) in kernels.items():
+            g_ms, g_count = groups.get(kernel_group(name), (0.0, 0))
+            groups[kernel_group(name)] = (g_ms + ms, g_count + count)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+        breakdown["kernels"] = [{"name": n[:90], "ms_per_step": ms, "launches_per_step": c / num_steps}
+                                for n, (ms, c) in top]
+        breakdown["groups"] = {g: {"ms_per_step": ms, "launches_per_step": c / num_steps}
+                               for g, (ms, c) in sorted(groups.items(), key=lambda kv: -kv[1][0])}
+        breakdown["wall_ms_per_step"] = wall / 1e3 / num_steps
+    return busy / wall

@@ -95,7 +95,7 @@ class EagerDecoder:
 
 
 def run_eager(model, prompt, args, device, on_warm) -> dict:
-    from benchmarks.bench_decode import busy_fraction
+    from benchmarks.decode_steps import busy_fraction
 
     decoder = EagerDecoder(model, prompt, args.warmup + args.tokens + args.profile_steps + 1)
     for _ in range(args.warmup + 1):

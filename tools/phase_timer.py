@@ -9,6 +9,7 @@ import argparse, collections, time
 import torch
 
 from benchmarks import bench_decode  # noqa: E402
+from benchmarks.decode_moekv import make_engine  # noqa: E402
 from benchmarks.synthetic_kv import admit_with_context, fill_kv_synthetic  # noqa: E402
 from moekv.models.loader import build_random_model  # noqa: E402
 from moekv.models.registry import named_arch  # noqa: E402
@@ -29,7 +30,7 @@ def sync():
 for kv in args.kv.split(","):
     ns = argparse.Namespace(page_size=None if not args.tiny else 16, prefill_chunk=max(args.context, 256, args.batch), model=args.model)
     new_tokens = args.steps + 40
-    engine = bench_decode.make_engine(model, args.batch, args.context, kv, new_tokens, ns, graphs=cuda)
+    engine = make_engine(model, args.batch, args.context, kv, new_tokens, ns, graphs=cuda)
     runner, cache = engine.runner, engine.kv_cache
     if not cuda: assert runner.enable_graphs(capture=False)
     admit_with_context(engine, args.batch, args.context, new_tokens, arch.vocab_size, seed=0)

@@ -16,6 +16,7 @@ import types
 import torch
 
 from benchmarks import bench_decode
+from benchmarks.decode_moekv import make_engine
 from benchmarks.synthetic_kv import admit_with_context
 from moekv.models.loader import build_random_model
 from moekv.models.registry import named_arch
@@ -28,7 +29,7 @@ class _NoReplay:
 
 def measure(model, kv: str, batch: int, context: int, steps: int) -> dict:
     args = types.SimpleNamespace(page_size=None, model="mixtral-8x7b", prefill_chunk=max(context, batch))
-    engine = bench_decode.make_engine(model, batch, context, kv, steps + 16, args, graphs=False)
+    engine = make_engine(model, batch, context, kv, steps + 16, args, graphs=False)
     runner, cache = engine.runner, engine.kv_cache
     assert runner.enable_graphs(capture=False), runner.graph_fallback_reason
     admit_with_context(engine, batch, context, steps + 16, model.arch.vocab_size, seed=0)

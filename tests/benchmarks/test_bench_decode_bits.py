@@ -1,11 +1,11 @@
-"""benchmarks/bench_decode.py's KV bits per value at the nominal context (no model, no GPU)."""
+"""benchmarks/decode_floor.py's KV bits per value at the nominal context (bench_decode's rows; no model, no GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.bench_decode import kv_bits_at
+from benchmarks.decode_floor import kv_bits_at
 from moekv.config import CacheConfig
 from moekv.core.lowbit_layout import QuantSpec
 from moekv.kvcache import KVCacheSpec, accounting, create_kv_cache

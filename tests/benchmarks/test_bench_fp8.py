@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import bench_decode, bench_moe
+from benchmarks import bench_decode, bench_moe, decode_floor
 from moekv.core.fp8 import Fp8Weight
 from moekv.models.loader import build_random_model
 from moekv.models.registry import named_arch
@@ -34,16 +34,16 @@ def test_floor_counts_touched_experts_and_fp8_bytes():
                       num_experts=8, top_k=2, expert_intermediate_size=48, vocab_size=256)
     bf16 = build_random_model(arch, dtype=torch.bfloat16)
     fp8 = build_random_model(arch, dtype=torch.bfloat16, quantization="fp8")
-    per_expert_bf16, rest_bf16 = bench_decode.weight_bytes(bf16)
-    per_expert_fp8, rest_fp8 = bench_decode.weight_bytes(fp8)
+    per_expert_bf16, rest_bf16 = decode_floor.weight_bytes(bf16)
+    per_expert_fp8, rest_fp8 = decode_floor.weight_bytes(fp8)
     assert per_expert_bf16 == 3 * 64 * 48 * 2
     assert per_expert_fp8 == 3 * 64 * 48 + 4 * (2 * 48 + 64)            # codes + one fp32 scale per row
     assert rest_fp8 < rest_bf16
-    one = bench_decode.floor_ms(bf16, 1, 100, 16, copy_tbps=1.0)
+    one = decode_floor.floor_ms(bf16, 1, 100, 16, read_tbps=1.0)
     kv = 100 * 2 * 2 * 16 * 2 * 2
     assert one == pytest.approx((rest_bf16 + 2 * 2 * per_expert_bf16 + kv) / 1e9)
-    assert bench_decode.floor_ms(bf16, 64, 100, 16, 1.0) > one           # nearly every expert at B=64
-    assert bench_decode.floor_ms(bf16, 1, 100, 16, None) is None
+    assert decode_floor.floor_ms(bf16, 64, 100, 16, 1.0) > one           # nearly every expert at B=64
+    assert decode_floor.floor_ms(bf16, 1, 100, 16, None) is None
 
 
 @pytest.fixture

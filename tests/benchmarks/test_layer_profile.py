@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import bench_decode, layer_profile
+from benchmarks import bench_decode, decode_moekv, layer_profile
 
 
 def _trace(layers: int, steps: int) -> list[dict]:
@@ -73,10 +73,10 @@ def test_layer_ranges_mark_each_layer_and_go_away():
     model = build_random_model(named_arch("mixtral-8x7b", **bench_decode.TINY_ARCH), dtype=torch.float32,
                                device="cpu", seed=0)
     tokens = list(range(3, 9))
-    expected = bench_decode.moekv_logits(model, tokens)
+    expected = decode_moekv.moekv_logits(model, tokens)
     with layer_profile.layer_ranges(model):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            got = bench_decode.moekv_logits(model, tokens)
+            got = decode_moekv.moekv_logits(model, tokens)
     assert torch.equal(got, expected)
     names = {e["name"] for e in layer_profile.trace_events(prof) if e.get("cat") == "user_annotation"}
     assert {"moekv_layer_0", "moekv_layer_1"} <= names

@@ -1,0 +1,70 @@
+"""bench_decode's scenarios and per-row switches (benchmarks/decode_scenarios.py): parsing, the combinations run,
+the engine config each row gets, and the report's switch columns."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import decode_report, decode_scenarios as ds
+from moekv.config import EngineConfig, KernelConfig, ModelConfig
+
+
+def test_parse_scenarios():
+    assert ds.parse_scenarios("1x16384:bf16,int3;64X16384:int3;") == [(1, 16384, "bf16"), (1, 16384, "int3"),
+                                                                       (64, 16384, "int3")]
+    assert ds.parse_scenarios("") == []
+
+
+def test_prompts_are_seeded_and_in_range():
+    a, b = ds.prompts(2, 5, 40), ds.prompts(2, 5, 40)
+    assert a == b and len(a) == 2 and all(len(p) == 5 and all(3 <= t < 40 for t in p) for p in a)
+    assert ds.prompts(2, 5, 40, seed=1) != a
+
+
+def test_switch_values():
+    assert ds.switch_values("") == []
+    assert ds.switch_values("on") == [True]
+    assert ds.switch_values("on, off") == [True, False]
+    assert ds.switch_values("off,on") == [False, True]
+    for bad in ("maybe", "on,on", "1"):
+        with pytest.raises(ValueError, match="on, off or on,off"):
+            ds.switch_values(bad)
+
+
+def test_switch_flags_parse_and_reject_at_the_boundary():
+    parser = argparse.ArgumentParser()
+    ds.add_switch_flags(parser)
+    args = parser.parse_args(["--fusion", "on,off"])
+    assert ds.parse_switch_flags(args, parser) == {"fusion": [True, False]}
+    assert ds.parse_switch_flags(parser.parse_args([]), parser) == {}
+    with pytest.raises(SystemExit):
+        ds.parse_switch_flags(parser.parse_args(["--fusion", "sometimes"]), parser)
+
+
+def test_switch_settings_are_every_combination_first_switch_outermost():
+    assert ds.switch_settings({}) == [{}]
+    assert ds.switch_settings({"fusion": [True, False]}) == [{"fusion": True}, {"fusion": False}]
+    assert ds.switch_settings({"a": [True, False], "b": [False, True]}) == [
+        {"a": True, "b": False}, {"a": True, "b": True}, {"a": False, "b": False}, {"a": False, "b": True}]
+
+
+def test_apply_switches_sets_the_field_and_keeps_the_rest():
+    base = EngineConfig(model=ModelConfig(model="random:mixtral-8x7b"),
+                        kernels=KernelConfig(fused_decode_layer=True, backend="reference"))
+    off = ds.apply_switches(base, {"fusion": False})
+    assert off.kernels.fused_decode_layer is False and off.kernels.backend == "reference"
+    assert base.kernels.fused_decode_layer is True                          # a copy, not an edit
+    assert ds.apply_switches(base, {}) == base and ds.apply_switches(base, None) == base
+
+
+def test_report_columns_follow_the_registered_switches():
+    names = [s.name for s in ds.SWITCHES]
+    assert names[0] == "fusion" and len(set(names)) == len(names)
+    assert decode_report.switch_header() == "".join(f"{n} | " for n in names)
+    row = {"fusion": "off"}
+    assert decode_report.switch_cells(row).startswith("off | ")
+    assert decode_report.switch_cells({}) == "- | " * len(names)
+    assert decode_report.switch_suffix(row) == ", fusion off" and decode_report.switch_suffix({}) == ""
+    assert decode_report.switch_label(row).startswith("fusion off")
