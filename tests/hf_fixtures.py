@@ -189,6 +189,13 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rel: float
     assert err <= rel * scale, f"max abs logit error {err:.3g} > {rel:g} * logit scale {scale:.3g}"
 
 
+def assert_each_logits_close(actual: list[torch.Tensor], expected: list[torch.Tensor], rel: float = 1e-4) -> None:
+    """assert_logits_close for each pair of two equally long lists (e.g. moekv_greedy's logits of each prompt)."""
+    assert len(actual) == len(expected), (len(actual), len(expected))
+    for ours, theirs in zip(actual, expected):
+        assert_logits_close(ours, theirs, rel)
+
+
 def assert_half_close(actual: torch.Tensor, hf_fp32, hf_half, tokens: list[int]) -> None:
     """Half-precision moekv logits are about as close to fp32 transformers as half-precision
     transformers is: error <= 2x transformers' own half-precision error (or 1% of the logit scale)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moekv.config import ArchConfig
+from moekv.config import ArchConfig, CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 def mock_arch(vocab_size: int = 64, num_layers: int = 2, max_position_embeddings: int = 512,
@@ -15,6 +15,17 @@ def mock_arch(vocab_size: int = 64, num_layers: int = 2, max_position_embeddings
                       num_heads=2, num_kv_heads=1, head_dim=4, num_experts=2, top_k=1,
                       expert_intermediate_size=4, norm_topk_prob=False,
                       max_position_embeddings=max_position_embeddings, eos_token_ids=eos_token_ids)
+
+
+def mock_engine_config(max_model_len: int = 64, page_size: int = 4, num_pages: int = 64, max_num_seqs: int = 8,
+                       max_num_batched_tokens: int = 64, **sections) -> EngineConfig:
+    """An EngineConfig for a MockModel on the CPU: model "mock", an fp32 KV cache of `num_pages` pages of
+    `page_size` tokens; `sections` replace whole EngineConfig fields (e.g. offload=OffloadConfig(...))."""
+    return EngineConfig(model=ModelConfig(model="mock", max_model_len=max_model_len),
+                        cache=CacheConfig(kv_cache_dtype="fp32", page_size=page_size, num_pages=num_pages),
+                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=max_num_batched_tokens),
+                        device=DeviceConfig("cpu"), **sections)
 
 
 class MockModel(torch.nn.Module):

@@ -48,20 +48,24 @@ def test_parser_builds_without_optional_dependencies():
     assert build_parser().prog == "moekv"
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
-def test_enforce_eager_flag(command):
+def parser_for(command: list[str]):
+    """The CLI parser, skipping the test where `command` needs the serve dependencies and they are missing."""
     parser = build_parser()
     if getattr(parser.parse_args(command), "_missing", None):
         pytest.skip("the serve dependencies are not installed")
+    return parser
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_enforce_eager_flag(command):
+    parser = parser_for(command)
     assert parser.parse_args(command).enforce_eager is False
     assert parser.parse_args(command + ["--enforce-eager"]).enforce_eager is True
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
 def test_prefix_caching_flag_defaults_on(command):
-    parser = build_parser()
-    if getattr(parser.parse_args(command), "_missing", None):
-        pytest.skip("the serve dependencies are not installed")
+    parser = parser_for(command)
     assert parser.parse_args(command).enable_prefix_caching is True
     assert parser.parse_args(command + ["--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parser.parse_args(command + ["--enable-prefix-caching"]).enable_prefix_caching is True

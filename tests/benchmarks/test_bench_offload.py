@@ -5,15 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
+from tests.helpers import needs_bundled_model
 
-from moekv import datasets
-
-
-@pytest.fixture(autouse=True)
-def _needs_bundled():
-    if not (datasets.bundled_model_dir() / "model.safetensors").is_file():
-        pytest.skip("the bundled model is not in this checkout")
+pytestmark = needs_bundled_model
 
 
 def _run(monkeypatch, argv):

@@ -5,14 +5,12 @@ quarter cancelled and malformed requests mixed in, SIGTERM during the last; the 
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks import soak
 from tests.entrypoints.openai.helpers import free_port
-from tests.entrypoints.openai.subprocess_server import bundled_model
+from tests.helpers import needs_bundled_model
 
 
-@pytest.mark.skipif(bundled_model() is None, reason="needs the bundled model (models/tiny-shakespeare-moe)")
+@needs_bundled_model
 def test_short_soak_holds_the_contract(tmp_path):
     args = soak.parse_args(["--waves", "4", "--concurrency", "16", "--max-tokens", "8", "--fuzzed", "12",
                             "--baseline-wave", "1", "--max-rss-growth", "0.10", "--port", str(free_port()),

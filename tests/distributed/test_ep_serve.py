@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from moekv import LLM, SamplingParams
-from tests.entrypoints.openai.subprocess_server import ServerProcess, bundled_model
+from tests.entrypoints.openai.subprocess_server import ServerProcess
+from tests.helpers import bundled_model
 
 openai = pytest.importorskip("openai")
 MODEL = bundled_model()

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moekv.engine.engine import Engine
 from moekv.entrypoints.llm import LLM
 from moekv.sampling import SamplingParams
-from tests.mock_model import MockModel
+from tests.mock_model import MockModel, mock_engine_config
 
 
 def mock_llm() -> LLM:
-    config = EngineConfig(model=ModelConfig(model="mock", max_model_len=64),
-                          cache=CacheConfig(kv_cache_dtype="fp32", page_size=4, num_pages=64),
-                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-                          device=DeviceConfig("cpu"))
     llm = LLM.__new__(LLM)
-    llm.engine = Engine(config, model=MockModel())
+    llm.engine = Engine(mock_engine_config(max_model_len=64, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64),
+                        model=MockModel())
     return llm
 
 

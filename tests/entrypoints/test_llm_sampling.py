@@ -7,21 +7,17 @@ import math
 
 import pytest
 
-from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moekv.engine.engine import Engine
 from moekv.entrypoints.llm import LLM
 from moekv.errors import InvalidRequestError
 from moekv.sampling import SamplingParams
-from tests.mock_model import MockModel, mock_arch
+from tests.mock_model import MockModel, mock_arch, mock_engine_config
 
 VOCAB, EOS = 64, 5
 
 
 def mock_llm(tokenizer=None, vocab: int = VOCAB) -> LLM:
-    config = EngineConfig(model=ModelConfig(model="mock", max_model_len=64),
-                          cache=CacheConfig(kv_cache_dtype="fp32", page_size=4, num_pages=128),
-                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=128),
-                          device=DeviceConfig("cpu"))
+    config = mock_engine_config(max_model_len=64, num_pages=128, max_num_seqs=16, max_num_batched_tokens=128)
     llm = LLM.__new__(LLM)
     llm.engine = Engine(config, model=MockModel(mock_arch(vocab_size=vocab, eos_token_ids=(EOS,))),
                         tokenizer=tokenizer)

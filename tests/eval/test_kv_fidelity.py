@@ -3,25 +3,19 @@
 import argparse
 import json
 
-import pytest
-
 from moekv.eval import kv_fidelity
+from tests.helpers import needs_bundled_model
 
 
-def bundled_model():
-    from moekv.datasets import bundled_model_dir
-
-    try:
-        path = bundled_model_dir()
-    except FileNotFoundError:
-        return None
-    return path if (path / "model.safetensors").is_file() else None
-
-
-@pytest.mark.skipif(bundled_model() is None, reason="the bundled checkpoint is not in this checkout")
-def test_eval_kv_writes_the_table(tmp_path, capsys):
+def eval_kv_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     kv_fidelity.add_arguments(parser)
+    return parser
+
+
+@needs_bundled_model
+def test_eval_kv_writes_the_table(tmp_path, capsys):
+    parser = eval_kv_parser()
     out = tmp_path / "rows.json"
     args = parser.parse_args(["--context", "160", "--windows", "2", "--chunk", "48", "--formats", "int3", "--full",
                               "--json", str(out)])
@@ -56,10 +50,9 @@ def test_default_rows_are_the_shipped_configurations():
         ("bf16", "n/a", False), ("int4", "channel", True), ("int3", "channel", True), ("int2", "channel", True)]
 
 
-@pytest.mark.skipif(bundled_model() is None, reason="the bundled checkpoint is not in this checkout")
+@needs_bundled_model
 def test_default_command_is_quick_and_sets_context(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    kv_fidelity.add_arguments(parser)
+    parser = eval_kv_parser()
     out = tmp_path / "rows.json"
     args = parser.parse_args(["--windows", "1", "--no-tensor-report", "--no-progress", "--json", str(out)])
     assert kv_fidelity.run(args) == 0

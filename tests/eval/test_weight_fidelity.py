@@ -6,10 +6,10 @@ import json
 import pytest
 
 from moekv.eval import weight_fidelity
-from tests.eval.test_kv_fidelity import bundled_model
+from tests.helpers import needs_bundled_model
 
 
-@pytest.mark.skipif(bundled_model() is None, reason="the bundled checkpoint is not in this checkout")
+@needs_bundled_model
 def test_eval_weights_writes_the_rows(tmp_path):
     parser = argparse.ArgumentParser()
     weight_fidelity.add_arguments(parser)

@@ -5,7 +5,6 @@ padding sequences on a scratch page as the graph runner adds them."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -18,19 +17,16 @@ from moekv.kvcache.base import KVCacheSpec
 from moekv.kvcache.formats.lowbit import LowBitKVCache
 from moekv.kvcache.formats.lowbit_plan import DecodePlan
 from moekv.ops import dispatch
+from tests.helpers import BACKENDS, ops_backend
 
 PAGE, HEADS, Q_HEADS, DIM, LAYERS, SCALE = 16, 2, 4, 32, 2, 0.18
 NUM_PAGES, STAGING, MAX_BATCH, BUCKET = 24, 12, 8, 6
 SCRATCH = "<scratch>"          # the runner's page for padding sequences, reserved for the cache's lifetime
 
 
-@pytest.fixture(params=["reference", "triton"])
+@pytest.fixture(params=BACKENDS)
 def backend(request):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the Triton backend on CPU tensors needs the interpreter (set without CUDA)")
-    with dispatch.override(backend=request.param):
+    with ops_backend(request.param, cpu_tensors=True):
         yield request.param
 
 

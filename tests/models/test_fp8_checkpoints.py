@@ -21,7 +21,7 @@ from moekv.errors import ModelLoadError, UnsupportedModelError
 from moekv.models import load_model
 from moekv.models.quantize import fp8_modules, is_quantized
 from tests.fp8_fixtures import dequantized_checkpoint, fp8_checkpoint
-from tests.hf_fixtures import assert_logits_close, make_checkpoint, moekv_greedy
+from tests.hf_fixtures import assert_each_logits_close, make_checkpoint, moekv_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12]]
 
@@ -65,8 +65,7 @@ def test_fp8_checkpoint_matches_dequantized_reference(case, checkpoints):
     tokens, logits = moekv_greedy(model, PROMPTS, 4)
     ref_tokens, ref_logits = moekv_greedy(reference, PROMPTS, 4)
     assert tokens == ref_tokens
-    for ours, theirs in zip(logits, ref_logits):
-        assert_logits_close(ours, theirs, rel=1e-5)
+    assert_each_logits_close(logits, ref_logits, rel=1e-5)
 
 
 def test_fp8_checkpoint_in_bf16_matches_bf16_reference(checkpoints):
@@ -77,8 +76,7 @@ def test_fp8_checkpoint_in_bf16_matches_bf16_reference(checkpoints):
     assert model.layers[0].mlp.experts.w_gate_up.dtype == FP8_DTYPE
     _, logits = moekv_greedy(model, PROMPTS, 3)
     _, ref_logits = moekv_greedy(reference, PROMPTS, 3)
-    for ours, theirs in zip(logits, ref_logits):
-        assert_logits_close(ours, theirs, rel=3e-2)
+    assert_each_logits_close(logits, ref_logits, rel=3e-2)
 
 
 def test_quantize_at_load_is_per_channel_and_close_to_bf16(checkpoints):

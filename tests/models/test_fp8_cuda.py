@@ -10,7 +10,7 @@ import torch
 from moekv import LLM, SamplingParams
 from moekv.models import load_model
 from tests.fp8_fixtures import fp8_checkpoint
-from tests.hf_fixtures import assert_logits_close, make_checkpoint, moekv_greedy
+from tests.hf_fixtures import assert_each_logits_close, make_checkpoint, moekv_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,12 +28,10 @@ def test_fp8_on_cuda_matches_cpu_reference(tmp_path, family, layout, block):
     model = load_model(folder, dtype="fp32", device="cuda")                          # CUDA: the Triton kernels
     tokens, logits = moekv_greedy(model, PROMPTS, 4)
     assert tokens == expected_tokens
-    for ours, theirs in zip(logits, expected):
-        assert_logits_close(ours, theirs, rel=1e-4)
+    assert_each_logits_close(logits, expected, rel=1e-4)
     bf16 = load_model(folder, dtype="bf16", device="cuda")
     _, bf16_logits = moekv_greedy(bf16, PROMPTS, 4)
-    for ours, theirs in zip(bf16_logits, expected):
-        assert_logits_close(ours, theirs, rel=3e-2)
+    assert_each_logits_close(bf16_logits, expected, rel=3e-2)
 
 
 def test_fp8_graph_decode_matches_eager(tmp_path):

@@ -68,15 +68,14 @@ def test_no_safetensors_files_mentions_pickles(checkpoint):
         load_model(checkpoint)
 
 
-def test_missing_tensor(checkpoint):
-    rewrite_weights(checkpoint, lambda state: state.pop("model.layers.0.self_attn.k_norm.weight"))
-    with pytest.raises(ModelLoadError, match=r"missing tensor 'model.layers.0.self_attn.k_norm.weight'.*\[16\]"):
-        load_model(checkpoint)
-
-
-def test_missing_expert_tensor(checkpoint):
-    rewrite_weights(checkpoint, lambda state: state.pop("model.layers.0.mlp.experts.3.up_proj.weight"))
-    with pytest.raises(ModelLoadError, match=r"'model.layers.0.mlp.experts.3.up_proj.weight' \(expected shape \[32, 64\]"):
+@pytest.mark.parametrize("name, match", [
+    ("model.layers.0.self_attn.k_norm.weight", r"missing tensor 'model.layers.0.self_attn.k_norm.weight'.*\[16\]"),
+    ("model.layers.0.mlp.experts.3.up_proj.weight",
+     r"'model.layers.0.mlp.experts.3.up_proj.weight' \(expected shape \[32, 64\]"),
+], ids=["attention", "expert"])
+def test_missing_tensor(checkpoint, name, match):
+    rewrite_weights(checkpoint, lambda state: state.pop(name))
+    with pytest.raises(ModelLoadError, match=match):
         load_model(checkpoint)
 
 

@@ -1,4 +1,4 @@
-"""Shared tiny models for the expert prefetch / offload tests."""
+"""Shared tiny models for the expert prefetch / offload tests, and the ops backend they run on."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from moekv.models.loader import build_random_model
 from moekv.models.registry import named_arch
+from tests.helpers import BACKENDS, ops_backend
 
 
 def tiny_arch(num_layers: int = 3, num_experts: int = 8, top_k: int = 2):
@@ -20,3 +21,10 @@ def tiny_model():
     def make(seed: int = 0, **arch_overrides):
         return build_random_model(tiny_arch(**arch_overrides), torch.float32, "cpu", seed=seed)
     return make
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each test once on the reference ops and once on the Triton kernels (skipped without triton)."""
+    with ops_backend(request.param):
+        yield request.param

@@ -17,6 +17,7 @@ from moekv.moe.prefetch.residency import NEEDED, ExpertCache
 from moekv.ops import dispatch
 from moekv.ops.reference.moe_stage import stage_expert_copies as stage_reference
 from tests.hf_fixtures import moekv_greedy
+from tests.helpers import no_host_reads
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # Triton: the GPU, else its interpreter
@@ -59,14 +60,6 @@ def test_device_table_makes_the_host_caches_choices(eviction, num_slots, num_tok
             assert lut[expert] == (pool[slot] if slot >= 0 else -1)
     hits, misses, evictions = table.counters.tolist()
     assert (hits, misses, evictions) == (cache.counters.hits, cache.counters.misses, cache.counters.evictions)
-
-
-@pytest.fixture(params=["reference", "triton"])
-def backend(request):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-    with dispatch.override(backend=request.param):
-        yield request.param
 
 
 @pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (5, 6, 16)), (FP8_DTYPE, (5, 12, 8)),
@@ -148,14 +141,7 @@ def test_device_staged_decode_reads_nothing_back(monkeypatch):
             ids = torch.randperm(8, generator=generator)[:2].reshape(1, 2).to(DEVICE)
             weights = torch.softmax(torch.randn(1, 2, generator=generator), -1).to(DEVICE)
             expected = local(hidden, ids, weights)
-
-            def forbidden(*args, **kwargs):
-                raise AssertionError("the device-staged forward read a tensor back to the host")
-
-            with monkeypatch.context() as patch:
-                for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
-                    patch.setattr(torch.Tensor, name, forbidden)
-                patch.setattr(torch, "tensor", forbidden)
+            with no_host_reads(monkeypatch, "the device-staged forward"):
                 actual = experts(hidden, ids, weights)
             assert torch.equal(actual, expected), step
     assert experts.cache.counters.misses >= 2

@@ -26,14 +26,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_EXPERTS, HIDDEN, INTER = 8, 32, 64
 
 
-@pytest.fixture(params=["reference", "triton"])
-def backend(request):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-    with dispatch.override(backend=request.param):
-        yield request.param
-
-
 def local_experts(dtype=torch.bfloat16, seed=0, inter=INTER):
     local = LocalExperts(NUM_EXPERTS, HIDDEN, inter, 0, dtype, DEVICE)
     generator = torch.Generator().manual_seed(seed)

@@ -59,14 +59,12 @@ def test_make_engine_config_routes_offload_kwargs():
 
 
 def test_engine_routing_stats_with_a_mock_model():
-    from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig
+    from moekv.config import EngineConfig
     from moekv.engine.engine import Engine
     from moekv.sampling import SamplingParams
-    from tests.mock_model import MockModel
+    from tests.mock_model import MockModel, mock_engine_config
 
-    config = EngineConfig(model=ModelConfig(model="mock", max_model_len=32),
-                          cache=CacheConfig(kv_cache_dtype="fp32", page_size=4, num_pages=16),
-                          device=DeviceConfig("cpu"))
+    config = mock_engine_config(max_model_len=32, num_pages=16)
     engine = Engine(config, model=MockModel())
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
     while engine.has_unfinished():

@@ -15,6 +15,7 @@ from moekv.moe.prefetch import install_routing
 from moekv.moe.prefetch.policy import MarginCalibration, StagingPolicy, Timeline
 from moekv.moe.prefetch.timeline import simulate_decode
 from moekv.moe.prefetch.trace import RoutingTrace, record_trace
+from tests.helpers import bundled_model
 from tests.hf_fixtures import moekv_greedy
 
 
@@ -25,9 +26,9 @@ def bundled_trace():
     from moekv.models.loader import load_model
     from moekv.tokenizer import Tokenizer
 
-    folder = datasets.bundled_model_dir()
-    if not (folder / "model.safetensors").is_file():
-        pytest.skip("the bundled model is not in this checkout")
+    folder = bundled_model()
+    if folder is None:
+        pytest.skip("needs the bundled checkpoint (models/tiny-shakespeare-moe), not in this checkout")
     ids = Tokenizer(folder).encode(datasets.validation_text())[:512]
     return record_trace(load_model(folder, dtype=torch.float32, device="cpu"), ids, window=256, extra_candidates=1)
 

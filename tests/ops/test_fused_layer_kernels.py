@@ -21,8 +21,8 @@ import torch
 from moekv.ops import dispatch
 from moekv.ops.reference import layers as ref
 from moekv.ops.triton.layer import norm_route, rotary_write
-from tests.ops.test_layer_kernels import (_SIGNIFICAND_BITS, DTYPES, _assert_norm_close, _assert_routing_close,
-                                          _rand)
+from tests.ops.test_layer_kernels import (_SIGNIFICAND_BITS, DTYPES, MODEL_FAMILIES, _assert_norm_close,
+                                          _assert_routing_close, _rand)
 
 
 # -- add + RMSNorm + router + top-k ---------------------------------------------------------------------------
@@ -278,11 +278,7 @@ def _greedy(model, prompts, fused: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family,overrides", [
-    ("mixtral", dict(num_heads=4, num_kv_heads=2, top_k=2)),
-    ("qwen3_moe", dict(num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, top_k=4, norm_topk_prob=True)),
-    ("olmoe", dict(num_heads=2, num_kv_heads=2, num_experts=6, top_k=2, clip_qkv=0.5)),
-], ids=["mixtral", "qwen3-head-qknorm", "olmoe-full-qknorm-clip"])
+@pytest.mark.parametrize("family,overrides", MODEL_FAMILIES)
 def test_model_with_fused_decode_layer_matches_unfused(device, tmp_path, monkeypatch, family, overrides, dtype):
     """The two fused kernels in a whole model (prefill and decode steps through the full-precision cache, whose
     rows the rotary kernel writes) against the same model with every op unfused on the reference; tolerances as

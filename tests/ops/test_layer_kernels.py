@@ -275,12 +275,18 @@ def _logit_error(prompts, tokens_a, logits_a, tokens_b, logits_b):
     return err, scale, diverged
 
 
+# the whole-model cases of this file and test_fused_layer_kernels.py: (family, make_checkpoint overrides)
+MODEL_FAMILIES = [
+    pytest.param("mixtral", dict(num_heads=4, num_kv_heads=2, top_k=2), id="mixtral"),
+    pytest.param("qwen3_moe", dict(num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, top_k=4,
+                                   norm_topk_prob=True), id="qwen3-head-qknorm"),
+    pytest.param("olmoe", dict(num_heads=2, num_kv_heads=2, num_experts=6, top_k=2, clip_qkv=0.5),
+                 id="olmoe-full-qknorm-clip"),
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family,overrides", [
-    ("mixtral", dict(num_heads=4, num_kv_heads=2, top_k=2)),
-    ("qwen3_moe", dict(num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8, top_k=4, norm_topk_prob=True)),
-    ("olmoe", dict(num_heads=2, num_kv_heads=2, num_experts=6, top_k=2, clip_qkv=0.5)),
-], ids=["mixtral", "qwen3-head-qknorm", "olmoe-full-qknorm"])
+@pytest.mark.parametrize("family,overrides", MODEL_FAMILIES)
 def test_model_with_fused_layer_ops_matches_reference(device, tmp_path, monkeypatch, family, overrides, dtype):
     """Only the four per-layer ops on Triton (attention and experts stay on the reference), on the test
     device (the model must live there: compiled Triton kernels take CUDA tensors only)."""

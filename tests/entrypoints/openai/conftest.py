@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.helpers import ThreadedServer, make_app, make_engine, write_char_tokenizer
+from tests.entrypoints.openai.helpers import ThreadedServer, make_app, make_engine, openai_client, write_char_tokenizer
+from tests.entrypoints.openai.subprocess_server import served_model
 
 API_KEY = "test-key"
 
@@ -25,6 +26,11 @@ def mock_server(char_tokenizer_dir):
 
 @pytest.fixture()
 def client(mock_server):
-    import openai
+    return openai_client(mock_server, API_KEY)
 
-    return openai.OpenAI(base_url=f"{mock_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The checkpoint the subprocess server tests serve: the bundled model, else a tiny random Mixtral with
+    the character tokenizer (built once per module)."""
+    return served_model(tmp_path_factory)

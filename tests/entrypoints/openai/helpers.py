@@ -1,8 +1,11 @@
 """Building blocks for server tests without weights: a character-level tokenizer, mock engines
-(optionally slow or failing on a poison token), a real uvicorn in a thread, metric polling."""
+(optionally slow or failing on a poison token), the app in process (ASGI) or on a real uvicorn in a thread,
+the openai client for either server, metric polling."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -11,14 +14,14 @@ from pathlib import Path
 
 import httpx
 
-from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moekv.engine.async_engine import AsyncEngine
 from moekv.engine.engine import Engine
 from moekv.entrypoints.openai.server import build_app
 from moekv.entrypoints.openai.serving import ServerConfig
 from moekv.metrics import ServerMetrics, parse_metrics
+from moekv.testing.bad_requests import error_shape_problem
 from moekv.tokenizer import Tokenizer
-from tests.mock_model import MockModel, mock_arch
+from tests.mock_model import MockModel, mock_arch, mock_engine_config
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -87,11 +90,8 @@ def make_engine(tokenizer_dir: Path | None, delay_s: float = 0.0, poison_token: 
                 max_num_batched_tokens: int = 256) -> Engine:
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     vocab = tokenizer.vocab_size if tokenizer is not None else 64
-    config = EngineConfig(
-        model=ModelConfig(model="mock", max_model_len=max_model_len),
-        cache=CacheConfig(kv_cache_dtype="fp32", page_size=page_size, num_pages=num_pages),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        device=DeviceConfig("cpu"))
+    config = mock_engine_config(max_model_len=max_model_len, page_size=page_size, num_pages=num_pages,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     model = SlowMockModel(mock_arch(vocab_size=vocab, max_position_embeddings=512), delay_s, poison_token)
     return Engine(config, model=model, tokenizer=tokenizer)
 
@@ -100,6 +100,69 @@ def make_app(engine: Engine, name: str = "mock", **config):
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, metrics)
     return build_app(async_engine, ServerConfig(served_model_name=name, **config)), async_engine
+
+
+@contextlib.contextmanager
+def running_app(engine: Engine, name: str = "mock", **config):
+    """make_app's (app, async engine) with the engine loop started, shut down on the way out."""
+    app, async_engine = make_app(engine, name, **config)
+    async_engine.start()
+    try:
+        yield app, async_engine
+    finally:
+        async_engine.shutdown()
+
+
+def asgi_call(app, fn, timeout_s: float = 60, raise_app_exceptions: bool = True, base_url: str = "http://test",
+              **client_options):
+    """`await fn(http)` against `app` in process: an httpx.AsyncClient over an ASGI transport (an exception
+    escaping the app fails the call when raise_app_exceptions), the whole call bounded by timeout_s."""
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url=base_url, **client_options) as http:
+            return await fn(http)
+    return asyncio.run(asyncio.wait_for(main(), timeout=timeout_s))
+
+
+def openai_client(server, api_key: str, timeout: float = 30):
+    """The official openai client for a running server (anything with .url): no retries, so errors show."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+def error_of(response: httpx.Response, status: int | None = None) -> dict:
+    """The `error` object of an error answer, after checking OpenAI's error shape: a body of exactly one
+    `error` with exactly message / type / param / code, a non-empty code and message
+    (moekv.testing.bad_requests.error_shape_problem, the soak's check too), no traceback in the text; and the
+    HTTP status when `status` is given."""
+    if status is not None:
+        assert response.status_code == status, response.text
+    assert error_shape_problem(response.status_code, response.content) is None, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert "Traceback" not in response.text
+    return body["error"]
+
+
+def bad_request(call, *args, **kwargs) -> dict:
+    """`call(*args, **kwargs)` through the openai client must be answered with a 400 (BadRequestError);
+    returns the error body (message, param, code) for the caller's assertions."""
+    import openai
+    import pytest
+
+    with pytest.raises(openai.BadRequestError) as info:
+        call(*args, **kwargs)
+    return info.value.body
+
+
+def stream_texts(chunks, n: int = 2) -> dict[int, str]:
+    """The text of each of n choices from a streamed chat answer's chunks (delta.content by choice index)."""
+    texts = {index: "" for index in range(n)}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    return texts
 
 
 def free_port() -> int:

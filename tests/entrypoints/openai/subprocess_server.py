@@ -11,22 +11,10 @@ from pathlib import Path
 
 import httpx
 
-from moekv.datasets import bundled_model_dir
 from tests.entrypoints.openai.helpers import free_port, write_char_tokenizer
+from tests.helpers import bundled_model
 
 REPO = Path(__file__).resolve().parents[3]   # the checkout root (PYTHONPATH=src resolves from here)
-
-
-def bundled_model() -> Path | None:
-    """The bundled checkpoint if it is complete (weights and tokenizer), else None."""
-    try:
-        folder = bundled_model_dir()
-    except FileNotFoundError:
-        return None
-    needed = ("config.json", "tokenizer.json", "tokenizer_config.json")
-    if all((folder / name).is_file() for name in needed) and any(folder.glob("*.safetensors")):
-        return folder
-    return None
 
 
 def tiny_random_model(folder: Path) -> Path:
@@ -37,6 +25,18 @@ def tiny_random_model(folder: Path) -> Path:
                                     max_position_embeddings=1024)
     write_char_tokenizer(checkpoint)
     return checkpoint
+
+
+def served_model(tmp_path_factory) -> Path:
+    """The bundled checkpoint, else a tiny random stand-in in a fresh temporary folder (needs transformers:
+    skips without it)."""
+    import pytest
+
+    bundled = bundled_model()
+    if bundled is not None:
+        return bundled
+    pytest.importorskip("transformers", reason="no bundled model and no transformers to build a stand-in")
+    return tiny_random_model(tmp_path_factory.mktemp("tiny-random"))
 
 
 class ServerProcess:

@@ -4,43 +4,32 @@ error (issue 20, item 2)."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 
 import httpx
 import pytest
 
-from tests.entrypoints.openai.helpers import ThreadedServer, make_app, make_engine
+from tests.entrypoints.openai.helpers import ThreadedServer, asgi_call, error_of, make_app, make_engine, running_app
 
 from moekv.testing.bad_requests import BAD_REQUESTS as BAD
 from moekv.testing.bad_requests import COMPLETIONS as C
-from moekv.testing.bad_requests import error_shape_problem, fuzzed_requests
+from moekv.testing.bad_requests import fuzzed_requests
 
 
 def post_all(app, requests: list[tuple[str, bytes]]) -> list[httpx.Response]:
     """POST each body through the app in process; an exception escaping the app fails the test."""
-    async def main():
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            return [await http.post(path, content=body, headers={"content-type": "application/json"})
-                    for path, body in requests]
-    return asyncio.run(asyncio.wait_for(main(), timeout=120))
+    async def calls(http):
+        return [await http.post(path, content=body, headers={"content-type": "application/json"})
+                for path, body in requests]
+    return asgi_call(app, calls, timeout_s=120, raise_app_exceptions=True)
 
 
 @pytest.fixture(scope="module")
 def app_engine(char_tokenizer_dir):
     engine = make_engine(char_tokenizer_dir)
-    app, async_engine = make_app(engine)
-    async_engine.start()
-    yield app, engine
-    async_engine.shutdown()
-
-
-def assert_error_shape(response: httpx.Response) -> dict:
-    assert error_shape_problem(response.status_code, response.content) is None, response.text
-    assert "Traceback" not in response.text
-    return response.json()["error"]
+    with running_app(engine) as (app, _):
+        yield app, engine
 
 
 def test_bad_input_is_a_400_with_a_code(app_engine):
@@ -48,7 +37,7 @@ def test_bad_input_is_a_400_with_a_code(app_engine):
     responses = post_all(app, [(path, body.encode()) for path, body, _, _ in BAD])
     for (path, body, code, param), response in zip(BAD, responses):
         assert response.status_code == 400, (body[:80], response.text)
-        error = assert_error_shape(response)
+        error = error_of(response)
         assert (error["code"], error["param"]) == (code, param), (body[:80], error)
     assert not engine.requests   # nothing was queued
 
@@ -62,7 +51,7 @@ def test_fuzzed_bodies_never_get_a_5xx(app_engine):
     assert statuses.count(400) > 100 and statuses.count(200) > 0   # the fuzzer reaches both sides
     for response in responses:
         if response.status_code >= 400:
-            assert_error_shape(response)
+            error_of(response)
         elif response.headers["content-type"].startswith("text/event-stream"):
             assert response.text.endswith("data: [DONE]\n\n")
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import API_KEY
-from tests.entrypoints.openai.helpers import read_metrics, wait_idle
+from tests.entrypoints.openai.helpers import bad_request, error_of, openai_client, read_metrics, stream_texts, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -76,11 +76,7 @@ def test_n_greater_than_one(client):
     assert [c.text for c in huge_seed.choices] == ["cd", "cd"]
     chunks = list(client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=2, n=2, stream=True))
-    texts = {0: "", 1: ""}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            texts[choice.index] += choice.delta.content or ""
-    assert texts == {0: "?@", 1: "?@"}
+    assert stream_texts(chunks) == {0: "?@", 1: "?@"}
 
 
 def test_echo(client):
@@ -154,13 +150,6 @@ def test_metrics_count_tokens_and_requests(mock_server, client):
 
 
 # -- errors ----------------------------------------------------------------------------------------------
-def _error(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    assert "Traceback" not in response.text
-    return body["error"]
-
-
 def post(server, path, payload=None, headers=AUTH, timeout=30):
     return httpx.post(f"{server.url}{path}", json=payload, headers=headers, timeout=timeout)
 
@@ -168,7 +157,7 @@ def post(server, path, payload=None, headers=AUTH, timeout=30):
 def test_unknown_model_is_404(mock_server, client):
     response = post(mock_server, "/v1/completions", {"model": "gpt-4", "prompt": "a"})
     assert response.status_code == 404
-    error = _error(response)
+    error = error_of(response)
     assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-4" in error["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
@@ -177,18 +166,15 @@ def test_unknown_model_is_404(mock_server, client):
 def test_malformed_json_is_400(mock_server):
     response = httpx.post(f"{mock_server.url}/v1/completions", content=b'{"model": "mock", "prompt": ',
                           headers={**AUTH, "Content-Type": "application/json"})
-    assert response.status_code == 400 and _error(response)["code"] == "invalid_json"
+    assert response.status_code == 400 and error_of(response)["code"] == "invalid_json"
 
 
 def test_context_length_is_400_with_both_numbers(client):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="mock", prompt="abcdefghij", max_tokens=90)
-    error = info.value.body
+    error = bad_request(client.completions.create, model="mock", prompt="abcdefghij", max_tokens=90)
     assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
     assert "prompt is 10 tokens" in error["message"] and "max_model_len) is 96" in error["message"]
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="mock", prompt="a" * 96)
-    assert info.value.body["param"] == "prompt" and "prompt is 96 tokens" in info.value.body["message"]
+    error = bad_request(client.completions.create, model="mock", prompt="a" * 96)
+    assert error["param"] == "prompt" and "prompt is 96 tokens" in error["message"]
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 1.5), ("max_tokens", 0), ("n", 0),
@@ -197,30 +183,30 @@ def test_context_length_is_400_with_both_numbers(client):
 def test_invalid_parameter_is_400_naming_it(mock_server, field, value):
     response = post(mock_server, "/v1/completions", {"model": "mock", "prompt": "a", field: value})
     assert response.status_code == 400
-    assert _error(response)["param"] == field
+    assert error_of(response)["param"] == field
 
 
 def test_chat_errors(mock_server):
     bad_role = post(mock_server, "/v1/chat/completions", {"model": "mock", "messages": [{"role": "x", "content": "a"}]})
-    assert bad_role.status_code == 400 and _error(bad_role)["param"] == "messages"
+    assert bad_role.status_code == 400 and error_of(bad_role)["param"] == "messages"
     no_messages = post(mock_server, "/v1/chat/completions", {"model": "mock", "messages": []})
-    assert no_messages.status_code == 400 and _error(no_messages)["param"] == "messages"
+    assert no_messages.status_code == 400 and error_of(no_messages)["param"] == "messages"
     image = post(mock_server, "/v1/chat/completions", {"model": "mock", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
-    assert image.status_code == 400 and "not supported" in _error(image)["message"]
+    assert image.status_code == 400 and "not supported" in error_of(image)["message"]
     lonely = post(mock_server, "/v1/chat/completions", {"model": "mock", "top_logprobs": 2,
                                                         "messages": [{"role": "user", "content": "a"}]})
-    assert lonely.status_code == 400 and _error(lonely)["param"] == "top_logprobs"
+    assert lonely.status_code == 400 and error_of(lonely)["param"] == "top_logprobs"
 
 
 def test_token_id_outside_vocab_is_400(mock_server):
     response = post(mock_server, "/v1/completions", {"model": "mock", "prompt": [1, 99999]})
-    assert response.status_code == 400 and _error(response)["param"] == "prompt"
+    assert response.status_code == 400 and error_of(response)["param"] == "prompt"
 
 
 def test_body_too_large_is_413(mock_server):
     response = post(mock_server, "/v1/completions", {"model": "mock", "prompt": "a" * 70_000})
-    assert response.status_code == 413 and _error(response)["code"] == "request_too_large"
+    assert response.status_code == 413 and error_of(response)["code"] == "request_too_large"
 
 
 def test_body_too_large_without_content_length_is_413(mock_server):
@@ -232,7 +218,7 @@ def test_body_too_large_without_content_length_is_413(mock_server):
 
     response = httpx.post(f"{mock_server.url}/v1/completions", content=chunks(),
                           headers={**AUTH, "Content-Type": "application/json"})
-    assert response.status_code == 413 and _error(response)["code"] == "request_too_large"
+    assert response.status_code == 413 and error_of(response)["code"] == "request_too_large"
 
 
 def test_api_key(mock_server):
@@ -241,8 +227,8 @@ def test_api_key(mock_server):
                  headers={"Authorization": "Bearer nope"})
     models = httpx.get(f"{mock_server.url}/v1/models")
     for response in (missing, wrong, models):
-        assert response.status_code == 401 and _error(response)["code"] == "invalid_api_key"
-    bad = openai.OpenAI(base_url=f"{mock_server.url}/v1", api_key="wrong", max_retries=0)
+        assert response.status_code == 401 and error_of(response)["code"] == "invalid_api_key"
+    bad = openai_client(mock_server, "wrong")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     assert httpx.get(f"{mock_server.url}/health").status_code == 200
@@ -251,7 +237,7 @@ def test_api_key(mock_server):
 
 def test_unknown_route_is_404_json(mock_server):
     response = httpx.get(f"{mock_server.url}/v1/nothing", headers=AUTH)
-    assert response.status_code == 404 and _error(response)["code"] == "not_found"
+    assert response.status_code == 404 and error_of(response)["code"] == "not_found"
 
 
 # -- cancellation and failures -----------------------------------------------------------------------------

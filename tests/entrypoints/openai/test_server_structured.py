@@ -12,6 +12,7 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from tests.entrypoints.openai.conftest import API_KEY  # noqa: E402
+from tests.entrypoints.openai.helpers import stream_texts  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "mood": {"enum": ["glad", "sad"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -33,11 +34,7 @@ def test_chat_json_schema_validates(client):
     jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
     chunks = client.chat.completions.create(model="mock", messages=messages, max_tokens=70, temperature=0.5,
                                             seed=3, response_format=FORMAT, stream=True, n=2)
-    texts = {0: "", 1: ""}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            texts[choice.index] += choice.delta.content or ""
-    for text in texts.values():
+    for text in stream_texts(chunks).values():
         jsonschema.validate(json.loads(text), SCHEMA)
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 import torch
 
-from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from moekv.engine.engine import Engine
 from moekv.tokenizer import Tokenizer
-from tests.entrypoints.openai.helpers import ThreadedServer, make_app, write_char_tokenizer
-from tests.mock_model import MockModel, mock_arch
+from tests.entrypoints.openai.helpers import ThreadedServer, bad_request, make_app, openai_client, write_char_tokenizer
+from tests.mock_model import MockModel, mock_arch, mock_engine_config
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -55,10 +53,8 @@ class ScriptedModel(MockModel):
 
 def serve(folder, parser):
     tokenizer = Tokenizer(folder)
-    config = EngineConfig(model=ModelConfig(model="mock", max_model_len=1024),
-                          cache=CacheConfig(kv_cache_dtype="fp32", page_size=8, num_pages=512),
-                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024),
-                          device=DeviceConfig("cpu"))
+    config = mock_engine_config(max_model_len=1024, page_size=8, num_pages=512, max_num_seqs=8,
+                                max_num_batched_tokens=1024)
     model = ScriptedModel(mock_arch(vocab_size=tokenizer.vocab_size, max_position_embeddings=2048))
     engine = Engine(config, model=model, tokenizer=tokenizer)
     app, _ = make_app(engine, api_key="k", tool_call_parser=parser)
@@ -71,7 +67,7 @@ def tool_server(request, tmp_path_factory):
     server, model, tokenizer = serve(folder, request.param)
     with server:
         server.model, server.tokenizer, server.parser = model, tokenizer, request.param
-        server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0, timeout=30)
+        server.client = openai_client(server, "k")
         yield server
 
 
@@ -186,25 +182,23 @@ def test_bad_tool_requests_are_400(tool_server, kwargs, param):
     kwargs = {"tools": TOOLS, **kwargs}
     if kwargs["tools"] is None:
         del kwargs["tools"]
-    with pytest.raises(openai.BadRequestError) as info:
-        tool_server.client.chat.completions.create(model="mock", messages=USER, max_tokens=5, **kwargs)
-    assert info.value.body["param"] == param
+    body = bad_request(tool_server.client.chat.completions.create, model="mock", messages=USER, max_tokens=5,
+                       **kwargs)
+    assert body["param"] == param
 
 
 def test_tools_need_a_template_that_renders_them_and_auto_needs_a_parser(tmp_path):
     plain = write_char_tokenizer(tmp_path / "plain")             # its template never reads `tools`
     server, _, _ = serve(plain, "hermes")
     with server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0, timeout=30)
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="mock", messages=USER, tools=TOOLS, max_tokens=5)
-        assert info.value.body["param"] == "tools"
+        client = openai_client(server, "k")
+        body = bad_request(client.chat.completions.create, model="mock", messages=USER, tools=TOOLS, max_tokens=5)
+        assert body["param"] == "tools"
     server, _, _ = serve(write_char_tokenizer(tmp_path / "tools", chat_template=TEMPLATE), None)
     with server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0, timeout=30)
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="mock", messages=USER, tools=TOOLS, max_tokens=5)
-        assert info.value.body["param"] == "tool_choice"
+        client = openai_client(server, "k")
+        body = bad_request(client.chat.completions.create, model="mock", messages=USER, tools=TOOLS, max_tokens=5)
+        assert body["param"] == "tool_choice"
         forced = client.chat.completions.create(model="mock", messages=USER, tools=TOOLS, max_tokens=120,
                                                 temperature=0, tool_choice="required", parallel_tool_calls=False)
         assert forced.choices[0].finish_reason == "tool_calls"

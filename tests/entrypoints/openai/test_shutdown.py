@@ -13,18 +13,9 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.subprocess_server import ServerProcess, bundled_model, tiny_random_model
+from tests.entrypoints.openai.subprocess_server import ServerProcess
 
 SHUTDOWN_TIMEOUT_S = 1.5
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    bundled = bundled_model()
-    if bundled is not None:
-        return bundled
-    pytest.importorskip("transformers", reason="no bundled model and no transformers to build a stand-in")
-    return tiny_random_model(tmp_path_factory.mktemp("tiny-random"))
 
 
 def _post(url: str, body: dict, results: dict, key: str, first_chunk: threading.Event | None = None) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
@@ -11,7 +9,7 @@ from moekv.cli import build_parser, main
 from moekv.errors import ConfigError
 from moekv.paths import default_model_dir
 from tests.entrypoints.openai.conftest import API_KEY
-from tests.entrypoints.openai.helpers import make_app, make_engine
+from tests.entrypoints.openai.helpers import asgi_call, make_engine, running_app
 
 pytest.importorskip("fastapi")
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -94,24 +92,17 @@ def test_unimplemented_vllm_flags_fail_naming_the_flag(flag, capsys):
 def test_served_model_names_and_max_logprobs(tmp_path):
     from tests.entrypoints.openai.helpers import write_char_tokenizer
 
+    async def calls(http):
+        models = (await http.get("/v1/models")).json()["data"]
+        ok = await http.post("/v1/completions", json={"model": "second", "prompt": "a", "max_tokens": 2,
+                                                      "logprobs": 2})
+        too_many = await http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "logprobs": 3})
+        unknown = await http.post("/v1/completions", json={"model": "third", "prompt": "a", "max_tokens": 2})
+        return models, ok, too_many, unknown
+
     engine = make_engine(write_char_tokenizer(tmp_path / "tok"))
-    app, async_engine = make_app(engine, name="first", served_model_aliases=("second",), max_logprobs=2)
-    async_engine.start()
-
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-            models = (await http.get("/v1/models")).json()["data"]
-            ok = await http.post("/v1/completions", json={"model": "second", "prompt": "a", "max_tokens": 2,
-                                                          "logprobs": 2})
-            too_many = await http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "logprobs": 3})
-            unknown = await http.post("/v1/completions", json={"model": "third", "prompt": "a", "max_tokens": 2})
-            return models, ok, too_many, unknown
-
-    try:
-        models, ok, too_many, unknown = asyncio.run(asyncio.wait_for(go(), 30))
-    finally:
-        async_engine.shutdown()
+    with running_app(engine, name="first", served_model_aliases=("second",), max_logprobs=2) as (app, _):
+        models, ok, too_many, unknown = asgi_call(app, calls, timeout_s=30)
     assert [m["id"] for m in models] == ["first", "second"] and models[0]["max_model_len"] == 96
     assert ok.status_code == 200 and ok.json()["model"] == "first"
     assert too_many.status_code == 400 and "--max-logprobs" in too_many.json()["error"]["message"]
@@ -192,18 +183,16 @@ def test_vllm_metrics_and_bits_gauges_on_the_bundled_model_int3():
     async_engine.start()
     seen_share = []
 
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as http:
-            async with http.stream("POST", "/v1/completions", json={
-                    "prompt": "ROMEO:", "max_tokens": 24, "temperature": 0, "stream": True}) as response:
-                async for _ in response.aiter_lines():
-                    seen_share.append(parse_metrics((await http.get("/metrics")).text)[
-                        "moekv:kv_cache_full_precision_token_share"])
-            return parse_metrics((await http.get("/metrics")).text), (await http.get("/metrics")).text
+    async def calls(http):
+        async with http.stream("POST", "/v1/completions", json={
+                "prompt": "ROMEO:", "max_tokens": 24, "temperature": 0, "stream": True}) as response:
+            async for _ in response.aiter_lines():
+                seen_share.append(parse_metrics((await http.get("/metrics")).text)[
+                    "moekv:kv_cache_full_precision_token_share"])
+        return parse_metrics((await http.get("/metrics")).text), (await http.get("/metrics")).text
 
     try:
-        values, text = asyncio.run(asyncio.wait_for(go(), 120))
+        values, text = asgi_call(app, calls, timeout_s=120, timeout=60)
     finally:
         async_engine.shutdown()
     cache = engine.kv_cache

@@ -1,0 +1,64 @@
+"""Helpers shared by the test folders: the ops backend of one test (the folders' `backend` fixtures), a block
+in which reading a tensor back to the host fails the test, and the bundled checkpoint (tests that need it skip
+without it)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekv.ops import dispatch
+
+BACKENDS = ("reference", "triton")
+
+
+@contextlib.contextmanager
+def ops_backend(name: str, cpu_tensors: bool = False):
+    """moekv.ops.dispatch on `name` for the block. "triton" skips without triton, and with `cpu_tensors` (a test
+    whose tensors stay on the CPU) also without Triton's interpreter (on a CUDA machine it is not set)."""
+    if name == "triton":
+        pytest.importorskip("triton")
+        if cpu_tensors and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton backend on CPU tensors needs the interpreter (set without CUDA)")
+    with dispatch.override(backend=name):
+        yield name
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch, what: str):
+    """Inside the block every host read of a tensor (the methods of HOST_READS: .item(), .tolist(), .cpu(),
+    .numpy(), bool / int / float of one) and torch.tensor raise AssertionError("<what> read a tensor back to
+    the host"): what a CUDA-graph capture or a device-only path must never do."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError(f"{what} read a tensor back to the host")
+
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, forbidden)
+        patch.setattr(torch, "tensor", forbidden)
+        yield
+
+
+def bundled_model() -> Path | None:
+    """The bundled checkpoint if it is complete (weights, config and tokenizer), else None."""
+    from moekv.datasets import bundled_model_dir
+
+    try:
+        folder = bundled_model_dir()
+    except FileNotFoundError:
+        return None
+    needed = ("config.json", "tokenizer.json", "tokenizer_config.json")
+    if all((folder / name).is_file() for name in needed) and any(folder.glob("*.safetensors")):
+        return folder
+    return None
+
+
+needs_bundled_model = pytest.mark.skipif(
+    bundled_model() is None, reason="needs the bundled checkpoint (models/tiny-shakespeare-moe), not in this checkout")
