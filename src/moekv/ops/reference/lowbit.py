@@ -130,7 +130,8 @@ def _choose_ranges(grouped: torch.Tensor, dim: int, inlier: torch.Tensor, lo: to
             return
         diff = codes * scale + zero - grouped
         error = torch.where(inlier, diff * diff, torch.zeros_like(diff)).sum(dim, keepdim=True)
-        a, b = torch.as_tensor(a).expand_as(error), torch.as_tensor(b).expand_as(error)
+        a = torch.as_tensor(a, device=error.device).expand_as(error)
+        b = torch.as_tensor(b, device=error.device).expand_as(error)
         if "best" not in state:
             state.update(best=candidate, error=error, a=a, b=b)
             return
