@@ -1,4 +1,5 @@
-"""Low-bit paged decode attention in CUDA C++ (v7): the decode-step kernel over the low-bit KV pages.
+"""Low-bit paged decode attention in CUDA C++ (v9, one warp per page; "v7" names the CUDA kernel family):
+the decode-step kernel over the low-bit KV pages.
 
 Same contract as ops.reference.lowbit.paged_attention_lowbit (its pure-PyTorch twin and the CI oracle) for a
 decode step (one new token per sequence). Design, measurements and the history of the earlier Triton kernels:

@@ -1,17 +1,16 @@
-// Low-bit paged decode attention for Hopper (v7): one CUDA kernel reads the packed pages straight from
-// global memory through a cp.async ring in shared memory and computes on the tensor cores
+// Low-bit paged decode attention for Hopper (v9): one CUDA kernel reads the packed pages straight from
+// global memory through cp.async rings in shared memory and computes on the tensor cores
 // (mma.sync m16n8k16, fp16 operands, fp32 accumulators). Contract and byte layout: docs/kv-format.md and
-// docs/attention-kernels.md ("v7"); the pure-PyTorch twin is ops.reference.lowbit.paged_attention_lowbit.
+// docs/attention-kernels.md ("v9"); the pure-PyTorch twin is ops.reference.lowbit.paged_attention_lowbit.
 //
-// Work split: one CTA (4 warps) per (split, kv head, sequence). All warps walk the same pages; warp w takes
-// tokens [32w, 32w + 32) of each 128-token page, with an online softmax of its own (merged at the end).
-// Per page (one CTA barrier per page):
-//   loads   : every thread issues its share of 16-byte cp.async copies: the codes of page i + 1 into a 2-stage
-//             ring, the small arrays (scales, zero points, counts, outliers, the staging slot) of page i + 2 into
-//             a 3-stage ring; no load waits in the compute path.
-//   prep    : the CTA folds page i + 1's per-channel key scale into the query (the MMA B operand, per lane, in
-//             fragment order), computes q . Z per head and each token's value scale / zero point into the other
-//             of two prep buffers while page i is computed.
+// Work split: one CTA (4 warps) per (split, kv head, sequence). Warp w streams pages w, w + 4, ... of the split on
+// its own (lowbit_decode_page.cuh), 32 tokens (a chunk) at a time, with an online softmax of its own; the CTA
+// meets only before the page loop (query tables) and after it (merge, staged pages, split combine).
+// Per page and warp:
+//   loads   : a ring of three chunk buffers (fills K_0, V_0, K_1, ...: the next chunk's keys and values always in
+//             flight), the page's small arrays one page ahead as uniform 16-byte pieces (Params::m_*).
+//   prep    : the per-channel key scale folded into the query (the MMA B operand, per lane, in fragment order),
+//             q . Z per head on the tensor cores, each token's value scale / zero point.
 //   keys    : S^T[tok, head] = codes[tok, ch] . q'[ch, head]: tokens are the MMA M dimension, the GQA group
 //             (padded to 8) is N. Codes become fp16 operands by masks alone: a k-bit field at bit offset o
 //             (o + k <= 10) of a 16-bit half IS the fp16 subnormal code * 2^(o - 24); the 2^-o goes into q',
