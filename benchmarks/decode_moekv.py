@@ -86,8 +86,11 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
            "step_ms_median": timed["step_ms_median"], "steps_by_kind": timed["by_kind"],
            "graph_fallback": runner.graph_fallback_reason, "kernel_breakdown": breakdown, "layer_profile": layers,
            **installed}
+    if engine.overlap is not None:
+        row["overlap_stats"] = dict(engine.overlap.stats)
     for request_id in list(engine.requests):
         engine.abort(request_id)
+    engine.routing.remove_hooks()      # the model outlives the engine: its next row's engine must not run this hook
     del engine
     free_memory(device)
     return row

@@ -64,6 +64,10 @@ SWITCHES: tuple[RowSwitch, ...] = (
     RowSwitch("fusion", "kernels", "fused_decode_layer",
               "on, off or on,off: moekv rows with the fused decode layer (KernelConfig.fused_decode_layer) on / off, "
               "side by side ('' = as configured)", installed=_fused_decode_layer_installed),
+    RowSwitch("overlap", "device", "overlap_decode",
+              "on, off or on,off: moekv rows with overlapped decode steps (DeviceConfig.overlap_decode, "
+              "engine/overlap.py: the host launches step n + 1 before it reads step n) on / off; 'outside' is then "
+              "what the host still leaves the GPU idle", installed=lambda engine: engine.overlap is not None),
 )
 
 

@@ -73,4 +73,5 @@ for kv in args.kv.split(","):
         if v * 1e3 / args.steps >= 0.005:
             print(f"   {v * 1e3 / args.steps:8.3f} ms  {k}")
     for r in list(engine.requests): engine.abort(r)
+    engine.routing.remove_hooks()   # the model is shared: the next engine must not run this one's pre-hook too
     del engine

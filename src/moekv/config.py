@@ -249,6 +249,10 @@ class DeviceConfig:
     cpu_kernel_cache_entries: int | None = 128   # CPU: entries of oneDNN's (and ideep's) caches of compiled
                                         # matmuls, keyed by shape, ~1 MB each: at their default 1024, batches of
                                         # ever-new shapes grew a server's RSS by ~1 GB (issue 20). None: theirs.
+    overlap_decode: bool = False        # overlapped CUDA-graph decode steps (engine/overlap.py): the host plans and
+                                        # launches step n+1 while the GPU runs step n, whose tokens it reads one
+                                        # step later; outputs as with False. Off until measured on the GPU
+                                        # (bench_decode --overlap on,off); one process only (no expert parallelism)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -263,6 +267,8 @@ class DeviceConfig:
                               f"got {self.cpu_kernel_cache_entries!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if not isinstance(self.overlap_decode, bool):
+            raise ConfigError(f"overlap_decode must be True or False, got {self.overlap_decode!r}")
 
     @property
     def resolved(self) -> str:
@@ -352,6 +358,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model.quantization == "fp8" and self.parallel.expert_parallel_size > 1:
             raise ConfigError(FP8_EXPERT_PARALLEL_ERROR)
+        if self.device.overlap_decode and self.parallel.expert_parallel_size > 1:
+            raise ConfigError("overlap_decode needs expert_parallel_size == 1 (expert-parallel ranks agree on each "
+                              "step before it runs, in lockstep)")
 
 
 # Not yet: the expert-parallel exchange / rebalance move 16-bit expert tensors only (offloading takes FP8

@@ -21,7 +21,7 @@ import torch
 
 from moekv.core.sampling_params import SamplingParams, StructuredOutputParams
 
-__all__ = ["SamplingParams", "StructuredOutputParams", "SampleResult", "SamplingInputs", "filter_logits",
+__all__ = ["SamplingParams", "StructuredOutputParams", "SampleResult", "SamplingInputs", "draw", "filter_logits",
            "filter_logits_batch", "penalty_counts", "process_logits", "process_logits_reference", "token_counts",
            "unpack_bitmask", "sample", "top_logprobs"]
 
@@ -185,9 +185,15 @@ def filter_logits_batch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           inputs: SamplingInputs | None = None) -> SampleResult:
-    """logits [S, V] -> one token per row, and top-N log-probabilities where asked."""
+def _to_device(values: list, device) -> torch.Tensor:
+    """A small host list on the device without waiting for the stream (pageable, staged at once)."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+         inputs: SamplingInputs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draw of `sample`, on the device, reading nothing back: logits [S, V] -> (the float logits [S, V],
+    tokens [S] int64). Overlapped decode feeds the tokens to the next step before the host sees them."""
     raw = logits.float()
     device = raw.device
     processed = process_logits(raw, params, inputs) if inputs is not None and (
@@ -195,10 +201,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = torch.argmax(processed, dim=-1)                                               # [S]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        index = torch.tensor(random_rows, device=device)
-        temperature = torch.tensor([params[i].temperature for i in random_rows], device=device)[:, None]
-        top_k = torch.tensor([params[i].top_k for i in random_rows], device=device)
-        top_p = torch.tensor([params[i].top_p for i in random_rows], device=device)
+        index = _to_device(random_rows, device)
+        temperature = _to_device([params[i].temperature for i in random_rows], device)[:, None]
+        top_k = _to_device([params[i].top_k for i in random_rows], device)
+        top_p = _to_device([params[i].top_p for i in random_rows], device)
         filtered = filter_logits_batch(processed[index] / temperature, top_k, top_p)        # [R, V]
         probs = torch.softmax(filtered, dim=-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), equals a categorical draw from p. Each row's noise
@@ -207,6 +213,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for j, row in enumerate(random_rows):
             noise[j].exponential_(generator=generators[row])
         tokens[index] = torch.argmax(probs / noise, dim=-1)
+    return raw, tokens
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           inputs: SamplingInputs | None = None) -> SampleResult:
+    """logits [S, V] -> one token per row, and top-N log-probabilities where asked."""
+    raw, tokens = draw(logits, params, generators, inputs)
+    device = raw.device
     token_list = tokens.tolist()
     logprob_dicts: list[dict[int, float] | None] = [
         top_logprobs(raw[row], token_list[row], p.logprobs) if p.logprobs is not None else None

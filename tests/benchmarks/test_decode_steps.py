@@ -1,12 +1,16 @@
 """benchmarks/decode_steps.py: step kinds from the running sequences' positions, and timed steps on the CPU
-(no graphs: no replay time; the kinds and the step count still hold)."""
+(no graphs: no replay time; the kinds and the step count still hold, with overlapped steps too); bench_decode's
+--overlap rows."""
 
 from __future__ import annotations
 
+import json
 import types
 
+import pytest
 import torch
 
+from benchmarks import bench_decode
 from benchmarks.decode_steps import step_kinds, time_steps
 from moekv import LLM, SamplingParams
 from moekv.paths import default_model_dir
@@ -26,11 +30,13 @@ def test_step_kinds():
     assert kinds.count("fill") == 2 and kinds.count("start") == 3 and kinds[127] == "fill"
 
 
-def test_time_steps_on_the_cpu():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_time_steps_on_the_cpu(overlap):
     llm = LLM(model=default_model_dir(), dtype="fp32", kv_cache_dtype="int3", device="cpu", page_size=8,
               max_model_len=128, max_num_seqs=2, cuda_graphs=False)
     engine = llm.engine
     assert engine.runner.enable_graphs(capture=False)
+    assert not overlap or engine.enable_overlap()
     for prompt in ([5, 17, 33], [7, 8, 9, 10, 11]):
         engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     engine.step()
@@ -40,3 +46,33 @@ def test_time_steps_on_the_cpu():
     kinds = row["by_kind"]
     assert sum(k["steps"] for k in kinds.values()) == 12
     assert kinds["fill"]["steps"] == 3 and kinds["start"]["steps"] == 3 and kinds["ordinary"]["steps"] == 6
+    if overlap:        # the first timed step builds bucket 2 (synchronous), the second is launched, then 10 behind it
+        stats = engine.overlap.stats
+        assert stats["launched"] == 11 and stats["overlapped"] == 10 and stats["idle_waits"] == 0
+
+
+def test_bench_decode_overlap_rows(tmp_path):
+    """--overlap on,off: one row each, tagged; on the CPU no step runs through a graph, so the "on" row says it ran
+    synchronously. Each row's engine takes its routing hook off the shared model (a later row's engine would
+    run it eagerly before every replay)."""
+    built = []
+    make_engine = bench_decode.make_engine
+
+    def tracked(model, *args, **kwargs):
+        built.append(model)
+        return make_engine(model, *args, **kwargs)
+    bench_decode.make_engine = tracked
+    try:
+        assert bench_decode.main(["--tiny", "--no-hf", "--scenarios", "1x32:bf16", "--moe-tokens", "", "--steps", "1",
+                                  "--warmup", "0", "--profile-steps", "1", "--overlap", "on,off",
+                                  "--out", str(tmp_path)]) == 0
+    finally:
+        bench_decode.make_engine = make_engine
+    result = json.loads(next(tmp_path.glob("decode-bench-*.json")).read_text())
+    assert [(r["system"], r["overlap"]) for r in result["decode"]] == [("moekv", "off (no graph steps)"),
+                                                                       ("moekv", "off")]
+    assert not result["errors"] and len(built) == 2 and not built[0]._forward_pre_hooks
+    md = next(tmp_path.glob("decode-bench-*.md")).read_text()
+    assert "| moekv (overlap off (no graph steps)) |" in md and "| moekv (overlap off) |" in md
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--tiny", "--overlap", "yes"])

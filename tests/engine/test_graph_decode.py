@@ -66,6 +66,11 @@ def test_padding_rows_do_not_count_as_expert_load():
     _, eager = _generate(False, "fp32", "fp32", page_size=4)
     _, static = _generate(True, "fp32", "fp32", page_size=4)
     assert torch.equal(eager.engine.expert_load(), static.engine.expert_load())
+    # the load window: folded by the model's pre-hook before each eager step, inside the forward of a graph step
+    # (its host half counts the step): the same window, bit for bit, and the same step count
+    eager_load, static_load = eager.engine.routing.load, static.engine.routing.load
+    assert torch.equal(eager_load.window, static_load.window) and eager_load.steps == static_load.steps > 10
+    assert eager.engine.routing_stats()["expert_load"] == static.engine.routing_stats()["expert_load"]
 
 
 @pytest.mark.skipif(not LowBitKVCache.supports_graph_decode,

@@ -38,3 +38,21 @@ def test_window_decays_and_survives_a_reset():
     assert snap["total"] == [[2, 0, 0]]
     assert snap["hot_experts"] == [[1]]                # by the window, not the total
     assert snap["window"] == [[1.5, 2.0, 0.25]]        # one more (empty) step folded in at read time
+
+
+def test_fold_is_update_without_the_step_count_and_an_idle_step_keeps_the_window():
+    """fold() is update()'s device half (a CUDA-graph decode step captures it; the host counts the step); with
+    live 0 (a padding-only collective step) the window neither decays nor changes."""
+    counter = torch.zeros(1, 3, dtype=torch.int64)
+    eager, folded = ExpertLoadTracker(counter, decay=0.5), ExpertLoadTracker(counter, decay=0.5)
+    counter += torch.tensor([[4, 0, 2]])
+    eager.update()
+    folded.fold(torch.tensor([1]))
+    counter += torch.tensor([[0, 8, 0]])
+    eager.update()
+    folded.fold()
+    assert torch.equal(eager.window, folded.window) and eager.steps == 2 and folded.steps == 0
+    folded.fold(torch.tensor([0]))                     # idle: nothing routed, nothing decays
+    assert folded.window.tolist() == [[2.0, 8.0, 1.0]]
+    folded.fold(torch.tensor([1]))                     # a live step with nothing routed decays it
+    assert folded.window.tolist() == [[1.0, 4.0, 0.5]]

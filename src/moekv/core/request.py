@@ -46,6 +46,7 @@ class Request:
     penalty_state: object | None = None  # penalties: its token counts on the device (engine/sampling_step.py)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0     # tokens whose keys/values are in the KV cache
+    num_pending_tokens: int = 0      # overlapped decode: tokens drawn on the device, not read yet (after the output)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     num_preemptions: int = 0
@@ -66,6 +67,19 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens, with those drawn but not read yet (overlapped decode: `token_ids` does not
+        have them; the step that computes one reads it from the device)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_committed_tokens(self) -> int:
+        """Computed tokens of steps already read (overlapped decode: each step not read yet computed one more,
+        and drew one pending token); what prefix caching may register."""
+        return self.num_computed_tokens - self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + output tokens the host has read."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

@@ -1,4 +1,4 @@
-"""CUDA-graph decode steps of the model runner: eligibility, capture (alone or collectively), replay.
+"""CUDA-graph decode steps of the model runner: eligibility, capture (alone or collectively), the captured forward.
 
 Decode-only steps (every chunk one new token, every chunk samples) can run as a replayed CUDA graph:
 one graph per batch-size bucket (1, 2, 4, ..., max_num_seqs; static buffers in engine/graph_buckets.py),
@@ -9,7 +9,10 @@ keys/values land in a scratch page the runner holds for its lifetime. The captur
 small status buffer [3, Bb] (each row's logits usable, its argmax, the cache's non-finite KV flag from
 `KVCache.step_flags`), which the step reads back in its one host read: the engine then needs no check of
 its own and, for greedy requests without logprobs, no sampling op. Sampling otherwise stays eager on the
-real rows. See docs/architecture.md, "CUDA-graph decode step".
+real rows. The captured forward starts with the device half of the routing runtime's per-step hook (the
+expert-load window's fold); only its host half (a step count) runs before the replay. With overlapped decode
+(`enable_token_feed`) it also reads its tokens from, and writes its argmax to, a device feed.
+See docs/architecture.md, "CUDA-graph decode step".
 
 Collective steps (expert parallelism): when the model's experts name a `step_coordinator`
 (distributed.expert_parallel.ExpertParallelRuntime), every rank must run the same bucket in the same
@@ -19,7 +22,8 @@ with padding rows only (`execute_idle`), and a capture that fails on any rank ma
 back to eager at the same step (`coordinator.any_rank`, outside any graph). See docs/expert-parallel.md.
 
 `CudaGraphSteps` is the graph half of `engine.model_runner.ModelRunner` (which sets the attributes it
-uses: model, kv_cache, kv_manager, device, max_num_seqs, max_model_len and the graph state).
+uses: model, kv_cache, kv_manager, device, max_num_seqs, max_model_len and the graph state); a step's launch,
+replay and read-back (synchronous or overlapped) are `engine.graph_replay.GraphReplay`, mixed in beside it.
 """
 
 from __future__ import annotations
@@ -34,8 +38,7 @@ import torch
 from moekv import envs
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.engine.graph_buckets import GraphBucket, graph_buckets
-from moekv.engine.step_result import StepResult, usable_rows
-from moekv.scheduler.output import SchedulerOutput
+from moekv.engine.step_result import usable_rows
 
 logger = logging.getLogger("moekv.engine")
 
@@ -165,7 +168,8 @@ class CudaGraphSteps:
         if bucket is None:
             max_pages = -(-self.max_model_len // self.kv_manager.page_size)
             bucket = GraphBucket(size, max_pages, self.scratch_page, self.kv_manager.page_size,
-                                 self._num_splits(size), self.device, self.kv_cache.graph_step_bytes(size))
+                                 self._num_splits(size), self.device, self.kv_cache.graph_step_bytes(size),
+                                 feed_base=self.buckets[-1])
             if bucket.step_buffers is not None:      # the cache's step rows ride in the bucket's one copy
                 self.kv_cache.bind_graph_step(bucket.meta, *bucket.step_buffers)
             bucket.fill([])
@@ -234,7 +238,7 @@ class CudaGraphSteps:
                 bucket.fill([])                      # waits for the previous copy out of the host buffer
                 self.kv_cache.begin_step(meta)       # may write the cache's rows into the bucket's host buffer
                 bucket.upload()
-                self._static_forward(bucket)
+                self._static_forward(bucket, step_hooks=False)   # a padding-only run is no step of the model's
                 self.kv_cache.end_step(meta)
         if cuda:
             torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -255,83 +259,58 @@ class CudaGraphSteps:
                     meta.fixed_num_splits)
         return graph, logits
 
-    def _static_forward(self, bucket: GraphBucket) -> torch.Tensor:
+    def _static_forward(self, bucket: GraphBucket, step_hooks: bool = True) -> torch.Tensor:
         """The decode forward over a bucket's static buffers -> logits [Bb, V] float32. Device work
-        only: no host reads, no host-dependent branches (this is what a graph captures)."""
+        only: no host reads, no host-dependent branches (this is what a graph captures). With `step_hooks`
+        it starts with the device half of the routing runtime's per-step hook (the expert-load window's fold,
+        `RoutingRuntime.graph_step_device`), so no launch of it is left outside the graph."""
         views, meta = bucket.views, bucket.meta
-        bucket.input_ids.copy_(views["input_ids"])                                  # int32 -> int64 [Bb]
+        feed = self.token_feed
+        if feed is None:
+            bucket.input_ids.copy_(views["input_ids"])                              # int32 -> int64 [Bb]
+        else:       # overlapped decode: a row whose token the previous step drew reads it from the feed
+            base = feed.shape[0] // 2
+            feed[base:base + bucket.size].copy_(views["input_ids"])                  # the uploaded tokens
+            torch.index_select(feed, 0, views["feed_index"], out=bucket.input_ids)  # [Bb]
         bucket.positions.copy_(views["positions"])
         meta.slot_mapping.copy_(views["slot_mapping"])
         meta.token_valid.copy_(views["token_valid"])
+        hooks = self._graph_hooks() if step_hooks else None
+        if hooks is not None:       # an idle rank's padding-only collective step leaves the load window as it is
+            hooks.graph_step_device(meta.token_valid[:1] if self.coordinator is not None else None)
         # collective steps: the experts exchange all Bb rows, padding rows masked by token_valid
         with self.coordinator.static_forward(meta) if self.coordinator is not None else nullcontext():
             hidden = self.model.forward(bucket.input_ids, bucket.positions, self.kv_cache, meta)   # [Bb, H]
         logits = self.model.compute_logits(hidden)                                   # [Bb, V]
         bucket.status[0].copy_(usable_rows(logits))
         bucket.status[1].copy_(logits.argmax(dim=-1))
+        if feed is not None:
+            feed[:bucket.size].copy_(bucket.status[1])       # the next step's tokens, without the host
         flags = self.kv_cache.step_flags(meta)                                       # [Bb] bool or None
         bucket.kv_flags = flags is not None
         if flags is not None:
             bucket.status[2].copy_(flags)
         return logits
 
-    def graph_batch(self, sched: SchedulerOutput) -> int | None:
-        """The rows this step would run through a bucket: its batch for a decode-only step, 0 for an empty
-        one; None when it must run eagerly (graphs off, a prefill chunk, more sequences than the last bucket).
-        A collective step's ranks exchange this to agree on `coordinator.graph_bucket`."""
+    def _graph_hooks(self):
+        """The step hooks (engine: the RoutingRuntime) whose pre-hook is on the model now, else None."""
+        hooks = self.step_hooks
+        if hooks is None:
+            return None
+        pre_hook = hooks.graph_pre_hook
+        return hooks if any(h == pre_hook for h in self.model._forward_pre_hooks.values()) else None
+
+    def enable_token_feed(self) -> bool:
+        """Overlapped decode (DeviceConfig.overlap_decode, engine/overlap.py): every graph step also writes its
+        argmax to a device feed [2 * last bucket] int64 that the next step's graph reads its tokens from
+        (`GraphBucket.fill(rows, feed)`: the previous step's row of each sequence), and a launched step's status
+        row is copied to one of two pinned host buffers to be read a step later. Buckets captured before are
+        dropped (captured again with the feed). False when graph steps are off."""
         if self.graph_mode is None:
-            return None
-        if not sched.chunks:
-            return 0
-        if len(sched.chunks) > self.buckets[-1] or not all(c.num_new_tokens == 1 and c.sample for c in sched.chunks):
-            return None
-        return len(sched.chunks)
-
-    def _graphable(self, sched: SchedulerOutput) -> bool:
-        if self.coordinator is not None:                 # collective steps: only the agreed decision counts
-            return self.graph_mode is not None and bool(sched.chunks) and self.coordinator.graph_bucket is not None
-        return bool(self.graph_batch(sched))
-
-    @torch.inference_mode()
-    def execute_idle(self) -> None:
-        """A collective graph step on a rank without sequences: the agreed bucket with padding rows only,
-        so this rank's collectives (inside the replayed graph) match the other ranks'."""
-        self._execute_graph(SchedulerOutput())
-
-    def _run_pre_hooks(self, bucket: GraphBucket) -> None:
-        """The model's own forward pre-hooks (the expert-load window) run eagerly, outside the graph."""
-        if self.model._forward_pre_hooks:
-            args = (bucket.input_ids, bucket.positions, self.kv_cache, bucket.meta)
-            for hook in list(self.model._forward_pre_hooks.values()):
-                hook(self.model, args)
-
-    def _execute_graph(self, sched: SchedulerOutput) -> StepResult:
-        rows = []
-        for chunk in sched.chunks:
-            request, position = chunk.request, chunk.start
-            rows.append((request.token_ids(position, position + 1)[0], position,
-                         self.kv_manager.block_table(request.request_id), request.request_id))
-        agreed = self.coordinator.graph_bucket if self.coordinator is not None else None
-        bucket = self._bucket(max(len(rows), agreed or 0))
-        bucket.fill(rows)
-        self.kv_cache.begin_step(bucket.meta)           # the cache's rows into the bucket's host buffer
-        bucket.upload()                                  # the step's one host->device copy
-        if rows:
-            self._run_pre_hooks(bucket)
-        else:
-            self.idle_steps += 1
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            logits = bucket.logits
-            self.graph_replays += 1
-        else:
-            logits = self._static_forward(bucket)
-        finite, greedy, kv_flags = bucket.status.tolist()      # the step's one host read (waits for the forward)
-        if bucket.kv_flags:
-            self.kv_cache.end_step(bucket.meta, [bool(f) for f in kv_flags])     # no host read of its own
-        else:
-            self.kv_cache.end_step(bucket.meta)
-        self.graph_steps += 1
-        count = len(rows)
-        return StepResult(logits=logits[:count], sample_chunks=list(range(count)),
-                          finite=[bool(f) for f in finite[:count]], greedy_tokens=greedy[:count])
+            return False
+        if self.token_feed is None:
+            size, pin = self.buckets[-1], self.device.type == "cuda"
+            self.token_feed = torch.zeros(2 * size, dtype=torch.int64, device=self.device)
+            self._status_host = [torch.zeros(3 * size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+            self._buckets = {}
+        return True

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -23,13 +22,15 @@ from moekv.engine.cpu_threads import CpuThreads
 from moekv.engine.batch import GenerationOutput, run_batch
 from moekv.engine.graph_buckets import graph_buckets, graph_pool_bytes
 from moekv.engine.model_runner import ModelRunner
+from moekv.engine.outputs import TokenOutputs
+from moekv.engine.overlap import OverlappedSteps
 from moekv.engine.sampling_step import SamplingStep
 from moekv.engine.step_result import usable_rows
 from moekv.errors import ConfigError, InvalidRequestError, KVCacheCorruptionError, ModelLoadError, NotAvailableError
 from moekv.kvcache import KVCacheManager, KVCacheSpec, create_kv_cache, kv_cache_class
 from moekv.kvcache.prefix_cache import PrefixCache
 from moekv.ops import dispatch
-from moekv.sampling import SampleResult, SamplingParams
+from moekv.sampling import SamplingParams
 from moekv.scheduler.scheduler import Scheduler
 from moekv.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -38,7 +39,7 @@ logger = logging.getLogger("moekv.engine")
 _CUDA_ACTIVATION_RESERVE = 2 << 30   # bytes kept free for activations when sizing the KV pool
 
 
-class Engine:
+class Engine(TokenOutputs):
     rank = 0                 # this process's place among the engine's ranks (expert parallelism: LockstepEngine)
     world_size = 1
 
@@ -104,6 +105,7 @@ class Engine:
                                          prefix_cache=prefix_cache, keeps_freed_page=self.kv_cache.keeps_freed_page)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+        self.runner.step_hooks = self.routing      # graph steps capture the device half of its per-step hook
         if self._wants_cuda_graphs():
             # decode steps replay CUDA graphs (takes one scratch page from the pool for padding rows)
             self.runner.enable_graphs(capture=True, hooks_safe=self._routing_hooks_graph_safe())
@@ -119,6 +121,9 @@ class Engine:
                               f"more memory")
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.sampling = SamplingStep(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        self.overlap: OverlappedSteps | None = None
+        if config.device.overlap_decode:
+            self.enable_overlap()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.model.seed)
@@ -126,6 +131,16 @@ class Engine:
         logger.info("KV cache: %s, %d pages x %d tokens = %d tokens; max concurrency at max_model_len=%d: %.1f",
                     kv_dtype_name, num_pages, spec.page_size, self.kv_manager.capacity_tokens,
                     self.max_model_len, self.kv_manager.capacity_tokens / self.max_model_len)
+
+    def enable_overlap(self) -> bool:
+        """Overlapped decode steps (DeviceConfig.overlap_decode; engine/overlap.py): False, and synchronous steps,
+        when decode steps do not run through graph buckets (then no step could overlap)."""
+        if self.overlap is None:
+            if not self.runner.enable_token_feed():
+                logger.info("overlap_decode: off, decode steps run eagerly (%s)", self.runner.graph_fallback_reason)
+                return False
+            self.overlap = OverlappedSteps(self)
+        return True
 
     # -- set-up helpers -----------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -255,14 +270,18 @@ class Engine:
         if request is None or request.status.is_finished:
             return False
         self._finish(request, "abort")
+        if self.overlap is not None:
+            self.overlap.drop_if_dead()          # a launched step left without a live row is read and dropped
         return True
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        if self.overlap is not None:
+            self.overlap.forget(request)        # its row of a step not read yet is discarded
         self.scheduler.remove(request)
         request.finish(reason, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.overlap is not None and self.overlap.in_flight is not None)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (callers that stream outputs release after the last one)."""
@@ -283,9 +302,15 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None:        # overlapped decode: this call's outputs are the previous step's
+            return self.overlap.step()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        return self._run_step(sched)
+
+    def _run_step(self, sched) -> list[RequestOutput]:
+        """One scheduled step, synchronously: run, sample, append, finish."""
         self.counters["steps"] += 1
         try:
             if self._cpu_threads is not None:
@@ -299,92 +324,23 @@ class Engine:
             if start < chunk.request.num_prompt_tokens:
                 self.counters["prompt_tokens"] += min(end, chunk.request.num_prompt_tokens) - start
             chunk.request.num_computed_tokens = end
-        outputs: list[RequestOutput] = []
-        if result.sample_chunks:
-            requests = [sched.chunks[i].request for i in result.sample_chunks]
-            # A row is broken if it holds NaN or +inf, or nothing finite; -inf alone is a legal mask.
-            logits = result.logits
-            params = [r.params for r in requests]
-            finite = result.finite            # graph decode steps read it back with the step's one host read
-            if finite is None:
-                finite = usable_rows(logits).tolist()                                   # [S]
-            if result.greedy_tokens is not None and self.sampling.graph_argmax_suffices(params):
-                # the argmax the graph step computed (what sample() would pick); broken rows are discarded below
-                sampled = SampleResult(list(result.greedy_tokens), [None] * len(requests), [None] * len(requests))
-            else:
-                if not all(finite):
-                    broken = torch.tensor([not f for f in finite], device=logits.device)
-                    logits = logits.masked_fill(broken.unsqueeze(-1), 0.0)   # sampled but discarded below
-                sampled = self.sampling.sample(logits, requests)
-            now = time.monotonic()
-            for row, request in enumerate(requests):
-                if not finite[row]:
-                    self._finish(request, "error", "the model produced non-finite logits for this request")
-                    self.counters["errors"] += 1
-                    outputs.append(self._output(request, [], None))
-                    continue
-                outputs.append(self._append_token(request, sampled.token_ids[row], sampled.logprobs[row], now,
-                                                  sampled.sampled_logprobs[row]))
-        return outputs
-
-    def record_token(self, request: Request, token: int, logprobs, now: float) -> None:
-        """Append one generated token to a request: times, logprobs, counter, incremental detokenizer (the
-        leader of expert-parallel serving records its remote requests' tokens through it too)."""
-        if request.first_token_time is None:
-            request.first_token_time = now
-        request.last_token_time = now
-        request.output_token_ids.append(token)
-        if logprobs is not None:
-            request.output_logprobs.append(logprobs)
-        self.counters["generation_tokens"] += 1
-        request.detokenizer.add(token)
-
-    def _append_token(self, request: Request, token: int, logprobs, now: float,
-                      sampled_logprob: float | None = None) -> RequestOutput:
-        params = request.params
-        text_before = len(request.detokenizer.text)
-        self.record_token(request, token, logprobs, now)
-        grammar_end = self.sampling.after_token(request, token, sampled_logprob)   # best_of, structured
-        if grammar_end is not None:
-            self._finish(request, grammar_end, None if grammar_end == "stop" else
-                         "the sampled token does not fit the request's grammar")
-        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            self._finish(request, "stop")
-        elif params.stop and self._match_stop(request, text_before):
-            self._finish(request, "stop")
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            self._finish(request, "length")
-        return self._output(request, [token], logprobs)
-
-    @staticmethod
-    def _match_stop(request: Request, text_before: int) -> bool:
-        """Search only where a match could be new: from `longest - 1` characters before this token's
-        text (a token's text may be any length, so the window is not a fixed tail)."""
-        text = request.detokenizer.text
-        longest = max(len(s) for s in request.params.stop)
-        window_start = max(0, text_before - longest + 1)
-        hits = [i for i in (text.find(s, window_start) for s in request.params.stop) if i >= 0]
-        if hits:
-            request.stop_text_end = min(hits)
-            return True
-        return False
-
-    def _output(self, request: Request, new_tokens: list[int], new_logprobs) -> RequestOutput:
-        text = request.output_text
-        emitted = request.num_emitted_chars
-        visible = len(text)
-        if request.params.stop and not request.status.is_finished:
-            visible = max(emitted, len(text) - max(len(s) for s in request.params.stop) + 1)
-        new_text = text[emitted:visible]
-        request.num_emitted_chars = visible
-        return RequestOutput(
-            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            new_token_ids=new_tokens, new_text=new_text, token_ids=list(request.output_token_ids),
-            text=text if request.status.is_finished else text[:visible],
-            finished=request.status.is_finished, finish_reason=request.finish_reason,
-            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
-            new_logprobs=[new_logprobs] if new_logprobs is not None else None, error=request.error,
-            cumulative_logprob=request.cumulative_logprob)
+        if not result.sample_chunks:
+            return []
+        requests = [sched.chunks[i].request for i in result.sample_chunks]
+        # A row is broken if it holds NaN or +inf, or nothing finite; -inf alone is a legal mask.
+        logits = result.logits
+        params = [r.params for r in requests]
+        finite = result.finite            # graph decode steps read it back with the step's one host read
+        if finite is None:
+            finite = usable_rows(logits).tolist()                                   # [S]
+        if result.greedy_tokens is not None and self.sampling.graph_argmax_suffices(params):
+            # the argmax the graph step computed (what sample() would pick); broken rows are discarded below
+            return self._token_outputs(requests, list(result.greedy_tokens), finite)
+        if not all(finite):
+            broken = torch.tensor([not f for f in finite], device=logits.device)
+            logits = logits.masked_fill(broken.unsqueeze(-1), 0.0)   # sampled but discarded below
+        sampled = self.sampling.sample(logits, requests)
+        return self._token_outputs(requests, sampled.token_ids, finite, sampled.logprobs, sampled.sampled_logprobs)
 
     def _recover_from_corruption(self, sched, exc: KVCacheCorruptionError) -> list[RequestOutput]:
         """End the requests whose keys/values were non-finite; recompute the rest of the step's requests

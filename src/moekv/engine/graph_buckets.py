@@ -2,7 +2,8 @@
 and how a step's rows are written into it (one host buffer, one host-to-device copy).
 
 A bucket owns one packed device buffer holding the token ids, positions, context and sequence
-lengths, slot mapping, a token-valid mask and the block tables [Bb, max_pages] (int32), then the
+lengths, slot mapping, a token-valid mask, each row's index into the token feed of overlapped decode
+and the block tables [Bb, max_pages] (int32), then the
 cache format's own per-step bytes (`KVCache.graph_step_bytes`, bound to the bucket's metadata with
 `KVCache.bind_graph_step`: the low-bit cache's index rows and non-finite flags), so the step's one
 copy carries the cache's plan too; a static
@@ -20,7 +21,8 @@ import torch
 from moekv.core.attention_metadata import AttentionMetadata
 
 # Packed int32 fields of a bucket's input buffer, in order; each is [Bb], then block tables [Bb * W].
-_FIELDS = ("input_ids", "positions", "context_lens", "seq_lens", "slot_mapping", "token_valid")
+# feed_index: where the row's input token is read from in the runner's token feed (overlapped decode only).
+_FIELDS = ("input_ids", "positions", "context_lens", "seq_lens", "slot_mapping", "token_valid", "feed_index")
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -50,7 +52,7 @@ class GraphBucket:
     """Static buffers (and, when captured, the graph) of one batch-size bucket."""
 
     def __init__(self, size: int, max_pages: int, scratch_page: int, page_size: int, num_splits: int | None,
-                 device: torch.device, step_bytes: int = 0):
+                 device: torch.device, step_bytes: int = 0, feed_base: int = 0):
         self.size = size
         self.max_pages = max_pages
         self.page_size = page_size
@@ -88,12 +90,19 @@ class GraphBucket:
         self._fields = {name: self.host_np[i * size:(i + 1) * size] for i, name in enumerate(_FIELDS)}
         self._tables = self.host_np[len(_FIELDS) * size:].reshape(size, max_pages)         # [Bb, W] host
         self._padding_table = [scratch_page]               # the dummy rows' table (one list: written once)
+        # token feed (CudaGraphSteps.token_feed [2 * feed_base]): row i's uploaded token sits at feed_base + i
+        self.feed_base = feed_base
+        self._uploaded = [feed_base + i for i in range(size)]
+        self._fields["feed_index"][:] = self._uploaded
+        self._fed = False                                  # the last fill read tokens from the feed
         self._written: list[tuple[list[int] | None, int]] = [(None, 0)] * size   # per row: table, entries
 
-    def fill(self, rows: list[tuple[int, int, list[int], str]]) -> None:
+    def fill(self, rows: list[tuple[int, int, list[int], str]], feed: list[int] | None = None) -> None:
         """Write a step's rows (token id, position, block table, request id) into the host buffer and the
         metadata's host lists; rows past len(rows) are dummy sequences. The cache's begin_step(meta) may
-        then write its own bytes (step_buffers) before `upload`.
+        then write its own bytes (step_buffers) before `upload`. `feed` (overlapped decode): per row, the
+        row of the previous graph step whose drawn token is its input, in the runner's token feed (-1: the
+        row's own token id; the token id of a fed row is not read).
 
         Block tables are written incrementally: a row holding the same table list as in this bucket's last
         fill writes only the entries appended since (KVCacheManager's tables are append-only while their
@@ -116,6 +125,12 @@ class GraphBucket:
                                      for t, p in zip(block_tables, positions)]
         fields["token_valid"][:count] = 1
         fields["token_valid"][count:] = 0
+        if feed is not None:
+            fed = [src if src >= 0 else own for src, own in zip(feed, self._uploaded)]
+            fields["feed_index"][:] = fed + self._uploaded[count:]
+        elif self._fed:
+            fields["feed_index"][:] = self._uploaded
+        self._fed = feed is not None
         tables, written = self._tables, self._written
         for i, table in enumerate(block_tables):
             before, done = written[i]

@@ -2,7 +2,8 @@
 
 This is the only place that builds model inputs; the model itself is single-device and knows
 nothing of requests. Eager steps run here (`prepare` + `execute`); decode-only steps go through the
-CUDA-graph buckets of engine/cuda_graphs.py (`CudaGraphSteps`, mixed in) when graphs are enabled.
+CUDA-graph buckets of engine/cuda_graphs.py (`CudaGraphSteps`: set-up and capture) and engine/graph_replay.py
+(`GraphReplay`: a step's launch and read-back), both mixed in, when graphs are enabled.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import torch
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.engine.cuda_graphs import CudaGraphSteps, step_coordinator
 from moekv.engine.graph_buckets import GraphBucket
+from moekv.engine.graph_replay import GraphReplay
 from moekv.engine.step_result import StepResult
 from moekv.kvcache.base import KVCache
 from moekv.kvcache.manager import KVCacheManager
 from moekv.scheduler.output import SchedulerOutput
 
 
-class ModelRunner(CudaGraphSteps):
+class ModelRunner(CudaGraphSteps, GraphReplay):
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv_manager: KVCacheManager,
                  device: torch.device, max_num_seqs: int = 1, max_model_len: int | None = None):
         self.model = model
@@ -38,6 +40,11 @@ class ModelRunner(CudaGraphSteps):
         self.idle_steps = 0                    # ... of which had padding rows only (collective steps)
         self.captures = 0
         self.coordinator = step_coordinator(model)
+        self.step_hooks = None                 # the engine's RoutingRuntime: its per-step hook split around graphs
+        self.token_feed: torch.Tensor | None = None   # overlapped decode (enable_token_feed)
+        self._status_host: list[torch.Tensor] = []
+        self._status_views: dict[tuple[int, int], torch.Tensor] = {}   # (buffer, bucket size) -> [3, Bb] view
+        self._in_flight: list = []             # launched graph steps not read back yet (GraphStep)
 
     # -- the step -----------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -10,7 +10,7 @@ import torch
 
 from moekv.core.request import Request
 from moekv.core.sampling_params import SamplingParams
-from moekv.sampling import SampleResult, SamplingInputs, sample, token_counts
+from moekv.sampling import SampleResult, SamplingInputs, draw, sample, token_counts
 
 
 @dataclass
@@ -65,6 +65,22 @@ class SamplingStep:
     def graph_argmax_suffices(params: list[SamplingParams]) -> bool:
         """The graph step's argmax is what the sampler would pick: greedy rows, nothing edits the logits."""
         return all(p.greedy and p.logprobs is None and not p.changes_logits for p in params)
+
+    @staticmethod
+    def overlap_safe(params: SamplingParams) -> bool:
+        """Whether a request's next draw needs nothing of its last token on the host, so its decode steps may
+        overlap (engine/overlap.py): no logits edits (penalties, min_tokens, logit_bias, grammar), no logprobs,
+        no best_of ranking."""
+        return not params.changes_logits and params.logprobs is None and params.num_sequences <= params.n
+
+    @staticmethod
+    def draw_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
+        """Overlapped decode: the rows' tokens [S] on the device (what `sample` draws for overlap-safe
+        requests), or None when every row is greedy (the graph's argmax is the token)."""
+        params = [r.params for r in requests]
+        if all(p.greedy for p in params):
+            return None
+        return draw(logits, params, [r.generator for r in requests])[1]
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         params = [r.params for r in requests]

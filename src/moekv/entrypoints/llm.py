@@ -27,7 +27,8 @@ class LLM:
     `cpu_offload_experts`, `expert_cache_size`, `prefetch`, `lookahead`, `extra_candidates`,
     `eviction`, `track_prediction`, `prefetch_threshold`, `staging_slots`, `host_format`, `staging`
     (OffloadConfig, docs/expert-offload.md); `cuda_graphs` (DeviceConfig: False runs every step
-    eagerly, like `--enforce-eager`), `cpu_threads`. `quantization="fp8"` quantizes the projections and
+    eagerly, like `--enforce-eager`), `overlap_decode` (DeviceConfig: overlapped CUDA-graph decode steps,
+    engine/overlap.py), `cpu_threads`. `quantization="fp8"` quantizes the projections and
     experts of a 16-bit checkpoint to FP8 at load time (W8A16, per output channel; FP8 checkpoints load as
     FP8 without it): docs/weight-quantization.md.
     """

@@ -113,11 +113,17 @@ class KVCache(ABC):
         if self.graph_step_bytes(meta.num_seqs):
             raise NotImplementedError(f"{type(self).__name__} asks for step bytes but does not bind them")
 
-    def begin_step(self, meta: AttentionMetadata) -> None:
+    def begin_step(self, meta: AttentionMetadata, overlapped: bool = False) -> None:
         """Host bookkeeping before the step's forward (per-step write plans, slot assignments). It
         writes only into the cache's persistent device buffers (never allocates tensors the forward
         reads), so a captured forward replays correctly after it. `meta`'s host lists describe the
-        step (for a graph step: the padded batch, padding rows included)."""
+        step (for a graph step: the padded batch, padding rows included).
+
+        `overlapped` (overlapped decode, engine/overlap.py): the previous decode step was launched but not
+        ended yet; its end_step comes after this begin_step (end_step(meta) ends the oldest pending step of
+        `meta`: the same bucket's metadata may name both). The format must then do before this step's plan
+        whatever of the previous step's commit a later step relies on. Without it, a step still pending
+        (a forward that failed) is dropped."""
 
     def step_flags(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """For a step prepared by begin_step(meta): a [num_seqs] bool device tensor the forward sets for

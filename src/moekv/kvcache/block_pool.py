@@ -33,6 +33,11 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_unused(self) -> int:
+        """Plainly free pages: an allocation of this many evicts no retained page."""
+        return len(self._free)
+
+    @property
     def num_evictable(self) -> int:
         return len(self._evictable)
 

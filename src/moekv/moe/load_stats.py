@@ -60,7 +60,8 @@ class ExpertLoadTracker:
     """A decayed window over a cumulative load counter: window = decay * window + (new slots).
 
     `update()` runs on the device without host synchronisation (call it once per step, e.g. from a
-    forward pre-hook); read with `snapshot()` outside the step. A reset of the source counter
+    forward pre-hook; a CUDA-graph step captures its device half, `fold()`, and counts `steps` on the host);
+    read with `snapshot()` outside the step. A reset of the source counter
     (model.reset_expert_load()) is detected per element and counted as a fresh start.
     """
 
@@ -72,11 +73,20 @@ class ExpertLoadTracker:
         self.steps = 0
 
     def update(self) -> None:
+        self.fold()
+        self.steps += 1
+
+    def fold(self, live: torch.Tensor | None = None) -> None:
+        """The device half of update(): the slots routed since the last fold into the window. Device ops only,
+        no host state, so a CUDA-graph decode step captures it (engine/cuda_graphs.py); the host half is the
+        `steps` count. live [1] int64 (a graph step's first token-valid entry): when given, a step of padding
+        rows only (live 0: an idle rank's collective step) leaves the window undecayed, as a step that runs no
+        pre-hook would."""
         current = self.source.detach()
         delta = _new_slots(current, self._last)                                     # [L, E]
-        self.window.mul_(self.decay).add_(delta.float())
+        decay = self.decay if live is None else torch.where(live > 0, self.decay, 1.0)   # float or [1]
+        self.window.mul_(decay).add_(delta.float())
         self._last.copy_(current)
-        self.steps += 1
 
     def snapshot(self, k: int = 2) -> dict:
         """Cumulative and windowed load, shares, hot / cold experts (k each) and imbalance per layer."""

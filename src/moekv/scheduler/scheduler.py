@@ -38,7 +38,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._completing: list[Request] = []    # requests whose last scheduled chunk filled a page
+        # per scheduled step not registered yet, oldest first: the requests whose chunk in it fills a page
+        self._completing: list[list[Request]] = []
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -54,7 +55,7 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids)
+        self.kv.cache_computed(request.request_id, request.num_committed_tokens, request.token_ids)
         self.kv.free(request.request_id)
 
     @property
@@ -72,9 +73,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        completed, self._completing = self._completing, []
-        for request in completed:           # pages the last step filled can now be found by others
-            self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids)
+        self._register_completed(len(self._completing))   # pages the last step filled can now be found by others
+        self._completing.append([])
 
         pending: set[bytes] = set()         # digests of the full pages this step completes
         index = 0
@@ -124,18 +124,55 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return out
 
+    def schedule_ahead(self, finishing: set[str]) -> SchedulerOutput | None:
+        """Overlapped decode (engine/overlap.py): the next step, decided while the step before it runs and its
+        tokens are not read yet. Every running request decodes its next token (the one in flight), except those
+        named in `finishing` (they end with the step in flight: max_tokens, max_model_len).
+
+        Returns None, changing nothing, unless this is what `schedule()` would decide once that step is read:
+        no request waits (an admission), every running request but `finishing` has exactly one token to compute
+        (none is prefilling), and plainly free pages cover every sequence's next token (no preemption, no
+        eviction of a cached page). The pages of the step in flight are registered only when a later step is
+        scheduled (it may still fail); the in-batch sharing digests are not needed (nothing waits)."""
+        if self.waiting:
+            return None
+        decoding = [r for r in self.running if r.request_id not in finishing]
+        if not decoding or len(decoding) > self.config.max_num_batched_tokens:
+            return None
+        if any(r.num_tokens - r.num_computed_tokens != 1 for r in decoding):
+            return None
+        needed = sum(self.kv.num_new_pages(r.request_id, r.num_computed_tokens + 1) for r in decoding)
+        if needed > self.kv.pool.num_unused:
+            return None
+        self._register_completed(len(self._completing) - 1)     # all but the step in flight
+        self._completing.append([])
+        out = SchedulerOutput()
+        for request in decoding:
+            total = request.num_computed_tokens + 1
+            self.kv.grow(request.request_id, total)
+            out.chunks.append(ScheduledChunk(request, 1))
+            if self.kv.prefix_cache is not None and total % self.kv.page_size == 0:
+                self._completing[-1].append(request)
+        return out
+
+    def _register_completed(self, count: int) -> None:
+        """Register the pages the oldest `count` scheduled steps filled (those steps have been read)."""
+        done, self._completing = self._completing[:max(count, 0)], self._completing[max(count, 0):]
+        for request in (r for step in done for r in step):
+            self.kv.cache_computed(request.request_id, request.num_committed_tokens, request.token_ids)
+
     def _track_pages(self, request: Request, start: int, end: int, pending: set[bytes]) -> None:
         """A chunk [start, end) that fills pages (prefix caching): register them after the step and note
         their digests for in-batch sharing. Most decode chunks fill none and cost one division."""
         page_size = self.kv.page_size
         if self.kv.prefix_cache is None or end // page_size == start // page_size:
             return
-        self._completing.append(request)
+        self._completing[-1].append(request)
         pending.update(self.kv.pages_computing(request.request_id, start, end, request.token_ids))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self.kv.cache_computed(request.request_id, request.num_computed_tokens, request.token_ids)
+        self.kv.cache_computed(request.request_id, request.num_committed_tokens, request.token_ids)
         self.kv.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

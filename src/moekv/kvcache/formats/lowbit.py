@@ -110,6 +110,7 @@ class LowBitKVCache(KVCache):
         self.slots = StagingSlots(num_slots, num_pages, self.device)
         self._plan: StepPlan | DecodePlan | None = None
         self._plan_hooked = False       # built by begin_step: end_step checks and commits it
+        self._pending: list[StepPlan | DecodePlan] = []   # plans begin_step built, oldest first, until end_step
         self._graph_batch = 0           # reserve_graph_decode: decode steps of up to this many sequences
         self._rows: StepRows | None = None   # the cache's own step buffer (decode steps not in a graph bucket)
         self._new_kv: dict = {}                          # (key, value dtype) -> [max_batch, Hkv, D] buffers
@@ -197,12 +198,24 @@ class LowBitKVCache(KVCache):
         """The bucket of `meta` holds this decode step's rows and flags: begin_step(meta) writes `host` only."""
         meta.step_state = StepRows(host, device, meta.num_seqs)
 
-    def begin_step(self, meta: AttentionMetadata) -> None:
+    def begin_step(self, meta: AttentionMetadata, overlapped: bool = False) -> None:
         """Plan the step before its forward (host work, no sync): take staging slots, and for a decode step
         within the reserved size write the fixed-size index rows (and zeroed non-finite flags): into the graph
         bucket's host buffer (its copy carries them), else into the cache's own buffer, copied here (one
         host->device copy, no kernel). Staging slots taken or returned add a map update. Replaces a plan
-        still pending (a forward that failed before end_step)."""
+        still pending (a forward that failed before end_step), unless `overlapped`: the pending decode plans
+        (steps launched before, ended later) stay, and the slots of the pages they fill return now, as their
+        end_step would have returned them before this plan (the pages were quantized in those steps, which run
+        first on the device), so this step reads them from low-bit storage and takes the same slots."""
+        if overlapped:
+            for plan in self._pending:
+                if not isinstance(plan, DecodePlan):
+                    raise RuntimeError("an overlapped step follows a pending step that is not a decode step")
+                if not plan.released:
+                    self._release(plan.release)
+                    plan.released = True
+        else:
+            self._pending = []
         self._plan, self._plan_hooked = None, False
         if self._graph_batch and 0 < meta.num_seqs <= self._graph_batch and meta.is_decode:
             plan = build_decode_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots)
@@ -221,6 +234,7 @@ class LowBitKVCache(KVCache):
         else:
             plan = build_plan(meta, self.spec.page_size, self.config.fp_sink_pages, self.slots, self.device)
         self._plan, self._plan_hooked = plan, True
+        self._pending.append(plan)
 
     def step_flags(self, meta: AttentionMetadata) -> torch.Tensor | None:
         """[B] bool device flags of a decode step prepared by begin_step(meta) (persistent: a view of the
@@ -234,10 +248,13 @@ class LowBitKVCache(KVCache):
         """After a completed forward: raise KVCacheCorruptionError for non-finite sequences (uncommitted),
         else commit (staging slots of pages that filled return). One host read, the step's sync, unless the
         caller passes the flags of step_flags(meta) it read back itself. No-op when no plan of `meta` is
-        pending from begin_step."""
-        plan = self._plan
-        if plan is None or plan.meta is not meta or not self._plan_hooked:
+        pending from begin_step (of several, the oldest ends: overlapped steps)."""
+        plan = next((p for p in self._pending if p.meta is meta), None)
+        if plan is None:
             return
+        self._pending.remove(plan)
+        if plan is self._plan:
+            self._plan, self._plan_hooked = None, False
         if isinstance(plan, DecodePlan):
             self._finish_decode(plan, flags)
         else:
@@ -332,29 +349,30 @@ class LowBitKVCache(KVCache):
 
     def _finish_step(self, plan: StepPlan) -> None:
         """After the last layer: report non-finite sequences (uncommitted), else return released slots."""
-        self._plan, self._plan_hooked = None, False
+        if plan is self._plan:
+            self._plan, self._plan_hooked = None, False
         bad = plan.bad_tokens
         if bad is not None and bool(bad.any()):                    # the one host sync of a step
             seq_indices = self._live(plan, sorted(set(plan.seq_of_token[bad].tolist())))
             if seq_indices:
-                self._raise_corruption(plan.meta, seq_indices)
+                self._raise_corruption(plan.meta.request_ids, seq_indices)
         self._release(plan.release)
 
     def _finish_decode(self, plan: DecodePlan, flags: list[bool] | None = None) -> None:
-        """end_step of a decode plan: one read of the per-sequence flags (unless given), then report or commit."""
-        self._plan, self._plan_hooked = None, False
+        """end_step of a decode plan: one read of the per-sequence flags (unless given), then report or commit
+        (an overlapped step's successor returned its slots already)."""
         if flags is None:
             flags = plan.rows.flags[:plan.meta.num_seqs].tolist()     # the one host sync of a step
         elif len(flags) != plan.meta.num_seqs:
             raise ValueError(f"end_step got {len(flags)} flags for a step of {plan.meta.num_seqs} sequences")
         if any(flags):
-            ids = plan.meta.request_ids
+            ids = plan.request_ids
             # padding sequences (request id "") write only the runner's scratch page: never reported
             seq_indices = self._live(plan, [i for i, bad in enumerate(flags)
                                             if bad and not (i < len(ids) and ids[i] == "")])
             if seq_indices:
-                self._raise_corruption(plan.meta, seq_indices)
-        if plan.release:                         # pages filled this step (every page_size steps per sequence)
+                self._raise_corruption(plan.request_ids, seq_indices)
+        if plan.release and not plan.released:   # pages filled this step (every page_size steps per sequence)
             self._release(plan.release)
 
     @staticmethod
@@ -362,11 +380,10 @@ class LowBitKVCache(KVCache):
         """The sequences of `seq_indices` none of whose pages was freed while the plan was pending."""
         if not plan.freed:
             return seq_indices
-        tables = plan.meta.block_tables_host
+        tables = plan.tables if isinstance(plan, DecodePlan) else plan.meta.block_tables_host
         return [i for i in seq_indices if plan.freed.isdisjoint(tables[i])]
 
-    def _raise_corruption(self, meta: AttentionMetadata, seq_indices: list[int]) -> None:
-        ids = meta.request_ids
+    def _raise_corruption(self, ids: list[str], seq_indices: list[int]) -> None:
         names = [ids[i] if i < len(ids) else f"sequence {i}" for i in seq_indices]
         raise KVCacheCorruptionError(
             f"non-finite keys or values for request(s) {', '.join(map(str, names))} (stored as zeros in their "
@@ -388,10 +405,10 @@ class LowBitKVCache(KVCache):
         free pages (neither read before they are taken and refilled), its commit skips them (their slot
         is no longer the one planned) and sequences holding a freed page are not reported. A lazy plan
         (no begin_step) is dropped, as before."""
-        if self._plan is not None and self._plan_hooked:
-            self._plan.freed.update(pages)
-        else:
-            self._plan, self._plan_hooked = None, False
+        for plan in self._pending:
+            plan.freed.update(pages)
+        if self._plan is not None and not self._plan_hooked:
+            self._plan = None
         self.slots.give_back(list(pages))
 
     def keeps_freed_page(self, page: int) -> bool:

@@ -54,6 +54,11 @@ class DecodePlan:
     release: list[tuple[int, int]] = field(default_factory=list)   # (page, slot) returned at commit, no repeats
     freed: set[int] = field(default_factory=set)   # pages freed while the plan was pending (see pages_freed)
     rows: "StepRows | None" = None  # the device rows the step's forward reads (set by the cache's begin_step)
+    # The metadata's host lists as planned (a graph bucket's meta is refilled by the next step before an
+    # overlapped step ends): request ids [B] and block tables [B]
+    request_ids: list[str] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    released: bool = False          # its slots returned already (the next, overlapped step's begin_step)
 
 
 def step_bytes(batch: int) -> int:
@@ -221,4 +226,4 @@ def build_decode_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: in
         raise
     slots.publish(taken)
     return DecodePlan(meta=meta, stage_rows=stage_rows, quant_pages=quant_pages, quant_slots=quant_slots,
-                      release=list(release.items()))
+                      release=list(release.items()), request_ids=list(ids), tables=list(meta.block_tables_host))

@@ -30,10 +30,29 @@ class RoutingRuntime:
         self._hook = model.register_forward_pre_hook(self._begin_step)
 
     def _begin_step(self, module, args) -> None:
+        """The model's forward pre-hook (eager steps): both halves below."""
         if self.load is not None:
             self.load.update()                 # folds the previous step's routed slots into the window
         if self.offload is not None:
             self.offload.begin_step()
+
+    # -- CUDA-graph decode steps (engine/cuda_graphs.py): the pre-hook in its host and device halves --------
+    @property
+    def graph_pre_hook(self):
+        """The pre-hook a graph step does not run as such: it runs the two halves below instead."""
+        return self._begin_step
+
+    def begin_graph_step(self) -> None:
+        """Host half, before each replay: the load window's step count, the offload's leftover predictions."""
+        if self.load is not None:
+            self.load.steps += 1
+        if self.offload is not None:
+            self.offload.begin_step()
+
+    def graph_step_device(self, live: torch.Tensor | None = None) -> None:
+        """Device half, captured at the start of the step's graph: the load window's fold (no launch outside)."""
+        if self.load is not None:
+            self.load.fold(live)
 
     def stats(self) -> dict:
         """Load, prediction recall and expert-cache counters (reads device counters: not in a step)."""
