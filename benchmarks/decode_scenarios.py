@@ -45,6 +45,12 @@ def _fused_decode_layer_installed(engine) -> bool:
     return dispatch.fused_decode_layer()        # KernelConfig's fused_decode_layer and fused_layer_ops together
 
 
+def _overlap_installed(engine) -> str:
+    if engine.overlap is not None:
+        return "on"
+    return "off (no graph steps)" if engine.config.device.overlap_decode else "off"
+
+
 @dataclasses.dataclass(frozen=True)
 class RowSwitch:
     """One on/off engine setting run side by side: flag `--<name>`, row key and markdown column `<name>`."""
@@ -53,11 +59,12 @@ class RowSwitch:
     section: str                                 # the EngineConfig field holding it ("kernels", "scheduler", ...)
     field: str                                   # the boolean field of that section
     help: str
-    installed: Callable[[object], bool] | None = None   # what the built engine runs (default: the config's value)
+    installed: Callable[[object], bool | str] | None = None   # what the built engine runs (default: the config's
+    #                                                         value; a string says more, e.g. "off (no graph steps)")
 
     def value_of(self, engine) -> str:
         on = self.installed(engine) if self.installed else getattr(getattr(engine.config, self.section), self.field)
-        return "on" if on else "off"
+        return on if isinstance(on, str) else "on" if on else "off"
 
 
 SWITCHES: tuple[RowSwitch, ...] = (
@@ -67,7 +74,7 @@ SWITCHES: tuple[RowSwitch, ...] = (
     RowSwitch("overlap", "device", "overlap_decode",
               "on, off or on,off: moekv rows with overlapped decode steps (DeviceConfig.overlap_decode, "
               "engine/overlap.py: the host launches step n + 1 before it reads step n) on / off; 'outside' is then "
-              "what the host still leaves the GPU idle", installed=lambda engine: engine.overlap is not None),
+              "what the host still leaves the GPU idle", installed=_overlap_installed),
 )
 
 
