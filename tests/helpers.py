@@ -62,3 +62,18 @@ def bundled_model() -> Path | None:
 
 needs_bundled_model = pytest.mark.skipif(
     bundled_model() is None, reason="needs the bundled checkpoint (models/tiny-shakespeare-moe), not in this checkout")
+
+
+def poison_graph_key(cache) -> dict:
+    """Wrap the cache's attention so that, once armed (`poison["armed"] = True`), the next graph step's layer-1
+    call sees a NaN in the first sequence's new key (disarms itself); returns the switch."""
+    original, poison = cache.attention, {"armed": False}
+
+    def attention(layer, query, key, value, meta, scale):
+        if poison["armed"] and layer == 1 and meta.fixed_num_splits is not None:
+            key = key.clone()
+            key[0, 0, 0] = float("nan")                  # the first sequence's new key, in a graph step
+            poison["armed"] = False
+        return original(layer, query, key, value, meta, scale)
+    cache.attention = attention
+    return poison

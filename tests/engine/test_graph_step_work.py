@@ -19,6 +19,7 @@ from moekv import LLM, SamplingParams
 from moekv.engine.graph_buckets import GraphBucket
 from moekv.engine.step_result import usable_rows
 from moekv.paths import default_model_dir
+from tests.helpers import poison_graph_key
 
 PAGE = 16
 # aten ops that launch nothing (views, aliasing, conj/neg resolution, a no-op `to`)
@@ -284,16 +285,7 @@ def test_non_finite_kv_in_a_graph_step_ends_only_that_request():
     llm = _llm("int3", max_num_seqs=2)
     engine = llm.engine
     cache, runner = engine.kv_cache, engine.runner
-    original = cache.attention
-    poison = {"armed": False}
-
-    def attention(layer, query, key, value, meta, scale):
-        if poison["armed"] and layer == 1 and meta.fixed_num_splits is not None:
-            key = key.clone()
-            key[0, 0, 0] = float("nan")                  # the first sequence's new key, in a graph step
-            poison["armed"] = False
-        return original(layer, query, key, value, meta, scale)
-    cache.attention = attention
+    poison = poison_graph_key(cache)
     ids = [engine.add_request(p, params) for p in prompts]
     for _ in range(3):
         engine.step()

@@ -14,6 +14,7 @@ from moekv import LLM, SamplingParams
 from moekv.config import DeviceConfig, EngineConfig, ModelConfig, ParallelConfig
 from moekv.errors import ConfigError
 from moekv.paths import default_model_dir
+from tests.helpers import poison_graph_key
 
 PAGE = 8
 PROMPTS = [[5, 17, 33, 9, 100, 3, 44], [7], [12, 13, 14], list(range(1, 15)), [40, 41]]
@@ -140,15 +141,7 @@ def test_non_finite_kv_found_a_step_later_recovers_like_a_synchronous_step():
     llm = _llm(True, "int3", max_num_seqs=2)
     engine = llm.engine
     cache = engine.kv_cache
-    original, poison = cache.attention, {"armed": False}
-
-    def attention(layer, query, key, value, meta, scale):
-        if poison["armed"] and layer == 1 and meta.fixed_num_splits is not None:
-            key = key.clone()
-            key[0, 0, 0] = float("nan")                  # the first sequence's new key, in a graph step
-            poison["armed"] = False
-        return original(layer, query, key, value, meta, scale)
-    cache.attention = attention
+    poison = poison_graph_key(cache)
     ids = [engine.add_request(p, params) for p in prompts]
     for _ in range(3):
         engine.step()
