@@ -34,7 +34,7 @@ static void meta_pieces(Params& p, std::initializer_list<const torch::Tensor*> a
     p.m_stride[a] = stride[a];
     p.m_dst[a] = dst[a];
     for (int k = 0; k < pieces[a]; ++k) {
-      if (a < 8) p.m_piece[q] = static_cast<uint8_t>(a);
+      if (q < FIXED_PIECES) p.m_piece[q] = static_cast<uint16_t>((a << 8) | k);
       ++q;
     }
     ++a;

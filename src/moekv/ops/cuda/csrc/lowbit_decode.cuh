@@ -83,7 +83,7 @@ struct Params {
   int m_stride[MARRAYS], m_dst[MARRAYS];
   int m_pieces;                     // pieces per page: FIXED_PIECES, then the outlier slots' (nk, nk, nv, nv)
   int m_nk, m_nv;                   // 16-byte pieces of one page-head's key / value outlier index (or value) slots
-  uint8_t m_piece[FIXED_PIECES];    // array of each fixed piece (k: its rank within the array)
+  uint16_t m_piece[FIXED_PIECES];   // each fixed piece: (array << 8) | its rank within the array
   int stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt;
 };
 
@@ -253,19 +253,14 @@ __device__ __forceinline__ void issue_chunk(const Params& p, const CopyPlan<B>& 
   for (int k = 0; k < CopyPlan<B>::PER_LANE; ++k) cp_async16(buf + cp.dst(values, k), src + k * 512, 16);
 }
 
-__device__ __forceinline__ void covering_copy(uint8_t* dst, const void* base, long long total, long long off) {
-  const int bytes = (int)max(0ll, min(16ll, total - off));
-  cp_async16(dst, reinterpret_cast<const uint8_t*>(base) + (bytes > 0 ? off : 0), bytes);
-}
-
 // the small arrays of page-head `ph` (page `page`) into meta stage `st`, by one warp: one piece per lane and round
 __device__ __forceinline__ void issue_meta(const Params& p, uint8_t* st, int page, long long ph, int lane) {
 #pragma unroll 1
   for (int q = lane; q < p.m_pieces; q += 32) {
     int a, k;
     if (q < FIXED_PIECES) {
-      a = p.m_piece[q];
-      k = q - (a == 0 ? 0 : a == 1 ? 16 : a == 2 ? 32 : a == 3 ? 40 : 44 + a);
+      a = p.m_piece[q] >> 8;
+      k = p.m_piece[q] & 255;
     } else {                                 // outlier slots: key indices, key values, value indices, value values
       const int r = q - FIXED_PIECES;
       const int kk = 2 * p.m_nk;

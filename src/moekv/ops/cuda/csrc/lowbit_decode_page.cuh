@@ -44,6 +44,21 @@ __device__ __forceinline__ void chunk_bounds(const SlotView& sv, int count, int 
   if (lane == 0) { bounds[0] = 0; bounds[1] = b1; bounds[2] = b2; bounds[3] = b3; bounds[4] = count; }
 }
 
+// The one-hot MMA's B fragment (m16n8k8): slots 2c, 2c + 1 of the tile (lane s holds slot s's residual r and its
+// key: the channel for key outliers, the token for value outliers), each residual times factor(key) of this
+// lane's head.
+template <typename F>
+__device__ __forceinline__ uint32_t slot_operand(float r, int key, int c, F factor) {
+  float prod[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float rr = __shfl_sync(0xffffffffu, r, 2 * c + e);
+    const int kk = __shfl_sync(0xffffffffu, key, 2 * c + e);
+    prod[e] = rr * factor(kk);
+  }
+  return pack_half2(prod[0], prod[1]);
+}
+
 // channel pairs (lo, lo + gap) of the 16 B-fragment registers of lane block c from a [32] fp16 row in shared memory
 template <int B>
 __device__ __forceinline__ void channel_pairs(uint32_t (&r)[16], const uint8_t* row32) {
@@ -215,14 +230,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
           const int krow = (tok & 16) + tau<B>(tok & 15);
           if (live) onehot[krow * SLOT_TILE + lane] = __ushort_as_half((unsigned short)1);   // 2^-24
           __syncwarp();
-          float prod[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float rr = __shfl_sync(0xffffffffu, r, 2 * c + e);
-            const int cc = __shfl_sync(0xffffffffu, ch, 2 * c + e);
-            prod[e] = rr * qn_at<B>(qp_tab, g, cc);
-          }
-          const uint32_t b0 = pack_half2(prod[0], prod[1]);
+          const uint32_t b0 = slot_operand(r, ch, c, [&](int cc) { return qn_at<B>(qp_tab, g, cc); });
 #pragma unroll
           for (int m = 0; m < 2; ++m) {
             uint32_t a[2];
@@ -322,14 +330,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
             const float r = live ? __half2float(sv.val[s]) : 0.f;
             if (live) onehot[row * SLOT_TILE + lane] = __ushort_as_half((unsigned short)(1u << value_off<B>(vj)));
             __syncwarp();
-            float prod[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float rr = __shfl_sync(0xffffffffu, r, 2 * c + e);
-              const int tt = __shfl_sync(0xffffffffu, tok, 2 * c + e);
-              prod[e] = rr * __half2float(pt[tt * NH + g]);
-            }
-            const uint32_t b0 = pack_half2(prod[0], prod[1]);
+            const uint32_t b0 = slot_operand(r, tok, c, [&](int tt) { return __half2float(pt[tt * NH + g]); });
 #pragma unroll
             for (int i2 = 0; i2 < 8; ++i2) {
               uint32_t a[2];
