@@ -40,29 +40,56 @@ def _assert_close(out, ref, dtype):
 
 
 def _case(context, group=4, bits=3, dtype=torch.bfloat16, kind="normal", fraction=0.0025, sinks=0, seed=0,
-          num_kv_heads=2):
+          num_kv_heads=2, key_fraction=None):
+    """key_fraction 0.0: keys without outlier slots (the cache's default format; with GQA groups <= 4 the kernel
+    then adds value outliers as fp32 corrections, else by one-hot MMAs)."""
     return to_device(build_case(context, [1] * len(context), num_kv_heads, group, 128, bits, 128, dtype=dtype,
-                                kind=kind, outlier_fraction=fraction, sink_pages=sinks, seed=seed), "cuda")
+                                kind=kind, outlier_fraction=fraction, sink_pages=sinks, seed=seed,
+                                key_outlier_fraction=key_fraction), "cuda")
 
 
 @needs_cuda
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_widths_and_groups(bits, group):
-    _check(_case([1, 127, 128, 129, 300, 1000], group=group, bits=bits, seed=bits * 10 + group), torch.bfloat16)
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("key_fraction", [0.0, None])
+def test_widths_and_groups(bits, group, key_fraction):
+    _check(_case([1, 127, 128, 129, 300, 1000], group=group, bits=bits, seed=bits * 10 + group,
+                 key_fraction=key_fraction), torch.bfloat16)
 
 
 @needs_cuda
 @pytest.mark.parametrize("kind", ["outlier_channels", "spikes", "heavy_tail", "constant", "near_max", "large"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_adversarial_data(kind, dtype):
-    _check(_case([255, 129, 640], kind=kind, dtype=dtype, fraction=0.01, seed=len(kind)), dtype)
+@pytest.mark.parametrize("key_fraction", [0.0, None])
+def test_adversarial_data(kind, dtype, key_fraction):
+    _check(_case([255, 129, 640], kind=kind, dtype=dtype, fraction=0.01, seed=len(kind), key_fraction=key_fraction),
+           dtype)
 
 
 @needs_cuda
 @pytest.mark.parametrize("fraction", [0.0, 0.0025, 0.02])
-def test_outlier_budgets(fraction):
-    _check(_case([1000, 384, 129], bits=3, fraction=fraction, kind="spikes"), torch.bfloat16)
+@pytest.mark.parametrize("key_fraction", [0.0, None])
+def test_outlier_budgets(fraction, key_fraction):
+    _check(_case([1000, 384, 129], bits=3, fraction=fraction, kind="spikes", key_fraction=key_fraction),
+           torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [4, 8])
+def test_value_outliers_crowding_one_channel(group):
+    """Every value outlier of a page in one channel (and tokens of a chunk sharing it): the corrections of one
+    channel land in successive rounds (stacked scores) or one-hot MMAs (group 8), none lost."""
+    case = _case([640, 300], group=group, bits=3, fraction=0.02, kind="normal", seed=5, key_fraction=0.0)
+    vp = case.value_pages
+    assert vp.outlier_idx.shape[-1] >= 128
+    idx = torch.zeros_like(vp.outlier_idx[0, 0])
+    idx[:128] = torch.arange(128, device=idx.device) * 128 + 37             # channel 37 of every token, ascending
+    vals = torch.zeros_like(vp.outlier_vals[0, 0])
+    vals[:128] = torch.linspace(-30.0, 30.0, 128)
+    vp.outlier_idx.copy_(idx.expand_as(vp.outlier_idx))
+    vp.outlier_vals.copy_(vals.expand_as(vp.outlier_vals))
+    vp.outlier_count.fill_(128)
+    _check(case, torch.bfloat16)
 
 
 @needs_cuda

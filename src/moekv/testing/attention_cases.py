@@ -86,14 +86,16 @@ def make_data(shape, dtype, kind: str, generator: torch.Generator) -> torch.Tens
 def build_case(context_lens: list[int], query_lens: list[int], num_kv_heads: int, group: int, head_dim: int,
                bits: int, page_size: int, dtype: torch.dtype = torch.float32, kind: str = "normal",
                key_axis: str = "channel", group_size: int | None = None, outlier_fraction: float = 0.02,
-               sink_pages: int = 0, seed: int = 0, device: str = "cpu") -> LowBitCase:
+               sink_pages: int = 0, seed: int = 0, device: str = "cpu",
+               key_outlier_fraction: float | None = None) -> LowBitCase:
     gen = torch.Generator().manual_seed(seed)
     # "large": values ~1e4; keys ~1e4 only in fp32 -- with 16-bit queries, logits that large make the softmax
     # an argmax that any rounding of q may flip (an ill-posed comparison), so keys stay normal there
     key_kind = "normal" if kind in ("large", "near_max") and dtype != torch.float32 else kind
     capacity = QuantSpec.capacity_for(outlier_fraction, page_size, head_dim)
-    key_spec = QuantSpec(bits=bits, axis=key_axis, head_dim=head_dim, page_size=page_size,
-                         group_size=group_size, outlier_capacity=capacity)
+    key_fraction = outlier_fraction if key_outlier_fraction is None else key_outlier_fraction
+    key_spec = QuantSpec(bits=bits, axis=key_axis, head_dim=head_dim, page_size=page_size, group_size=group_size,
+                         outlier_capacity=QuantSpec.capacity_for(key_fraction, page_size, head_dim))
     value_spec = QuantSpec(bits=bits, axis="token", head_dim=head_dim, page_size=page_size,
                            group_size=group_size, outlier_capacity=capacity)
     pages_needed = [-(-(c + q) // page_size) for c, q in zip(context_lens, query_lens)]

@@ -7,8 +7,8 @@
 
 using namespace moekv_v7;
 
-template <int B>
-void launch_bits(const Params& p, int batch, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>.cu
+template <int B, int STACK>
+void launch_bits(const Params& p, int batch, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>[s].cu
 
 int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap) {
   if (bits == 4) return smem_plan<4>(k_cap, v_cap).total;
@@ -103,9 +103,10 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf,
               "lowbit decode v7: query must be fp16 or bf16");
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  if (bits == 4) launch_bits<4>(p, batch, bf16, stream);
-  else if (bits == 3) launch_bits<3>(p, batch, bf16, stream);
-  else if (bits == 2) launch_bits<2>(p, batch, bf16, stream);
+  const bool stack = p.group <= NH / 2;     // GQA groups of at most 4: scores of both token tiles in one (STACK 2)
+  if (bits == 4) { if (stack) launch_bits<4, 2>(p, batch, bf16, stream); else launch_bits<4, 1>(p, batch, bf16, stream); }
+  else if (bits == 3) { if (stack) launch_bits<3, 2>(p, batch, bf16, stream); else launch_bits<3, 1>(p, batch, bf16, stream); }
+  else if (bits == 2) { if (stack) launch_bits<2, 2>(p, batch, bf16, stream); else launch_bits<2, 1>(p, batch, bf16, stream); }
   else TORCH_CHECK(false, "lowbit decode v7: bits must be 2, 3 or 4, got ", bits);
 }
 

@@ -15,10 +15,10 @@
 //             (padded to 8) is N. Codes become fp16 operands by masks alone: a k-bit field at bit offset o
 //             (o + k <= 10) of a 16-bit half IS the fp16 subnormal code * 2^(o - 24); the 2^-o goes into q',
 //             the 2^24 onto the fp32 result. int4: 5 integer instructions per 8 codes; int2: 9 per 16; int3
-//             (2-bit plane + interleaved 1-bit plane, see kv-format.md): 2 LOP3 per 2 codes.
+//             (triplets, see kv-format.md): 23 per 32 codes (v10; the 2-bit + 1-bit planes of v9 took 38).
 //   softmax : base 2, per warp and head; accumulators rescaled only when a max grows.
 //   values  : out^T[ch, head] += codes^T[ch, tok] . (p * S_t)[tok, head]; the probabilities reach the B
-//             fragment layout by movmatrix.trans; token pairs meet in one register by PRMT.
+//             fragment layout by movmatrix.trans; token pairs meet in one register by PRMT (int3: one per word).
 //   outliers: exact 0/1 MMAs into the same accumulators (one-hot A tile in shared memory holding the unit
 //             2^(o-24) of the target row, B = residual * p or residual * q): no atomics, deterministic.
 // Split-K only where the batch does not fill the GPU; the last CTA of a (sequence, kv head) combines.
@@ -140,12 +140,13 @@ constexpr int PREP_BYTES = PREP_BOUNDS + 2 * (CHUNKS + 1) * 4 + 8;
 // between uses), the chunk's probabilities, the warp's staged pages
 constexpr int W_ONEHOT = 0;                        // [D rows][SLOT_TILE] fp16
 constexpr int W_PTILE = W_ONEHOT + D * SLOT_TILE * 2;        // [CHUNK tokens][NH] fp16 probabilities
-constexpr int W_BYTES = W_PTILE + CHUNK * NH * 2;
+constexpr int W_CLAIM = W_PTILE + CHUNK * NH * 2;            // [D] uint8: value-outlier corrections' conflict check
+constexpr int W_BYTES = W_CLAIM + D;
 constexpr int STAGED_MAX = 16;                     // staged pages of one split (the tail page, sink pages)
 
 struct SmemPlan {      // byte offsets into dynamic shared memory (host and device agree)
-  int buf_bytes, meta_bytes, warp_bytes, ring, meta, prep, scratch, staged, table, qf, qp, qn, qmax, flag, stlist,
-      total;
+  int buf_bytes, meta_bytes, warp_bytes, ring, meta, prep, scratch, staged, table, qf, qp, qn, qn32, qmax, flag,
+      stlist, total;
 };
 
 // after the page loop the rings hold the merge: per-warp outputs and (max, sum), the staged pages' state and
@@ -166,11 +167,13 @@ __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   s.staged = s.scratch + (outliers ? W_BYTES : 0);
   s.warp_bytes = (s.staged + (1 + STAGED_MAX) * 4 + 15) / 16 * 16;
   const int warps_bytes = WARPS * s.warp_bytes;
-  const int region = warps_bytes > MERGE_BYTES + NH * D * 2 ? warps_bytes : MERGE_BYTES + NH * D * 2;
+  const int merge_bytes = MERGE_BYTES + NH * D * 2 + NH * D * 4;   // + the query tables, fp16 and fp32
+  const int region = warps_bytes > merge_bytes ? warps_bytes : merge_bytes;
   s.table = region;
   s.qf = s.table + TABLE_MAX * 4;                  // [4][32 lanes][4] half2: query pairs * 2^-off (B fragments)
   s.qp = s.qf + 4 * 32 * 16;                       // the same pairs without the unit (bias MMA, key outliers)
   s.qn = MERGE_BYTES;                              // natural-order query, rebuilt after the loop (merge region)
+  s.qn32 = s.qn + NH * D * 2;                      // the same values in fp32 (staged pages), after the loop
   s.qmax = s.qp + 4 * 32 * 16;                     // [NH] fp32 |q| max per head
   s.flag = s.qmax + NH * 4;                        // the split combine's "last CTA" flag
   s.stlist = s.flag + 16;                          // [1 + WARPS * STAGED_MAX] the split's staged pages, in page order
@@ -197,7 +200,7 @@ template <int B> struct Loads {
     } else {
       const uint2 v = *reinterpret_cast<const uint2*>(st + L::KC_LO + row * 32 + c * 8);
       kw.w[0] = v.x; kw.w[1] = v.y;
-      kw.h = *reinterpret_cast<const uint32_t*>(st + L::KC_HI + row * 16 + c * 4);
+      kw.w[2] = *reinterpret_cast<const uint32_t*>(st + L::KC_HI + row * 16 + c * 4);
     }
     return kw;
   }
@@ -210,8 +213,9 @@ template <int B> struct Loads {
     } else if constexpr (B == 2) {
       vw.w = *reinterpret_cast<const uint32_t*>(st + L::VC_LO + row * W::V_LO + g * 4);
     } else {
-      vw.w = *reinterpret_cast<const uint32_t*>(st + L::VC_LO + row * W::V_LO + g * 4);
-      vw.h = *reinterpret_cast<const uint32_t*>(st + L::VC_HI + row * 16 + (g >> 1) * 4);
+      const uint2 v = *reinterpret_cast<const uint2*>(st + L::VC_LO + row * W::V_LO + (g >> 1) * 8);
+      vw.w[0] = v.x; vw.w[1] = v.y;
+      vw.w[2] = *reinterpret_cast<const uint32_t*>(st + L::VC_HI + row * 16 + (g >> 1) * 4);
     }
     return vw;
   }

@@ -1,3 +1,4 @@
-// The v7 decode kernels for 3-bit codes (lowbit_decode_launch.cuh).
+// The v7 decode kernels for 3-bit codes, GQA groups of 5..8 (lowbit_decode_launch.cuh).
 #define MOEKV_V7_BITS 3
+#define MOEKV_V7_STACK 1
 #include "lowbit_decode_launch.cuh"

@@ -9,22 +9,27 @@ namespace moekv_v7 {
 // Keys: thread c (lane % 4) owns physical channels [32c, 32c + 32) of a token row; its register j (0..15) holds
 // the channel pair (key_lo(j), key_lo(j) + key_gap) of that block at field offset key_off(j) (the code's unit
 // is 2^(off - 24)). Register 2s is the A fragment's a0/a1 of k-step s, 2s + 1 its a2/a3.
+// int3 (triplets, docs/kv-format.md): register j < 15 is field j % 5 of word j / 5 (channels j and 16 + j), at
+// offsets 0, 3, 6 of the word or 0, 3 of the word shifted right by 10; register 15 is the halves' sixteenth
+// code, assembled from the three words' spare bits at offset 7.
 template <int B> __device__ __forceinline__ int key_lo(int j) {
   if (B == 4) return 8 * (j >> 2) + (j & 3);
+  if (B == 3) return j;
   return 16 * (j >> 3) + (j & 7);
 }
-template <int B> __device__ __forceinline__ int key_gap() { return B == 4 ? 4 : 8; }
-template <int B> __host__ __device__ __forceinline__ int field_off(int k) {   // k: field within its word group
-  if (B == 4) return 4 * (k & 1);
-  return k < 5 ? 2 * k : 2 * (k - 5);
+template <int B> __device__ __forceinline__ int key_gap() { return B == 4 ? 4 : B == 3 ? 16 : 8; }
+template <int B> __host__ __device__ __forceinline__ int field_off(int k) {   // k: register within its group of 16
+  if (B == 4) return 4 * (k & 3 & 1);
+  if (B == 3) return k == 15 ? 7 : (k % 5 < 3 ? 3 * (k % 5) : 3 * (k % 5 - 3));
+  return (k & 7) < 5 ? 2 * (k & 7) : 2 * ((k & 7) - 5);
 }
-template <int B> __device__ __forceinline__ int key_off(int j) { return field_off<B>(B == 4 ? (j & 3) : (j & 7)); }
+template <int B> __device__ __forceinline__ int key_off(int j) { return field_off<B>(j); }
 
 // Unpack one token row's 32 channels of thread c into 16 fp16x2 registers (A operand values).
 // lo/hi: the row's main-plane and (int3) 1-bit-plane words of this thread, already in registers.
 template <int B> struct KeyWords;
 template <> struct KeyWords<4> { uint32_t w[4]; };
-template <> struct KeyWords<3> { uint32_t w[2]; uint32_t h; };
+template <> struct KeyWords<3> { uint32_t w[3]; };      // the block's triplet: words 0, 1, 2
 template <> struct KeyWords<2> { uint32_t w[2]; };
 
 __device__ __forceinline__ void unpack16_2bit(uint32_t (&r)[8], uint32_t w) {
@@ -34,13 +39,20 @@ __device__ __forceinline__ void unpack16_2bit(uint32_t (&r)[8], uint32_t w) {
 #pragma unroll
   for (int k = 5; k < 8; ++k) r[k] = v & (0x00030003u << (2 * (k - 5)));
 }
-// int3: add the high bit of each field; hl/hr: the 1-bit words already shifted so that (for fields 0..4 / 5..7)
-// a field's high bit sits right above its two low bits
-__device__ __forceinline__ void add_high_bits(uint32_t (&r)[8], uint32_t hl, uint32_t hr) {
-#pragma unroll
-  for (int k = 0; k < 5; ++k) r[k] = lop_or_and(r[k], hl, 0x00040004u << (2 * k));
-#pragma unroll
-  for (int k = 5; k < 8; ++k) r[k] = lop_or_and(r[k], hr, 0x00040004u << (2 * (k - 5)));
+// int3: one word of a triplet -> its five fields (per 16-bit half at bits 0, 3, 6, then 10, 13 after one shift)
+__device__ __forceinline__ void unpack5_3bit(uint32_t* r, uint32_t w) {
+  r[0] = w & 0x00070007u; r[1] = w & 0x00380038u; r[2] = w & 0x01C001C0u;
+  const uint32_t v = w >> 10;
+  r[3] = v & 0x00070007u; r[4] = v & 0x00380038u;
+}
+// int3: the halves' sixteenth code, bit i at bit 9 of word i, gathered at offset 7
+__device__ __forceinline__ uint32_t spare_3bit(uint32_t w0, uint32_t w1, uint32_t w2) {
+  const uint32_t r = w2 & 0x02000200u;
+  return lop_or_and(lop_or_and(r, w1 >> 1, 0x01000100u), w0 >> 2, 0x00800080u);
+}
+__device__ __forceinline__ void unpack16_3bit(uint32_t (&r)[16], uint32_t w0, uint32_t w1, uint32_t w2) {
+  unpack5_3bit(r, w0); unpack5_3bit(r + 5, w1); unpack5_3bit(r + 10, w2);
+  r[15] = spare_3bit(w0, w1, w2);
 }
 __device__ __forceinline__ void unpack8_4bit(uint32_t* r, uint32_t w) {
   const uint32_t v = w >> 8;
@@ -59,21 +71,16 @@ template <> __device__ __forceinline__ void unpack_key_row<2>(uint32_t (&r)[16],
   for (int k = 0; k < 8; ++k) { r[k] = a[k]; r[8 + k] = b[k]; }
 }
 template <> __device__ __forceinline__ void unpack_key_row<3>(uint32_t (&r)[16], const KeyWords<3>& kw) {
-  uint32_t a[8], b[8];
-  unpack16_2bit(a, kw.w[0]); unpack16_2bit(b, kw.w[1]);
-  add_high_bits(a, kw.h << 2, kw.h >> 8);      // channels 0..15: high bits at even positions
-  add_high_bits(b, kw.h << 1, kw.h >> 9);      // channels 16..31: odd positions
-#pragma unroll
-  for (int k = 0; k < 8; ++k) { r[k] = a[k]; r[8 + k] = b[k]; }
+  unpack16_3bit(r, kw.w[0], kw.w[1], kw.w[2]);
 }
 
 // Values: thread g (lane / 4) owns physical channels [16g, 16g + 16); register vj (0..15) of a token pair holds
 // channel 16g + vj for both tokens (low half: the first). MMA row g of m-tile i is vj = 2i, row g + 8 is 2i + 1.
-template <int B> __device__ __forceinline__ int value_off(int vj) { return field_off<B>(B == 4 ? (vj & 3) : (vj & 7)); }
+template <int B> __device__ __forceinline__ int value_off(int vj) { return field_off<B>(vj); }
 
 template <int B> struct ValueWords;
 template <> struct ValueWords<4> { uint32_t w[2]; };          // channels 0..7, 8..15 of the thread's block
-template <> struct ValueWords<3> { uint32_t w; uint32_t h; };  // 2-bit word, 1-bit word (half of it is ours)
+template <> struct ValueWords<3> { uint32_t w[3]; };         // the triplet holding our 16 channels (one half)
 template <> struct ValueWords<2> { uint32_t w; };
 
 template <int B> __device__ __forceinline__ void unpack_value_pair(uint32_t (&r)[16], const ValueWords<B>& a,
@@ -96,14 +103,8 @@ template <> __device__ __forceinline__ void unpack_value_pair<2>(uint32_t (&r)[1
 }
 template <> __device__ __forceinline__ void unpack_value_pair<3>(uint32_t (&r)[16], const ValueWords<3>& a,
                                                                  const ValueWords<3>& b, int odd) {
-  uint32_t x[8], y[8];
-  unpack16_2bit(x, prmt(a.w, b.w, 0x5410));
-  unpack16_2bit(y, prmt(a.w, b.w, 0x7632));
-  const uint32_t hx = prmt(a.h, b.h, 0x5410), hy = prmt(a.h, b.h, 0x7632);
-  add_high_bits(x, hx << (2 - odd), hx >> (8 + odd));
-  add_high_bits(y, hy << (2 - odd), hy >> (8 + odd));
-#pragma unroll
-  for (int k = 0; k < 8; ++k) { r[k] = x[k]; r[8 + k] = y[k]; }
+  const uint32_t sel = odd ? 0x7632 : 0x5410;              // our half of both tokens' words
+  unpack16_3bit(r, prmt(a.w[0], b.w[0], sel), prmt(a.w[1], b.w[1], sel), prmt(a.w[2], b.w[2], sel));
 }
 
 }  // namespace moekv_v7

@@ -7,7 +7,8 @@
 namespace moekv_v7 {
 
 // MINB: resident CTAs per SM the registers are capped for (4: <= 128 registers; int4's larger rings fit 3).
-template <int B, typename QT, int MINB>
+// STACK: 2 for GQA groups of at most 4 (columns 4..7 repeat heads 0..3, lowbit_decode_page.cuh), else 1.
+template <int B, typename QT, int MINB, int STACK>
 __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   using L = Layout<B>;
@@ -42,7 +43,8 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
       const int j = 4 * jb + r, o = key_off<B>(j);
       const int lo = 32 * (fl & 3) + key_lo<B>(j), hi = lo + key_gap<B>();
       const float unit = __int_as_float((127 - o) << 23);               // 2^-o
-      const __half a = qn_tab[(fl >> 2) * D + lo], b = qn_tab[(fl >> 2) * D + hi];
+      const int head = STACK == 2 ? (fl >> 2) & 3 : fl >> 2;         // the B operand's column fl / 4
+      const __half a = qn_tab[head * D + lo], b = qn_tab[head * D + hi];
       qf[r] = pack_half2(__half2float(a) * unit, __half2float(b) * unit);
       const __half2 pr = __halves2half2(a, b);
       qp[r] = *reinterpret_cast<const uint32_t*>(&pr);
@@ -50,7 +52,8 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
     *reinterpret_cast<uint4*>(smem + plan.qf + (jb * 32 + fl) * 16) = make_uint4(qf[0], qf[1], qf[2], qf[3]);
     *reinterpret_cast<uint4*>(smem + plan.qp + (jb * 32 + fl) * 16) = make_uint4(qp[0], qp[1], qp[2], qp[3]);
   }
-  const float qms0 = qmax_tab[2 * c] * p.qk_scale, qms1 = qmax_tab[2 * c + 1] * p.qk_scale;   // score scale
+  const int h0 = STACK == 2 ? (2 * c) & 3 : 2 * c;                 // the heads of this lane's score columns
+  const float qms0 = qmax_tab[h0] * p.qk_scale, qms1 = qmax_tab[h0 + 1] * p.qk_scale;   // score scale
   __syncthreads();                 // tables complete; the warps' rings now overwrite the natural-order query
 
   // ---- the warp's pages: w, w + WARPS, ... of the split
@@ -59,12 +62,12 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   if (lane == 0) wstaged[0] = 0;
   if (p.k_cap > 0 || p.v_cap > 0) {        // one-hot tile starts (and stays) zero
     uint4* w = reinterpret_cast<uint4*>(wb + plan.scratch + W_ONEHOT);
-    for (int i = lane; i < D * SLOT_TILE * 2 / 16; i += 32) w[i] = make_uint4(0, 0, 0, 0);
+    for (int i = lane; i < W_BYTES / 16; i += 32) w[i] = make_uint4(0, 0, 0, 0);   // and the probabilities
   }
   WarpState st;
   st.init();
   const int my_n = n > warp ? (n - 1 - warp) / WARPS + 1 : 0;
-  warp_pages<B>(p, plan, wb, table, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, my_n, ocK, ocV,
+  warp_pages<B, STACK>(p, plan, wb, table, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, my_n, ocK, ocV,
                 qms0, qms1, st);
   cp_wait<0>();
   __syncthreads();
@@ -91,10 +94,11 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
     staged_list[0] = min(k, STAGED_MAX);
   }
   __syncthreads();                         // staged lists read before the merge overwrites the warps' areas
-  load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, false);   // the natural-order query again
+  float* qn32 = reinterpret_cast<float*>(smem + plan.qn32);
+  load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, false, qn32);   // the natural-order query again
   float l0 = st.l0, l1 = st.l1, z0 = st.z0, z1 = st.z1;
 #pragma unroll
-  for (int o = 4; o < 32; o <<= 1) {
+  for (int o = STACK == 2 ? 2 : 4; o < 32; o <<= 1) {      // STACK 2: lanes c and c ^ 2 hold the same heads
     l0 += __shfl_xor_sync(0xffffffffu, l0, o); l1 += __shfl_xor_sync(0xffffffffu, l1, o);
     z0 += __shfl_xor_sync(0xffffffffu, z0, o); z1 += __shfl_xor_sync(0xffffffffu, z1, o);
   }
@@ -116,10 +120,10 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   for (int i = tid; i < NH * D; i += THREADS) st_o[i] = 0.f;
   __syncthreads();
   float* sbuf = st_l + NH;                                          // [P][NH] staged probabilities
-  attend_staged_pages<QT>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn_tab, qmax_tab, st_o, st_m,
+  attend_staged_pages<QT>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn32, qmax_tab, st_o, st_m,
                           st_l, sbuf, sbuf + P * NH);
   __syncthreads();
-  combine_warps<QT>(p, mo, ml, st_o, st_m, st_l, qn_tab, qmax_tab, q_row, kvh, G, seq, split);
+  combine_warps<QT>(p, mo, ml, st_o, st_m, st_l, qn_tab, qmax_tab, q_row, kvh, G, seq, split, sbuf + P * NH);
   if (p.num_splits == 1) return;
   combine_splits<QT>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(smem + plan.flag));
 }

@@ -1,5 +1,6 @@
-// The launch of the v7 decode kernels of one code width, MOEKV_V7_BITS: each lowbit_decode_b<bits>.cu defines it and
-// includes this, so the build compiles the three widths in parallel.
+// The launch of the v7 decode kernels of one code width, MOEKV_V7_BITS, and score stacking, MOEKV_V7_STACK (1, or 2
+// for GQA groups of at most 4): each lowbit_decode_b<bits>[s].cu defines them and includes this, so the build
+// compiles the six kernels in parallel.
 #pragma once
 #include <stdexcept>
 #include <string>
@@ -14,9 +15,9 @@ static void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("lowbit decode v7: ") + what + ": " + cudaGetErrorString(err));
 }
 
-template <int B, typename QT>
+template <int B, int STACK, typename QT>
 static void launch(const Params& p, int batch, cudaStream_t stream) {
-  auto kernel = decode_kernel<B, QT, MINB<B>>;
+  auto kernel = decode_kernel<B, QT, MINB<B>, STACK>;
   const SmemPlan plan = smem_plan<B>(p.k_cap, p.v_cap);
   static int configured = 0;
   if (plan.total > configured) {
@@ -30,12 +31,12 @@ static void launch(const Params& p, int batch, cudaStream_t stream) {
 
 }  // namespace moekv_v7
 
-template <int B>
+template <int B, int STACK>
 void launch_bits(const moekv_v7::Params& p, int batch, bool bf16, cudaStream_t stream);
 
 template <>
-void launch_bits<MOEKV_V7_BITS>(const moekv_v7::Params& p, int batch, bool bf16, cudaStream_t stream) {
+void launch_bits<MOEKV_V7_BITS, MOEKV_V7_STACK>(const moekv_v7::Params& p, int batch, bool bf16, cudaStream_t stream) {
   using namespace moekv_v7;
-  if (bf16) launch<MOEKV_V7_BITS, __nv_bfloat16>(p, batch, stream);
-  else launch<MOEKV_V7_BITS, __half>(p, batch, stream);
+  if (bf16) launch<MOEKV_V7_BITS, MOEKV_V7_STACK, __nv_bfloat16>(p, batch, stream);
+  else launch<MOEKV_V7_BITS, MOEKV_V7_STACK, __half>(p, batch, stream);
 }

@@ -5,12 +5,12 @@
 namespace moekv_v7 {
 
 // Staged pages (the tail page, sink pages) of this CTA's split in full precision, on CUDA cores: thread = token
-// for the scores (16-byte row loads, the query from the fp16 table), one max / sum reduction per head, then
+// for the scores (16-byte row loads, the query's fp16 values from an fp32 table), one max / sum reduction per head, then
 // thread = channel for p . v. The pages' online-softmax state accumulates in st_o [NH][D], st_m, st_l [NH].
 // sbuf: [P][NH] floats, red: [2 * WARPS][NH] floats of scratch.
 template <typename QT>
 __device__ __forceinline__ void attend_staged_pages(const Params& p, const int* table, const int* staged, int num_staged,
-                                                    int first, int ctx, int kvh, int G, const __half* qn_tab,
+                                                    int first, int ctx, int kvh, int G, const float* qn32,
                                                     const float* qmax_tab, float* st_o, float* st_m, float* st_l,
                                                     float* sbuf, float* red) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -20,7 +20,7 @@ __device__ __forceinline__ void attend_staged_pages(const Params& p, const int* 
     const long long row_stride = (long long)p.num_kv_heads * D;
     const QT* base_k = reinterpret_cast<const QT*>(p.staging_k) + (long long)slot * P * row_stride + (long long)kvh * D;
     const QT* base_v = reinterpret_cast<const QT*>(p.staging_v) + (long long)slot * P * row_stride + (long long)kvh * D;
-    // scores: thread = token, 16-byte row loads, the query from the fp16 table
+    // scores: thread = token, 16-byte row loads, the query from the fp32 table
     const QT* krow = base_k + tid * row_stride;
     float s8[NH];
 #pragma unroll
@@ -35,10 +35,12 @@ __device__ __forceinline__ void attend_staged_pages(const Params& p, const int* 
 #pragma unroll
       for (int h = 0; h < NH; ++h) {
         if (h < G) {
-          const uint4 qr = *reinterpret_cast<const uint4*>(qn_tab + h * D + d0);
-          const __half* qe = reinterpret_cast<const __half*>(&qr);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s8[h] = fmaf(__half2float(qe[e]), kf[e], s8[h]);
+          const float4 qa = *reinterpret_cast<const float4*>(qn32 + h * D + d0);
+          const float4 qb = *reinterpret_cast<const float4*>(qn32 + h * D + d0 + 4);
+          s8[h] = fmaf(qa.x, kf[0], s8[h]); s8[h] = fmaf(qa.y, kf[1], s8[h]);
+          s8[h] = fmaf(qa.z, kf[2], s8[h]); s8[h] = fmaf(qa.w, kf[3], s8[h]);
+          s8[h] = fmaf(qb.x, kf[4], s8[h]); s8[h] = fmaf(qb.y, kf[5], s8[h]);
+          s8[h] = fmaf(qb.z, kf[6], s8[h]); s8[h] = fmaf(qb.w, kf[7], s8[h]);
         }
       }
     }
@@ -120,7 +122,7 @@ __device__ __forceinline__ void attend_staged_pages(const Params& p, const int* 
 // thread: head qh = tid / 16, channels qd = 8 (tid % 16) + 0..7 (all threads call it).
 template <typename QT>
 __device__ __forceinline__ void load_query(const Params& p, long long q_row, int kvh, int G, int qh, int qd,
-                                           __half* qn_tab, float* qmax_tab, bool write_max) {
+                                           __half* qn_tab, float* qmax_tab, bool write_max, float* qn32 = nullptr) {
   float qv[8];
   const QT* qp = reinterpret_cast<const QT*>(p.q) + q_row * p.stride_qt + (long long)(kvh * G + qh) * p.stride_qh + qd;
 #pragma unroll
@@ -132,7 +134,11 @@ __device__ __forceinline__ void load_query(const Params& p, long long q_row, int
   for (int o = 1; o < 16; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   mx = mx > 0.f ? mx : 1.f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) qn_tab[qh * D + qd + k] = __float2half_rn(qv[k] / mx);
+  for (int k = 0; k < 8; ++k) {
+    const __half h = __float2half_rn(qv[k] / mx);
+    qn_tab[qh * D + qd + k] = h;
+    if (qn32 != nullptr) qn32[qh * D + qd + k] = __half2float(h);
+  }
   if (write_max && (threadIdx.x & 15) == 0) qmax_tab[qh] = mx;
 }
 
@@ -142,19 +148,31 @@ template <typename QT>
 __device__ __forceinline__ void combine_warps(const Params& p, const float* mo, const float* ml, const float* st_o,
                                               const float* st_m, const float* st_l, const __half* qn_tab,
                                               const float* qmax_tab, long long q_row, int kvh, int G, int seq,
-                                              int split) {
-  const int ch = threadIdx.x;
+                                              int split, float* snew) {
+  const int ch = threadIdx.x, lane = ch & 31, warp = ch >> 5;
   const bool write_direct = p.num_splits == 1;
+  if (split == 0) {              // the new token's score per head, once: warp w takes heads w, w + WARPS
+    const QT* kn = reinterpret_cast<const QT*>(p.new_k) + q_row * p.stride_kt + (long long)kvh * p.stride_kh;
+    float kf[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) kf[e] = to_float<QT>(kn[4 * lane + e]);
+    for (int h = warp; h < G; h += WARPS) {
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dot = fmaf(__half2float(qn_tab[h * D + 4 * lane + e]), kf[e], dot);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (lane == 0) snew[h] = dot * (qmax_tab[h] * p.qk_scale);
+    }
+    __syncthreads();
+  }
   for (int h = 0; h < G; ++h) {
     float M = st_m[h];
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) M = fmaxf(M, ml[w * NH + h]);
     float s_new = NEG_INF, v_new = 0.f;
     if (split == 0) {
-      const QT* kn = reinterpret_cast<const QT*>(p.new_k) + q_row * p.stride_kt + (long long)kvh * p.stride_kh;
-      float dot = 0.f;
-      for (int d = 0; d < D; ++d) dot = fmaf(__half2float(qn_tab[h * D + d]), to_float<QT>(kn[d]), dot);
-      s_new = dot * (qmax_tab[h] * p.qk_scale);
+      s_new = snew[h];
       v_new = to_float<QT>(reinterpret_cast<const QT*>(p.new_v)[q_row * p.stride_vt + (long long)kvh * p.stride_vh + ch]);
       M = fmaxf(M, s_new);
     }

@@ -87,13 +87,89 @@ __device__ __forceinline__ void load_frag16(uint32_t (&r)[16], const uint8_t* ta
 template <int B>
 __device__ __forceinline__ float qn_at(const uint8_t* qp, int head, int ch) {
   const int blk = ch >> 5, w = ch & 31;
-  const int j = B == 4 ? (w & 3) + 4 * (w >> 3) : (w & 7) + 8 * (w >> 4);
-  const int half = B == 4 ? (w >> 2) & 1 : (w >> 3) & 1;
+  const int j = B == 4 ? (w & 3) + 4 * (w >> 3) : B == 3 ? (w & 15) : (w & 7) + 8 * (w >> 4);
+  const int half = B == 4 ? (w >> 2) & 1 : B == 3 ? (w >> 4) : (w >> 3) & 1;
   const __half* e = reinterpret_cast<const __half*>(qp + ((j >> 2) * 32 + head * 4 + blk) * 16 + (j & 3) * 4);
   return __half2float(e[half]);
 }
 
+// Value outliers as corrections (stacked scores): slots [lo, hi) of chunk k, one per lane, add r * p[token][head]
+// (the chunk's probabilities, heads 0..3) to corr[channel][head] (fp32, [D][4]). Lanes whose channels are all
+// different (each lane claims its channel in `claim` and reads it back) update at once; otherwise the slots of one
+// channel update in successive rounds in slot order. No atomics, deterministic.
+__device__ __forceinline__ void add_corrections(const SlotView& sv, int lo, int hi, int k, int lane, float* corr,
+                                                const __half* pt, uint8_t* claim) {
+  for (int base = lo; base < hi; base += 32) {
+    const int s = base + lane;
+    const bool live = s < hi;
+    const int idx = live ? (int)sv.idx[s] : 0;
+    const int tok = idx / D - CHUNK * k, ch = live ? idx % D : D + lane;     // dead lanes: distinct dummies
+    const float r = live ? __half2float(sv.val[s]) : 0.f;
+    const uint2 pp = *reinterpret_cast<const uint2*>(pt + (live ? tok : 0) * NH);
+    const float2 p01 = __half22float2(*reinterpret_cast<const __half2*>(&pp.x));
+    const float2 p23 = __half22float2(*reinterpret_cast<const __half2*>(&pp.y));
+    if (live) claim[ch] = (uint8_t)lane;
+    __syncwarp();
+    const bool clash = __any_sync(0xffffffffu, live && claim[ch] != lane);
+    if (!clash) {
+      if (live) {
+        float4* row = reinterpret_cast<float4*>(corr) + ch;
+        float4 v = *row;
+        v.x = fmaf(r, p01.x, v.x); v.y = fmaf(r, p01.y, v.y); v.z = fmaf(r, p23.x, v.z); v.w = fmaf(r, p23.y, v.w);
+        *row = v;
+      }
+      __syncwarp();
+      continue;
+    }
+    const unsigned same = __match_any_sync(0xffffffffu, ch);
+    unsigned pending = __ballot_sync(0xffffffffu, live);
+    while (pending) {
+      const bool mine = live && ((pending >> lane) & 1u) && (__ffs(same & pending) - 1 == lane);
+      if (mine) {
+        float4* row = reinterpret_cast<float4*>(corr) + ch;
+        float4 v = *row;
+        v.x = fmaf(r, p01.x, v.x); v.y = fmaf(r, p01.y, v.y); v.z = fmaf(r, p23.x, v.z); v.w = fmaf(r, p23.y, v.w);
+        *row = v;
+      }
+      __syncwarp();
+      pending &= ~__ballot_sync(0xffffffffu, mine);
+    }
+  }
+}
+
+// the online softmax's rescale of the corrections: lane (g, c) takes channels 16 g + 8 (c >> 1) + 0..7 of heads
+// 2 (c & 1), 2 (c & 1) + 1 (its a0, a1)
+__device__ __forceinline__ void scale_corrections(float* corr, int g, int c, float a0, float a1) {
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float2* e = reinterpret_cast<float2*>(corr + (16 * g + 8 * (c >> 1) + i) * 4 + 2 * (c & 1));
+    float2 v = *e;
+    v.x *= a0; v.y *= a1;
+    *e = v;
+  }
+  __syncwarp();
+}
+
+// the corrections into the accumulators (their rows' unit 2^(off - 24)); lanes of columns 4..7 hold padding
 template <int B>
+__device__ __forceinline__ void fold_corrections(const float* corr, int g, int c, WarpState& st) {
+  __syncwarp();
+  if (c >= 2) return;
+#pragma unroll
+  for (int i2 = 0; i2 < 8; ++i2)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vj = 2 * i2 + (e >> 1), ch = 16 * g + vj, h = 2 * c + (e & 1);
+      const float unit = __int_as_float((127 - 24 + value_off<B>(vj)) << 23);    // 2^(off - 24)
+      st.acc[i2][e] = fmaf(corr[ch * 4 + h], unit, st.acc[i2][e]);
+    }
+}
+
+// STACK 2 (GQA groups of at most 4): the B operand's columns 4..7 repeat heads 0..3, so after the key MMAs the
+// lanes of columns 0..3 keep tile 0's scores (tokens 0..15 of the chunk) and those of columns 4..7 tile 1's
+// (tokens 16..31): 4 real scores per lane instead of 8 with 4 padding heads. STACK 1: 8 heads, both tiles.
+template <int B, int STACK>
 __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan, uint8_t* wb, const int* table,
                                            const uint8_t* qf_tab, const uint8_t* qp_tab, int first, int ctx, int kvh,
                                            int warp, int lane, int my_n, int ocK, int ocV, float qms0, float qms1,
@@ -119,6 +195,10 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
     cp_commit();
   }
   int kb = 0;                                    // ring buffer of K_q (V_q: kb + 1, the next fill: kb + 2, mod 3)
+  // CORR (stacked scores, no key outliers): value outliers go to fp32 rows corr[D][4 heads] in the one-hot tile's
+  // place, folded into the accumulators after the loop; else one-hot MMAs into the accumulators
+  const bool CORR = STACK == 2 && p.k_cap == 0;
+  bool corr_live = false;
   for (int jj = 0; jj < my_n; ++jj) {
     const int page = page_of(jj);
     const long long ph = ph_of(page);
@@ -257,22 +337,24 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         vw[m][2] = Loads<B>::value(vst, t0 + 8, g); vw[m][3] = Loads<B>::value(vst, t1 + 8, g);
       }
       // ---- online softmax (base 2)
+      constexpr int MT = 3 - STACK;                        // score tiles per lane
       const float2* vsz = reinterpret_cast<const float2*>(prep + PREP_VSZ) + CHUNK * k;
       const int tok0 = page_index * P + CHUNK * k;
-      float sc[2][4];
+      auto tok_of = [&](int m, int e) { return 16 * (STACK == 2 ? (c >> 1) : m) + tau<B>(g) + 8 * (e >> 1); };
+      float sc[MT][4];
       float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
+      for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int tok = 16 * m + tau<B>(g) + 8 * (e >> 1);
-          const bool valid = full_page || tok0 + tok < ctx;
-          const float v = (e & 1) ? qms1 * fmaf(cs[m][e], 16777216.f, bias1) : qms0 * fmaf(cs[m][e], 16777216.f, bias0);
+          const float raw = STACK == 2 ? (c < 2 ? cs[0][e] : cs[1][e]) : cs[m][e];
+          const bool valid = full_page || tok0 + tok_of(m, e) < ctx;
+          const float v = (e & 1) ? qms1 * fmaf(raw, 16777216.f, bias1) : qms0 * fmaf(raw, 16777216.f, bias0);
           sc[m][e] = valid ? v : NEG_INF;
           if (e & 1) mx1 = fmaxf(mx1, sc[m][e]); else mx0 = fmaxf(mx0, sc[m][e]);
         }
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
+      for (int o = STACK == 2 ? 2 : 4; o < 32; o <<= 1) {
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
       }
@@ -283,16 +365,17 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
 #pragma unroll
         for (int i2 = 0; i2 < 8; ++i2) { st.acc[i2][0] *= a0; st.acc[i2][2] *= a0; st.acc[i2][1] *= a1; st.acc[i2][3] *= a1; }
         st.l0 *= a0; st.z0 *= a0; st.l1 *= a1; st.z1 *= a1;
+        if (CORR && corr_live) scale_corrections(reinterpret_cast<float*>(scr + W_ONEHOT), g, c, a0, a1);
       }
       st.m0 = n0; st.m1 = n1;
       uint32_t pb[2][2];                                   // PV B fragments per k-step (= QK m-tile)
       __half2* ptile = reinterpret_cast<__half2*>(scr + W_PTILE);
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
+      for (int m = 0; m < MT; ++m) {
         float pr[4], ps[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int tok = 16 * m + tau<B>(g) + 8 * (e >> 1);
+          const int tok = tok_of(m, e);
           pr[e] = ex2(sc[m][e] - ((e & 1) ? u1 : u0));
           const float2 sz = vsz[tok];
           ps[e] = pr[e] * sz.x;
@@ -301,9 +384,14 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         pb[m][0] = movmatrix_trans(pack_half2(ps[0], ps[1]));
         pb[m][1] = movmatrix_trans(pack_half2(ps[2], ps[3]));
         if (vcount > 0) {
-          ptile[(16 * m + tau<B>(g)) * (NH / 2) + c] = __floats2half2_rn(pr[0], pr[1]);
-          ptile[(16 * m + tau<B>(g) + 8) * (NH / 2) + c] = __floats2half2_rn(pr[2], pr[3]);
+          const int col = STACK == 2 ? (c & 1) : c;
+          ptile[tok_of(m, 0) * (NH / 2) + col] = __floats2half2_rn(pr[0], pr[1]);
+          ptile[tok_of(m, 2) * (NH / 2) + col] = __floats2half2_rn(pr[2], pr[3]);
         }
+      }
+      if (STACK == 2) {          // k-step 1 (tokens 16..31): columns 0..3 take what the lanes of columns 4..7 hold
+        pb[1][0] = __shfl_xor_sync(0xffffffffu, pb[0][0], 16);
+        pb[1][1] = __shfl_xor_sync(0xffffffffu, pb[0][1], 16);
       }
       // ---- values
 #pragma unroll
@@ -314,7 +402,17 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
 #pragma unroll
         for (int i2 = 0; i2 < 8; ++i2) mma16816(st.acc[i2], r01[2 * i2], r01[2 * i2 + 1], r23[2 * i2], r23[2 * i2 + 1], pb[m][0], pb[m][1]);
       }
-      if (vcount > 0) {          // value outliers: acc += onehot(row(ch), slot) * unit . (r * p[token][head])
+      if (CORR && vcount > 0) {  // value outliers into the warp's fp32 correction rows: corr[ch][head] += r * p
+        const int lo = vbd[k], hi = vbd[k + 1];
+        if (lo < hi) {
+          __syncwarp();
+          corr_live = true;
+          const SlotView sv = slot_view(mt, L::FIXED + 2 * ocK, L::FIXED + 2 * ocK + ocV, ph, p.v_cap);
+          add_corrections(sv, lo, hi, k, lane, reinterpret_cast<float*>(scr + W_ONEHOT),
+                          reinterpret_cast<const __half*>(scr + W_PTILE), scr + W_CLAIM);
+        }
+      }
+      if (!CORR && vcount > 0) { // value outliers: acc += onehot(row(ch), slot) * unit . (r * p[token][head])
         const int lo = vbd[k], hi = vbd[k + 1];
         if (lo < hi) {
           __syncwarp();
@@ -346,6 +444,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       kb = nbuf;
     }
   }
+  if (CORR && __any_sync(0xffffffffu, corr_live)) fold_corrections<B>(reinterpret_cast<const float*>(scr + W_ONEHOT), g, c, st);
 }
 
 }  // namespace moekv_v7

@@ -33,7 +33,8 @@ import triton.language as tl
 
 from moekv.core.lowbit_layout import SCALE_CODE_STEPS, PackedPages
 from moekv.ops.triton.common import check_launchable
-from moekv.ops.triton.lowbit.quantize_parts import choose_ranges, fp16_rounded, group_extreme, group_stat, pack_plane
+from moekv.ops.triton.lowbit.quantize_parts import (choose_ranges, fp16_rounded, group_extreme, group_stat, pack_plane,
+                                                    pack_triplet_word)
 
 FP16_MAX = 65504.0
 
@@ -199,8 +200,9 @@ def _quantize_page_head(
     elif BITS == 2:
         tl.store(rows + tl.arange(0, D // 16)[None, :], pack_plane(codes, P, D, 2))
     else:
-        tl.store(rows + tl.arange(0, D // 16)[None, :], pack_plane(codes & 3, P, D, 2))
-        tl.store(rows + D // 16 + tl.arange(0, D // 32)[None, :], pack_plane(codes >> 2, P, D, 1))
+        first = tl.join(pack_triplet_word(codes, 0, P, D), pack_triplet_word(codes, 1, P, D))   # [P, D // 32, 2]
+        tl.store(rows + tl.arange(0, D // 16)[None, :], tl.reshape(first, (P, D // 16)))
+        tl.store(rows + D // 16 + tl.arange(0, D // 32)[None, :], pack_triplet_word(codes, 2, P, D))
 
     # ---- outliers: fp16 residuals, compacted in ascending index order ----
     if CAPACITY > 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.lowbit.unpack import field_shifts
+from moekv.ops.triton.lowbit.unpack import field_shifts, triplet_field_bit
 
 
 @triton.jit
@@ -64,11 +64,27 @@ def group_extreme(x, IS_MAX: tl.constexpr, AXIS_CHANNEL: tl.constexpr, P: tl.con
 @triton.jit
 def pack_plane(fields, P: tl.constexpr, D: tl.constexpr, WIDTH: tl.constexpr):
     """fields [P, D] int32 (< 2**WIDTH) -> words [P, D * WIDTH // 32] int32: field j at bit
-    core.lowbit_pack.field_bit(WIDTH, j % (32/W)): (j % (32/W)) * W, the 1-bit plane's word halves interleaved."""
+    core.lowbit_pack.field_bit(WIDTH, j % (32/W)) = (j % (32/W)) * W (int4 / int2)."""
     per_word: tl.constexpr = 32 // WIDTH
     grouped = tl.reshape(fields, (P, D // per_word, per_word))
     shifted = grouped << field_shifts(WIDTH)[None, None, :]
     return tl.sum(shifted, axis=2)                       # disjoint fields: the sum is the bitwise or
+
+
+@triton.jit
+def pack_triplet_word(codes, WORD: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
+    """int3 codes [P, D] int32 -> word WORD (0, 1, 2) of every triplet group: [P, D // 32] int32
+    (core.lowbit_pack: local channel l = 16h + m; m < 15 in word m // 5 at bit 16h + triplet_field_bit(m),
+    m = 15 contributes bit WORD of its code at bit 16h + 9)."""
+    grouped = tl.reshape(codes, (P, D // 32, 32))
+    lane = tl.arange(0, 32)
+    m = lane % 16
+    base = 16 * (lane // 16)
+    whole = (m < 15) & (m // 5 == WORD)
+    shift = tl.where(m == 15, base + 9, base + triplet_field_bit(m))
+    piece = tl.where((m == 15)[None, None, :], (grouped >> WORD) & 1, grouped)
+    contrib = tl.where((whole | (m == 15))[None, None, :], piece << shift[None, None, :], 0)
+    return tl.sum(contrib, axis=2)                       # disjoint fields: the sum is the bitwise or
 
 
 @triton.jit

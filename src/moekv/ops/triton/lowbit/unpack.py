@@ -19,36 +19,53 @@ def unpack_codes(row_ptrs, row_mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, GATHER: tl.constexpr):
     """row_ptrs [BLOCK_N]: int32 pointers to packed rows -> codes [BLOCK_N, BLOCK_D] int32.
 
-    A plane of k-bit fields holds 32 // k fields per word, field j in word j // (32 // k) at bit
-    field_bit(k, j % (32 // k)) ((j % (32 // k)) * k; the 1-bit plane interleaves its word's halves: field
-    i < 16 at bit 2i, 16 + i at 2i + 1); int3 = 2-bit plane (low bits) then 1-bit plane (high bit).
-    Columns >= HEAD_DIM (padding up to BLOCK_D) read as 0. Two ways to the same tile:
-    GATHER=False loads each word once and splits it with a [N, W, fields] -> [N, D] reshape;
-    GATHER=True loads, for every column, the word holding it (repeats hit L1) and shifts per column.
+    int4 / int2: one plane of k-bit fields, 32 // k per word, field j in word j // (32 // k) at bit
+    (j % (32 // k)) * k. int3: triplets (core.lowbit_pack): group j = d // 32 owns words 2j, 2j + 1 and 2G + j;
+    local channel 16h + m (m < 15) sits in word m // 5 at bit 16h + triplet_field_bit(m), m = 15 has bit i of
+    its code at bit 16h + 9 of word i. Columns >= HEAD_DIM (padding up to BLOCK_D) read as 0. Two ways to the
+    same int4 / int2 tile: GATHER=False loads each word once and splits it with a [N, W, fields] -> [N, D]
+    reshape; GATHER=True loads, for every column, the word holding it (repeats hit L1) and shifts per column.
+    int3 always gathers (three words per column).
     """
     if BITS == 3:
-        low_words: tl.constexpr = (HEAD_DIM + 15) // 16
-        lo = _plane(row_ptrs, row_mask, 0, 2, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
-        hi = _plane(row_ptrs, row_mask, low_words, 1, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
-        codes = lo | (hi << 2)
+        codes = _triplets(row_ptrs, row_mask, HEAD_DIM, BLOCK_D)
     else:
         codes = _plane(row_ptrs, row_mask, 0, BITS, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
     return codes
 
 
 @triton.jit
-def _field_bit(field, WIDTH: tl.constexpr):
-    """Bit of field `field` (int tensor, < 32 // WIDTH) in its word (core.lowbit_pack.field_bit)."""
-    if WIDTH == 1:
-        return tl.where(field < 16, 2 * field, 2 * (field - 16) + 1)
-    else:
-        return field * WIDTH
+def triplet_field_bit(m):
+    """int3: bit of the whole field of local channel m % 16 (< 15) inside its 16-bit half
+    (core.lowbit_pack.TRIPLET_BITS: 0, 3, 6, 10, 13 for m % 5 = 0 .. 4)."""
+    f = m % 5
+    return tl.where(f < 3, 3 * f, 3 * f + 1)
+
+
+@triton.jit
+def _triplets(row_ptrs, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """int3 codes of every column: [N, BLOCK_D] int32."""
+    groups: tl.constexpr = (HEAD_DIM + 31) // 32
+    offs_d = tl.arange(0, BLOCK_D)
+    group = offs_d // 32
+    m = offs_d % 16
+    base = 16 * ((offs_d // 16) % 2)
+    mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    w0 = tl.load(row_ptrs[:, None] + (2 * group)[None, :], mask=mask, other=0)
+    w1 = tl.load(row_ptrs[:, None] + (2 * group + 1)[None, :], mask=mask, other=0)
+    w2 = tl.load(row_ptrs[:, None] + (2 * groups + group)[None, :], mask=mask, other=0)
+    word = m // 5
+    held = tl.where((word == 0)[None, :], w0, tl.where((word == 1)[None, :], w1, w2))
+    whole = (held >> (base + triplet_field_bit(m))[None, :]) & 7
+    spare_bit = (base + 9)[None, :]
+    spare = ((w0 >> spare_bit) & 1) | (((w1 >> spare_bit) & 1) << 1) | (((w2 >> spare_bit) & 1) << 2)
+    return tl.where((m == 15)[None, :], spare, whole)
 
 
 @triton.jit
 def field_shifts(WIDTH: tl.constexpr):
-    """[32 // WIDTH]: the bit of every field of a word, in field order."""
-    return _field_bit(tl.arange(0, 32 // WIDTH), WIDTH)
+    """[32 // WIDTH]: the bit of every field of a one-plane word, in field order."""
+    return tl.arange(0, 32 // WIDTH) * WIDTH
 
 
 @triton.jit
@@ -61,7 +78,7 @@ def _plane(row_ptrs, row_mask, FIRST_WORD: tl.constexpr, WIDTH: tl.constexpr, HE
         offs_d = tl.arange(0, BLOCK_D)
         words = tl.load(row_ptrs[:, None] + FIRST_WORD + (offs_d // per_word)[None, :],
                         mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0)
-        fields = (words >> _field_bit(offs_d % per_word, WIDTH)[None, :]) & field_mask
+        fields = (words >> ((offs_d % per_word) * WIDTH)[None, :]) & field_mask
     else:
         offs_w = tl.arange(0, BLOCK_D // per_word)
         words = tl.load(row_ptrs[:, None] + FIRST_WORD + offs_w[None, :],
