@@ -52,8 +52,8 @@ def _module(major: int, minor: int):
     arch = f"{major}{minor}"
     return load(name=f"moekv_lowbit_decode_v7_sm{arch}",
                 sources=[str(_CSRC / name) for name in ("lowbit_decode.cu", "lowbit_decode_b2.cu", "lowbit_decode_b3.cu",
-                                                         "lowbit_decode_b4.cu", "lowbit_decode_b2s.cu",
-                                                         "lowbit_decode_b3s.cu", "lowbit_decode_b4s.cu")],
+                                                         "lowbit_decode_b4.cu", "lowbit_decode_b3s.cu",
+                                                         "lowbit_decode_b4s.cu")],
                 extra_include_paths=[str(_CSRC)], verbose=False,
                 extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
 
