@@ -91,8 +91,8 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
     for request_id in list(engine.requests):
         engine.abort(request_id)
     engine.routing.remove_hooks()      # the model outlives the engine: its next row's engine must not run this hook
-    del engine
-    free_memory(device)
+    del engine, runner                 # every reference, so that free_memory's collection frees the KV cache and the
+    free_memory(device)                # graphs before the next row allocates (session 20: B=64 overlap=on ran OOM)
     return row
 
 

@@ -168,7 +168,7 @@ def test_page_shape_is_checked():
 def test_accounting_matches_a_hand_count():
     key_spec = spec_for(3, "channel", page_size=4, head_dim=32, capacity=2)
     value_spec = spec_for(3, "token", page_size=4, head_dim=32, capacity=2, group_size=16)
-    # keys, one head: codes 4 rows x (2 words of 2-bit + 1 word of 1-bit fields) x 4 B = 48; fp16 scale and
+    # keys, one head: codes 4 rows x (one triplet group: 3 words) x 4 B = 48; fp16 scale and
     # zero per channel 2 x 32 x 2 = 128; outliers 2 x (2 + 2) = 8; count 2  -> 186 bytes
     assert accounting.packed_page_bytes(key_spec) == 186
     # values: codes 48; uint8 scale and zero codes 4 tokens x 2 groups x 2 = 16; fp16 scale_base 2;

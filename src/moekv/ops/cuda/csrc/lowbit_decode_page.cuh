@@ -6,24 +6,9 @@
 // Waits: before chunk q's keys, everything but the latest group (V_q); before its values, all but the two latest
 // (K_{q+1}, V_{q+1}). A __syncwarp after each wait makes the other lanes' copies visible.
 #pragma once
-#include "lowbit_decode.cuh"
+#include "lowbit_decode_corr.cuh"
 
 namespace moekv_v7 {
-
-struct WarpState {
-  float acc[8][4];
-  float m0, m1, l0, l1, z0, z1;
-  __device__ __forceinline__ void init() {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f; }
-    m0 = m1 = NEG_INF; l0 = l1 = z0 = z1 = 0.f;
-  }
-};
-
-struct SlotView {
-  const uint16_t* idx;   // page-head's slot indices (token * D + channel), ascending
-  const __half* val;     // residuals
-};
 
 __device__ __forceinline__ SlotView slot_view(const uint8_t* st, int off_idx, int off_val, long long ph, int cap) {
   const int shift = (int)((ph * cap * 2) & 15);
@@ -91,79 +76,6 @@ __device__ __forceinline__ float qn_at(const uint8_t* qp, int head, int ch) {
   const int half = B == 4 ? (w >> 2) & 1 : B == 3 ? (w >> 4) : (w >> 3) & 1;
   const __half* e = reinterpret_cast<const __half*>(qp + ((j >> 2) * 32 + head * 4 + blk) * 16 + (j & 3) * 4);
   return __half2float(e[half]);
-}
-
-// Value outliers as corrections (stacked scores): slots [lo, hi) of chunk k, one per lane, add r * p[token][head]
-// (the chunk's probabilities, heads 0..3) to corr[channel][head] (fp32, [D][4]). Lanes whose channels are all
-// different (each lane claims its channel in `claim` and reads it back) update at once; otherwise the slots of one
-// channel update in successive rounds in slot order. No atomics, deterministic.
-__device__ __forceinline__ void add_corrections(const SlotView& sv, int lo, int hi, int k, int lane, float* corr,
-                                                const __half* pt, uint8_t* claim) {
-  for (int base = lo; base < hi; base += 32) {
-    const int s = base + lane;
-    const bool live = s < hi;
-    const int idx = live ? (int)sv.idx[s] : 0;
-    const int tok = idx / D - CHUNK * k, ch = live ? idx % D : D + lane;     // dead lanes: distinct dummies
-    const float r = live ? __half2float(sv.val[s]) : 0.f;
-    const uint2 pp = *reinterpret_cast<const uint2*>(pt + (live ? tok : 0) * NH);
-    const float2 p01 = __half22float2(*reinterpret_cast<const __half2*>(&pp.x));
-    const float2 p23 = __half22float2(*reinterpret_cast<const __half2*>(&pp.y));
-    if (live) claim[ch] = (uint8_t)lane;
-    __syncwarp();
-    const bool clash = __any_sync(0xffffffffu, live && claim[ch] != lane);
-    if (!clash) {
-      if (live) {
-        float4* row = reinterpret_cast<float4*>(corr) + ch;
-        float4 v = *row;
-        v.x = fmaf(r, p01.x, v.x); v.y = fmaf(r, p01.y, v.y); v.z = fmaf(r, p23.x, v.z); v.w = fmaf(r, p23.y, v.w);
-        *row = v;
-      }
-      __syncwarp();
-      continue;
-    }
-    const unsigned same = __match_any_sync(0xffffffffu, ch);
-    unsigned pending = __ballot_sync(0xffffffffu, live);
-    while (pending) {
-      const bool mine = live && ((pending >> lane) & 1u) && (__ffs(same & pending) - 1 == lane);
-      if (mine) {
-        float4* row = reinterpret_cast<float4*>(corr) + ch;
-        float4 v = *row;
-        v.x = fmaf(r, p01.x, v.x); v.y = fmaf(r, p01.y, v.y); v.z = fmaf(r, p23.x, v.z); v.w = fmaf(r, p23.y, v.w);
-        *row = v;
-      }
-      __syncwarp();
-      pending &= ~__ballot_sync(0xffffffffu, mine);
-    }
-  }
-}
-
-// the online softmax's rescale of the corrections: lane (g, c) takes channels 16 g + 8 (c >> 1) + 0..7 of heads
-// 2 (c & 1), 2 (c & 1) + 1 (its a0, a1)
-__device__ __forceinline__ void scale_corrections(float* corr, int g, int c, float a0, float a1) {
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    float2* e = reinterpret_cast<float2*>(corr + (16 * g + 8 * (c >> 1) + i) * 4 + 2 * (c & 1));
-    float2 v = *e;
-    v.x *= a0; v.y *= a1;
-    *e = v;
-  }
-  __syncwarp();
-}
-
-// the corrections into the accumulators (their rows' unit 2^(off - 24)); lanes of columns 4..7 hold padding
-template <int B>
-__device__ __forceinline__ void fold_corrections(const float* corr, int g, int c, WarpState& st) {
-  __syncwarp();
-  if (c >= 2) return;
-#pragma unroll
-  for (int i2 = 0; i2 < 8; ++i2)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int vj = 2 * i2 + (e >> 1), ch = 16 * g + vj, h = 2 * c + (e & 1);
-      const float unit = __int_as_float((127 - 24 + value_off<B>(vj)) << 23);    // 2^(off - 24)
-      st.acc[i2][e] = fmaf(corr[ch * 4 + h], unit, st.acc[i2][e]);
-    }
 }
 
 // STACK 2 (GQA groups of at most 4): the B operand's columns 4..7 repeat heads 0..3, so after the key MMAs the
