@@ -9,6 +9,7 @@ from moekv.errors import ConfigError
 EVICTION_POLICIES = ("lru", "lfu")
 HOST_FORMATS = ("native", "fp8")
 STAGING_MODES = ("host", "device")
+PREFETCH_GATES = ("measured", "estimate")
 _CACHE_SIZE_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
@@ -89,6 +90,9 @@ class OffloadConfig:
                                         # prefetch); a router probability margin in [-1, 1] or "auto": the staged
                                         # policy (guesses in staging slots, only in idle copy time, never evicting)
     staging_slots: int = 2              # staged policy: device slots for guesses in flight (shared by all layers)
+    prefetch_gate: str = "measured"     # staged policy, how much copy time guesses may take: measured (per layer,
+                                        # from CUDA events: the copy stream's window, guess chunks' cost per byte,
+                                        # halved on overruns) | estimate (session 19's host-clock estimate)
     host_format: str = "native"         # host copies of the experts: native (the model's dtype) | fp8 (e4m3 with
                                         # per-channel scales: half the bytes to move; FP8 models stay as they are)
     staging: str = "host"               # host: one host read of routing per layer | device: slot table and copies
@@ -103,6 +107,8 @@ class OffloadConfig:
                               f"got {threshold!r}")
         if not isinstance(self.staging_slots, int) or isinstance(self.staging_slots, bool) or self.staging_slots < 1:
             raise ConfigError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}")
+        if self.prefetch_gate not in PREFETCH_GATES:
+            raise ConfigError(f"prefetch_gate must be one of {PREFETCH_GATES}, got {self.prefetch_gate!r}")
         if self.host_format not in HOST_FORMATS:
             raise ConfigError(f"host_format must be one of {HOST_FORMATS}, got {self.host_format!r}")
         if self.staging not in STAGING_MODES:

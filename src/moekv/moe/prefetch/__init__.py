@@ -9,6 +9,7 @@
                   routing per layer), SlotCopier (side CUDA stream + events; plain copies on the CPU)
     policy.py     the staged prefetch policy: margin calibration, threshold, staging slots (Stager)
     staged.py     StagedPrefetch: the policy driving chunked guess copies at each decision point
+    gate.py       GuessGate: per-layer guess budgets learned from measured copy windows and chunk costs
     timeline.py   simulate_decode: the copy / compute timeline simulator (on-demand, prefetch, staged)
     device_staging.py  DeviceStagedExperts: slot table and copies on the device, no host reads
     compute.py    SlotExpertCompute: expert compute over pool slots, bit-identical to LocalExperts

@@ -18,7 +18,8 @@ demand loads, so a layer's misses are never queued behind copies for later layer
                               embeddings or a dense layer, or with the "layer_out" predictor source,
                               are issued at once (no offloaded block is waiting for its misses then).
     a margin, or "auto"       staged guesses (policy.py, staged.py): confident guesses only, in staging
-                              slots, chunk by chunk in the copy stream's idle time; never evicting
+                              slots, chunk by chunk in the copy stream's idle time (measured: gate.py);
+                              never evicting
 staging="device" replaces the layers by device_staging.DeviceStagedExperts (no host reads).
 """
 
@@ -70,13 +71,14 @@ class ExpertOffload:
                  predictor: ExpertPredictor | None = None, device: torch.device | None = None,
                  host_weights=None, time_copies: bool = False, host_format: str = "native",
                  prefetch_threshold: float | str | None = None, staging_slots: int = 2, chunks: int = 8,
-                 timeline=None, staging: str = "host"):
+                 timeline=None, staging: str = "host", prefetch_gate: str = "measured", meter=None):
         """host_weights: optional callable(layer) -> HostExperts (or (w_gate_up, w_down) host tensors) to use
         instead of copying the block's own weights (benchmarks share host copies).
         time_copies: measure every copy (SlotCopier.copy_seconds(); benchmarks).
         host_format: "native" or "fp8" (pool.py). prefetch_threshold: None (every guess copied), a router
         probability margin or "auto" (the staged policy, with `staging_slots` staging slots and copies in
-        `chunks` pieces; `timeline`: a fixed policy.Timeline for tests). staging: "host" (one host read per
+        `chunks` pieces; `timeline`: a fixed policy.Timeline for tests; `prefetch_gate`: "measured" guess budgets
+        (gate.py; `meter`: an injected gate meter for tests) or "estimate"). staging: "host" (one host read per
         layer) or "device" (device_staging.py: no host reads, CUDA-graph capturable)."""
         self.model = model
         self.device = torch.device(device) if device is not None else model.device
@@ -101,7 +103,7 @@ class ExpertOffload:
         self.staged = None
         if staged and self.layers:
             self.staged = StagedPrefetch(self, list(range(len(hosts) * num_slots, len(hosts) * num_slots + extra)),
-                                         prefetch_threshold, timeline)
+                                         prefetch_threshold, timeline, gate=prefetch_gate, meter=meter)
             for experts in self.layers.values():
                 experts.staging = self.staged
         self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []   # (target, distance, ids, margins)

@@ -9,18 +9,20 @@ A block's forward (the host-driven path; device_staging.py is the one without ho
     2. demand-load the chosen experts that are not resident (misses; the block waits for these). A miss
        that a staged guess had started (policy.py) takes over the guess's staging slot and copies only
        the chunks still missing; the slot it evicts becomes a staging slot
-    3. prefetch or stage guesses for later layers from the predictions made so far (ExpertOffload)
+    3. prefetch guesses for later layers from the predictions made so far (ExpertOffload)
     4. compute with the pool (compute.SlotExpertCompute): the same kernels, launch configuration (that
        of the resident [E, ...] shape) and summation order as LocalExperts, so the output is
        bit-identical to the resident model's (FP8 host experts: to the resident FP8 model's)
+The staged policy marks the decision point right after the host read (its overrun check, staged.py) and
+stages its guesses after step 4's launch instead of at step 3.
 When more experts are needed than there are slots (a long prefill), the needed experts are split
 into groups of S and computed in several passes; each pass fills its rows of the per-(token,
 choice) expert outputs and the weighted sum over a token's choices runs once at the end.
 
 Copies: on CUDA they run on one side stream. Each pool slot has a "ready" event recorded after its
 latest copy and the main stream waits on exactly the slots a pass uses (so a block waits only for
-copies still in flight); before overwriting a slot the side stream waits on the last compute of the
-layer that read it last. On the CPU a copy is a plain tensor copy, so the same bookkeeping runs in CI.
+copies still in flight); before overwriting a slot the side stream waits on the end of the last compute
+that read it (an event per compute). On the CPU a copy is a plain tensor copy, so the same bookkeeping runs in CI.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 import torch
 
 from moekv.moe.prefetch.compute import SlotExpertCompute
+from moekv.moe.prefetch.gate import EventMeter
 from moekv.moe.prefetch.pool import HostExperts, PooledExperts, SlotPool, plane_rows
 from moekv.moe.prefetch.residency import NEEDED, UNPROTECTED, ExpertCache
 
@@ -52,7 +55,7 @@ class SlotCopier:
         self._timed: list = []          # (start, end) events on CUDA
         self._seconds = 0.0             # CPU copies, and CUDA events already read
         self.ready: dict[int, torch.cuda.Event] = {}       # pool index -> event after its latest copy
-        self.reader: dict[int, OffloadedExperts] = {}      # pool index -> the layer that computed with it last
+        self.reader: dict[int, torch.cuda.Event] = {}      # pool index -> the end of the last compute that read it
         self.bandwidth: float | None = None                 # bytes / s, host -> device (measure_bandwidth)
         self.busy_until = 0.0                               # host-clock estimate: the copy stream is idle after
         self.last_event = None                              # the latest copy's end event (CUDA)
@@ -88,13 +91,17 @@ class SlotCopier:
              new: bool = True) -> int:
         """Copy `expert`'s planes (only `chunks` of them, each a row range of every plane) into pool slot
         `index`; `new` counts it as a copy. Returns the bytes moved."""
+        if isinstance(chunks, range) and chunks.step == 1 and len(chunks) > 0:
+            spans = [(chunks.start, chunks.stop)]          # consecutive chunks: one row range per plane
+        else:
+            spans = [(c, c + 1) for c in chunks] if chunks is not None else None
         pieces = []
         for src, dst in zip(host.planes, pool.planes):
-            if chunks is None:
+            if spans is None:
                 pieces.append((src[expert], dst[index]))
             else:
-                pieces += [(src[expert][plane_rows(src, c, self.chunks)], dst[index][plane_rows(src, c, self.chunks)])
-                           for c in chunks]
+                rows = [plane_rows(src, a, self.chunks, b) for a, b in spans]
+                pieces += [(src[expert][r], dst[index][r]) for r in rows]
         nbytes = sum(s.nbytes for s, _ in pieces)
         self.copies += int(new)
         self.bytes += nbytes
@@ -108,7 +115,7 @@ class SlotCopier:
         with torch.cuda.stream(self.stream):
             reader = self.reader.get(index)
             if reader is not None:
-                self.stream.wait_event(reader.compute_done)      # the slot's last reader has finished
+                self.stream.wait_event(reader)                   # the slot's last reader has finished
             start = None
             if self.timing:
                 start = torch.cuda.Event(enable_timing=True)
@@ -143,11 +150,19 @@ class SlotCopier:
             if ready is not None:
                 current.wait_event(ready)
 
-    def mark_computed(self, experts: "OffloadedExperts", indices: list[int]) -> None:
+    def mark_computed(self, indices: list[int]) -> None:
+        """A compute reading pool slots `indices` was launched: copies into them wait for its end (one event
+        per compute, so a copy into a slot waits for the compute that read that slot, not a later one)."""
+        if self.stream is None:
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
         for index in indices:
-            self.reader[index] = experts
-        if self.stream is not None:
-            experts.compute_done.record(torch.cuda.current_stream(self.device))
+            self.reader[index] = done
+
+    def make_meter(self):
+        """The measured guess gate's meter (gate.EventMeter on CUDA; None on the CPU: copies are synchronous)."""
+        return EventMeter(self.stream, self.device) if self.stream is not None else None
 
 
 class OffloadedExperts(PooledExperts):
@@ -161,9 +176,6 @@ class OffloadedExperts(PooledExperts):
         super().__init__(layer_idx, host, pool, slots)
         self.cache = ExpertCache(self.num_experts, self.num_slots, eviction)
         self.copier = copier
-        self.compute_done = torch.cuda.Event() if pool.device.type == "cuda" else None
-        if self.compute_done is not None:
-            self.compute_done.record(torch.cuda.current_stream(pool.device))
         self.on_routed = on_routed      # callable(layer, needed experts, pending rows) -> prefetches (ExpertOffload)
         self.pending_rows = None        # callable() -> list of [E] device tensors to read with the routing
         self.staging = None             # policy.StagedPrefetch (staged guesses) or None
@@ -222,10 +234,12 @@ class OffloadedExperts(PooledExperts):
             [(resident + missing)[i:i + self.num_slots] for i in range(0, len(needed), self.num_slots)]
         for expert in groups[0]:
             cache.protect(expert, NEEDED)
+        if self.staging is not None:
+            self.staging.mark_decision(self.layer_idx)          # before the misses: did guesses overrun?
         for expert in groups[0]:
             if not cache.is_resident(expert):
                 self._load(expert, NEEDED, prefetch=False)      # a miss: the block waits for this copy
-        if self.on_routed is not None:
+        if self.on_routed is not None and self.staging is None:
             self.on_routed(self.layer_idx, needed, counts[1:], bool(missing))   # guesses, after our misses
         compute = SlotExpertCompute(hidden, topk_ids, topk_weights, num_experts, self.host.down.shape[2],
                                     [int(c) for c in counts[0]], weights=self.pool.weights())
@@ -240,6 +254,9 @@ class OffloadedExperts(PooledExperts):
                         self._load(expert, NEEDED, prefetch=False)
             self._compute(compute, group, None if len(groups) == 1 else group)
         out = compute.result()                                  # [T, H], bit-identical to LocalExperts
+        if self.on_routed is not None and self.staging is not None:
+            # staged guesses after the compute launch: their host time overlaps the GPU's, not the launch's
+            self.on_routed(self.layer_idx, needed, counts[1:], bool(missing))
         cache.end_step()
         return out
 
@@ -252,4 +269,4 @@ class OffloadedExperts(PooledExperts):
         if self.events is not None:
             self.events.append(("compute", self.layer_idx, tuple(group), tuple(indices)))
         compute.add(*self.pool.weights(), self.cache.slot_of_expert, self.slot_pool, experts)
-        self.copier.mark_computed(self, indices)
+        self.copier.mark_computed(indices)

@@ -13,10 +13,11 @@ The staged policy changes three things:
    loading on demand: the same hits, the same misses; staging only starts some misses' copies earlier.
 2. **Guesses use only idle copy time, misses first.** At a layer's decision point (its one host read)
    its misses are issued first. Guesses are issued in chunks (1/C of an expert each), and only as many
-   as the copy stream can finish, by the host's estimate (`Timeline`), before the next layer's decision
-   point. A guess that is not done by then is not waited for: if its layer routes to it, the rest is
-   copied as that layer's miss, else it is dropped, and no miss ever queues behind its chunks (up to
-   the estimate's error, counted as `overruns`).
+   as the copy stream can finish before the next layer's decision point: a budget measured per layer
+   (gate.py, prefetch_gate "measured") or the host's estimate (`Timeline`, "estimate"). A guess that is
+   not done by then is not waited for: if its layer routes to it, the rest is copied as that layer's
+   miss, else it is dropped, and no miss ever queues behind its chunks (up to the budget's error,
+   counted as `overruns`).
 3. **Only confident guesses.** A guess is staged only when its router probability margin
    (predictor.probability_margins) clears a threshold: a number, or "auto". `MarginCalibration` learns,
    from every guess and the routing that follows (staged or not), how often guesses in each margin
@@ -26,10 +27,11 @@ The staged policy changes three things:
    prior of 0.5, so never 0 and a bucket that is never right is never staged). Until a bucket
    has MIN_SAMPLES guesses it stages nothing from it (on-demand behaviour: cannot lose).
 
-`Timeline` is what the policy knows of time; the offload's host clock fills it in (copy bandwidth
+`Timeline` is the policy's estimate of time; the offload's host clock fills it in (copy bandwidth
 measured once, window per layer an average of the measured gaps between decision points), the timeline
-simulator (timeline.py) passes exact values. On the CPU copies are synchronous: there is no idle copy
-time, and the policy stages nothing unless a test passes a timeline.
+simulator (timeline.py) passes exact values (or wrong ones, to test the measured gate). The measured gate
+builds a Timeline view of its measurements for the "auto" threshold. On the CPU copies are synchronous:
+there is no idle copy time, and the policy stages nothing unless a test passes a timeline.
 """
 
 from __future__ import annotations
@@ -108,11 +110,15 @@ class StagedGuess:
 @dataclass
 class StagingCounters:
     guesses: int = 0          # guesses staged (a staging slot taken)
+    issued: int = 0           # ... that got at least one chunk copied
     chunks: int = 0           # chunks issued for guesses
-    promoted: int = 0         # staged guesses their layer routed to (a miss that had a head start)
+    promoted: int = 0         # staged guesses their layer routed to (its miss takes the staging slot over)
+    used: int = 0             # ... with at least one chunk done: a miss that had a head start
+    promoted_chunks: int = 0  # the chunks those misses did not have to copy
     dropped: int = 0          # staged guesses their layer did not route to
+    wasted: int = 0           # ... with at least one chunk copied
     dropped_chunks: int = 0   # ... and their chunks (copy time spent on nothing, idle time by construction)
-    overruns: int = 0         # decision points where guess chunks were still in flight (the estimate's error)
+    overruns: int = 0         # decision points where guess chunks were still in flight (a budget's error)
     decisions: int = 0
 
     def as_dict(self) -> dict:
@@ -173,6 +179,8 @@ class Stager:
         if guess is None:
             return None
         self.counters.promoted += 1
+        self.counters.used += int(guess.issued > 0)
+        self.counters.promoted_chunks += guess.issued
         return guess.index, guess.issued
 
     def release(self, index: int) -> None:
@@ -184,6 +192,7 @@ class Stager:
         for key in [k for k in self.staged if k[0] <= layer]:
             guess = self.staged.pop(key)
             self.counters.dropped += 1
+            self.counters.wasted += int(guess.issued > 0)
             self.counters.dropped_chunks += guess.issued
             self.free.append(guess.index)
 

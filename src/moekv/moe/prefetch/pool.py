@@ -88,10 +88,11 @@ class HostExperts:
         return self.gate_up.codes.dtype if self.fp8 else self.gate_up.dtype
 
 
-def plane_rows(plane: torch.Tensor, chunk: int, chunks: int) -> slice:
-    """Rows of one expert's slice of `plane` that chunk `chunk` of `chunks` covers (the last takes the rest)."""
+def plane_rows(plane: torch.Tensor, chunk: int, chunks: int, stop: int | None = None) -> slice:
+    """Rows of one expert's slice of `plane` that chunk `chunk` of `chunks` covers (the last takes the rest),
+    or chunks `chunk` .. `stop` - 1 together (one contiguous row range)."""
     rows = plane.shape[1] if plane.dim() > 1 else 1
-    return slice(chunk * rows // chunks, (chunk + 1) * rows // chunks)
+    return slice(chunk * rows // chunks, (chunk + 1 if stop is None else stop) * rows // chunks)
 
 
 class SlotPool:

@@ -12,7 +12,8 @@ staged.StagedPrefetch.decide on a simulated copier and clock):
     on-demand   misses only
     prefetch    the first prefetch: the top-`width` guess for l+1 copied at D_l into the slots it evicts,
                 the block waiting for late ones (layer 0: guessed from the embeddings at the token's start)
-    staged      policy.py: guesses in staging slots, chunk by chunk in idle copy time, never evicting
+    staged      policy.py: guesses in staging slots, chunk by chunk in idle copy time, never evicting; the
+                budget measured on simulated time (gate.py) or planned from a Timeline that may be wrong
 
 The staged policy is built so that no step can be slower than on-demand: the caches evolve identically
 and guess chunks end before the next decision point. `simulate_decode` measures that (tests assert it
@@ -31,29 +32,47 @@ class _SimCopier:
 
     stream = "simulated"
 
-    def __init__(self, copy_s: float, chunks: int):
-        self.copy_s, self.chunks = copy_s, chunks
+    def __init__(self, copy_s: float, chunks: int, call_s: float = 0.0):
+        self.copy_s, self.chunks, self.call_s = copy_s, chunks, call_s
         self.busy_until = 0.0
         self.now = 0.0
         self.copies = 0
         self.chunk_copies = 0
+        self.bytes = 0.0                              # a simulated expert is 1 byte (_SimLayer)
 
     def enqueue(self, seconds: float) -> float:
         self.busy_until = max(self.busy_until, self.now) + seconds
+        self.bytes += seconds / self.copy_s
         return self.busy_until
 
     def copy(self, host, expert, pool, index, chunks=None, new=True) -> int:
         count = self.chunks if chunks is None else len(chunks)
         self.copies += int(new)
         self.chunk_copies += count
-        self.enqueue(self.copy_s * count / self.chunks)
-        return 0
+        self.enqueue(self.copy_s * count / self.chunks + self.call_s)
+        return count / self.chunks                   # bytes
 
     def mark(self) -> float:
         return self.busy_until
 
     def passed(self, marker: float) -> bool:
         return marker <= self.now + 1e-12
+
+    # -- the measured gate's meter (gate.py), on simulated time: a mark is the time it completes ------------
+    def make_meter(self) -> "_SimCopier":
+        return self
+
+    def now_mark(self) -> float:
+        return self.now
+
+    def copy_mark(self) -> float:
+        return max(self.now, self.busy_until)
+
+    def done(self, mark: float) -> bool:
+        return self.passed(mark)
+
+    def elapsed_ms(self, a: float, b: float) -> float | None:
+        return (b - a) * 1e3 if self.done(a) and self.done(b) else None
 
 
 class _SimLayer:
@@ -74,9 +93,15 @@ class _SimOffload:
 def simulate_decode(trace, num_slots: int, mode: str, copy_ms: float, attn_ms: float, expert_ms: float,
                     num_tokens: int | None = None, eviction: str = "lru", width: int | None = None,
                     threshold: float | str = "auto", staging_slots: int = 2, chunks: int = 8,
-                    source: str = "attn") -> dict:
+                    source: str = "attn", gate: str = "measured", estimated_copy_ms: float | None = None,
+                    estimated_window_ms: float | None = None, copy_call_ms: float = 0.0) -> dict:
     """Batch-1 decode over `trace` (moe.prefetch.trace.RoutingTrace). Returns per-token step times (ms),
-    their mean, the cache counters and, for "staged", the staging counters."""
+    their mean, the cache counters and, for "staged", the staging counters.
+
+    "staged": the policy's Timeline (its estimate) is exact unless `estimated_copy_ms` / `estimated_window_ms`
+    say otherwise; gate "measured" learns the budgets from the simulated copier (a meter on simulated time),
+    "estimate" plans with the Timeline alone. copy_call_ms: copy-stream time each guess copy call costs on top
+    of its bytes (setup, small planes), which neither the estimate nor whole-expert copies show."""
     from moekv.moe.prefetch.staged import StagedPrefetch
 
     assert mode in ("on-demand", "prefetch", "staged"), mode
@@ -86,7 +111,7 @@ def simulate_decode(trace, num_slots: int, mode: str, copy_ms: float, attn_ms: f
     count = min(num_tokens or trace.num_tokens, trace.num_tokens)
     num_layers = trace.num_layers
     layers = {l: _SimLayer(num_experts, num_slots, eviction, l * num_slots) for l in range(num_layers)}
-    copier = _SimCopier(copy_ms / 1e3, chunks)
+    copier = _SimCopier(copy_ms / 1e3, chunks, copy_call_ms / 1e3)
     width = width or top_k
     routed = [trace.routed[l, :count].tolist() for l in range(num_layers)]
     guesses = [trace.predicted[(source, 1)][l] for l in range(num_layers)]
@@ -95,10 +120,12 @@ def simulate_decode(trace, num_slots: int, mode: str, copy_ms: float, attn_ms: f
     if mode == "staged":
         margins = [trace.margins[(source, 1)][l] for l in range(num_layers)]
         margins = [m[:count, :width].tolist() if m is not None else None for m in margins]
-        window = Timeline(copy_ms=copy_ms, default_window_ms=attn_ms + expert_ms)
+        window = attn_ms + expert_ms if estimated_window_ms is None else estimated_window_ms
+        estimate = Timeline(copy_ms=copy_ms if estimated_copy_ms is None else estimated_copy_ms,
+                            default_window_ms=window)
         staged = StagedPrefetch(_SimOffload(layers, copier), list(range(num_layers * num_slots,
                                                                       num_layers * num_slots + staging_slots)),
-                                threshold, window)
+                                threshold, estimate, gate=gate)
     t, steps = 0.0, []
     attn_s, expert_s = attn_ms / 1e3, expert_ms / 1e3
     for token in range(count):
@@ -110,6 +137,8 @@ def simulate_decode(trace, num_slots: int, mode: str, copy_ms: float, attn_ms: f
             layer, cache = layers[l], layers[l].cache
             t += attn_s
             copier.now = t                                          # the decision point D_l
+            if staged is not None:
+                staged.mark_decision(l)
             needed = sorted(set(routed[l][token]))
             missing = [e for e in needed if not cache.record_need(e)]
             for e in needed:
