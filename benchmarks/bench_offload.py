@@ -8,6 +8,9 @@ timeline, and decode speed.
     # ms / token by mode from the copy / compute timeline simulator (moe.prefetch.timeline), on the bundled
     # model's trace, for given copy and compute times (default: the H200 run's 6.36 ms copy, 11.8 ms / 8 layers)
     PYTHONPATH=src:. python benchmarks/bench_offload.py timeline --out benchmarks/results/offload-timeline-cpu
+    # ... with a wrong estimate: the measured guess gate ("staged") against the estimate gate ("staged-estimate")
+    PYTHONPATH=src:. python benchmarks/bench_offload.py timeline --estimated-copy-factor 0.5 --copy-call-ms 0.3 \
+        --out benchmarks/results/offload-timeline-gate-cpu
     # decode speed, every issue-24 mode side by side (benchmarks/offload_speed.py; one H200, ~3 min)
     PYTHONPATH=src:. python3 -u benchmarks/bench_offload.py speed --device cuda --num-layers 8 --out benchmarks/results/offload-speed-h200-issue24
     # the same at a tiny scale on the CPU (plumbing + self-checks, timings meaningless)
@@ -148,11 +151,15 @@ def cmd_timeline(args) -> None:
         slots = round(percent * num_experts / 100)
         for copy_ms, fmt in ((args.copy_ms, "bf16"), (args.copy_ms / 2, "fp8")):
             base = None
-            for mode, width in (("on-demand", None), ("prefetch", top_k), ("staged", top_k + 1)):
+            for mode, width in (("on-demand", None), ("prefetch", top_k), ("staged", top_k + 1),
+                                ("staged-estimate", top_k + 1)):
                 if mode == "prefetch" and fmt == "fp8":
                     continue
-                sim = simulate_decode(trace, slots, mode, copy_ms, per_layer / 2, per_layer / 2, width=width,
-                                      threshold=args.threshold)
+                staged = dict(gate="estimate" if mode == "staged-estimate" else "measured",
+                              estimated_copy_ms=copy_ms * args.estimated_copy_factor,
+                              copy_call_ms=args.copy_call_ms) if mode.startswith("staged") else {}
+                sim = simulate_decode(trace, slots, mode.split("-estimate")[0], copy_ms, per_layer / 2, per_layer / 2,
+                                      width=width, threshold=args.threshold, **staged)
                 base = base or sim
                 worse = sum(a > b + 1e-9 for a, b in zip(sim["step_ms"], base["step_ms"]))
                 rows.append({"cache_percent": percent, "slots": slots, "host_format": fmt, "mode": mode,
@@ -160,24 +167,29 @@ def cmd_timeline(args) -> None:
                              "speedup_vs_on_demand": base["ms_per_token"] / sim["ms_per_token"],
                              "steps_slower_than_on_demand": worse, "copies_per_token":
                              sim["copies_per_token"] * args.layers / trace.num_layers,
-                             "staged": {k: v for k, v in (sim["staged"] or {}).items() if k != "calibration"} or None})
+                             "staged": {k: v for k, v in (sim["staged"] or {}).items()
+                                        if k not in ("calibration", "learned")} or None})
     report = {**provenance(sys.argv), "tokens": trace.num_tokens, "trace_layers": trace.num_layers,
               "layers": args.layers, "copy_ms": args.copy_ms, "compute_ms": args.compute_ms,
-              "threshold": args.threshold, "rows": rows}
+              "threshold": args.threshold, "estimated_copy_factor": args.estimated_copy_factor,
+              "copy_call_ms": args.copy_call_ms, "rows": rows}
     lines = ["# Copy / compute timeline simulator: batch-1 decode by mode", "",
              f"moe.prefetch.timeline.simulate_decode on the bundled model's routing and 1-ahead guesses ({trace.num_tokens} "
              f"validation tokens, {trace.num_layers} layers, scaled to {args.layers}); one expert's copy {args.copy_ms} ms "
              f"(FP8 host experts: half), compute {args.compute_ms} ms per token (half attention, half experts per layer), "
-             f"no host overhead; staged threshold {args.threshold}. {report['date']}, commit {report['commit']}.", "",
+             f"no host overhead; staged threshold {args.threshold}; staged: the measured guess gate, staged-estimate: "
+             f"the estimate gate, the estimate's copy time x {args.estimated_copy_factor}, each guess copy call "
+             f"{args.copy_call_ms} ms more than its bytes. {report['date']}, commit {report['commit']}.", "",
              f"Command: `{report['command']}`", "",
              "| cache | host | mode | ms / token | vs on-demand (same host format) | steps slower than on-demand "
-             "| copies / token | staged promoted / dropped |", "|---|---|---|---|---|---|---|---|"]
+             "| copies / token | staged promoted / dropped | overruns |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         staged = row["staged"]
         lines.append(f"| {row['cache_percent']}% ({row['slots']}) | {row['host_format']} | {row['mode']} | "
                      f"{row['ms_per_token']:.1f} | {row['speedup_vs_on_demand']:.2f}x | "
                      f"{row['steps_slower_than_on_demand']} | {row['copies_per_token']:.2f} | "
-                     f"{'-' if not staged else str(staged['promoted']) + ' / ' + str(staged['dropped'])} |")
+                     f"{'-' if not staged else str(staged['promoted']) + ' / ' + str(staged['dropped'])} | "
+                     f"{'-' if not staged else staged['overruns']} |")
     print("\n".join(lines[6:]))
     if args.out:
         write(args.out, report, "\n".join(lines) + "\n")
@@ -208,6 +220,10 @@ def main() -> None:
     timeline.add_argument("--compute-ms", type=float, default=11.8, help="resident decode ms / token (H200: 11.8)")
     timeline.add_argument("--layers", type=int, default=8, help="MoE layers the compute time is for")
     timeline.add_argument("--threshold", default="auto")
+    timeline.add_argument("--estimated-copy-factor", type=float, default=1.0,
+                          help="staged rows: the policy's estimate of a copy = the true copy x this (1: exact)")
+    timeline.add_argument("--copy-call-ms", type=float, default=0.0,
+                          help="staged rows: copy-stream time per guess copy call on top of its bytes")
     timeline.add_argument("--out", default=None)
     offload_speed.add_arguments(sub.add_parser("speed", help="decode ms / token of every issue-24 mode side by side"))
     args = parser.parse_args()

@@ -7,17 +7,21 @@ expert cache size (25 / 50 / 75% of each layer's experts):
 
     on-demand          host staging (one host read per layer), misses only, eager   -- today's baseline
     prefetch           ... + every top-k guess copied into the slot it evicts        -- today's prefetch
-    staged             ... + the staged policy (prefetch_threshold, default auto, top-k+1 guesses)
+    staged             ... + the staged policy (prefetch_threshold, default auto, top-k+1 guesses), its guess
+                       budgets measured (prefetch_gate "measured", moe.prefetch.gate)
+    staged-estimate    the same with session 19's host-estimated budgets (prefetch_gate "estimate")
     on-demand-fp8      on-demand with FP8 host experts (half the bytes per copy)
-    staged-fp8         staged with FP8 host experts
+    staged-fp8         staged with FP8 host experts (staged-fp8-estimate: with the estimate)
     device-graph       device staging (slot table + copies on the device), decode replayed as a CUDA graph
     device-graph-fp8   the same with FP8 host experts
 next to all experts resident, eagerly (the bench's own loop; "compute") and as a CUDA graph (the engine).
 Eager modes run the bench's decode loop; graph modes run the engine (its CUDA-graph decode step). Per run:
 ms / token, speed-up against on-demand at the same cache size, GPU busy share of the step (torch.profiler
 for eager steps, graph replay time / wall time of the same steps for graph steps), hit rate, copies, misses and bytes moved per token,
-copy-stream busy time (eager host modes), the staged policy's counters; then the issue's targets with the
-numbers, and what the timeline simulator predicts from this run's copy and compute times.
+copy-stream busy time (eager host modes), the staged policy's counters (decisions, overruns, guesses issued /
+used / dropped, the learned budget per layer, its host time); then the issue's targets with the numbers, and
+what the timeline simulator predicts from this run's copy and compute times. Counters cover the timed steps
+only (the GPU-busy profile steps run after them). Markdown: benchmarks/offload_speed_report.py.
 
 Correctness: with per-layer host copies every 16-bit run must generate the greedy tokens of the resident
 run of the same harness (eager or graph); staged-fp8 those of on-demand-fp8 (FP8 compute is the same in
@@ -32,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.offload_common import bundled_tokens, pct, provenance, write
+from benchmarks.offload_common import bundled_tokens, provenance, write
+from benchmarks.offload_speed_report import speed_markdown
 from moekv.models.loader import build_random_model, load_model
 from moekv.models.registry import named_arch
 from moekv.moe.prefetch.manager import ExpertOffload, expert_bytes, resolve_cache_slots
@@ -44,11 +49,12 @@ from moekv.moe.prefetch.trace import TracePredictor, record_trace, replay_trace
 TOKEN_STRIDE = 997
 # name: (harness, prefetch policy, host format)
 MODES = {"on-demand": ("eager", None, "native"), "prefetch": ("eager", "fifo", "native"),
-         "staged": ("eager", "staged", "native"), "on-demand-fp8": ("eager", None, "fp8"),
-         "staged-fp8": ("eager", "staged", "fp8"), "device-graph": ("graph", None, "native"),
+         "staged": ("eager", "staged", "native"), "staged-estimate": ("eager", "staged-estimate", "native"),
+         "on-demand-fp8": ("eager", None, "fp8"), "staged-fp8": ("eager", "staged", "fp8"),
+         "staged-fp8-estimate": ("eager", "staged-estimate", "fp8"), "device-graph": ("graph", None, "native"),
          "device-graph-fp8": ("graph", None, "fp8")}
 IDENTITY_BASE = {"on-demand": "resident", "prefetch": "resident", "staged": "resident",
-                 "staged-fp8": "on-demand-fp8", "device-graph": "resident-graph"}
+                 "staged-estimate": "resident", "staged-fp8": "on-demand-fp8", "staged-fp8-estimate": "on-demand-fp8", "device-graph": "resident-graph"}
 
 
 def sync(device: torch.device) -> None:
@@ -94,7 +100,8 @@ class EagerDecoder:
         return elapsed
 
 
-def run_eager(model, prompt, args, device, on_warm) -> dict:
+def run_eager(model, prompt, args, device, on_warm, on_timed=None) -> dict:
+    """on_timed(): called right after the timed steps (before the profiled ones); its value is "snapshot"."""
     from benchmarks.decode_steps import busy_fraction
 
     decoder = EagerDecoder(model, prompt, args.warmup + args.tokens + args.profile_steps + 1)
@@ -102,9 +109,10 @@ def run_eager(model, prompt, args, device, on_warm) -> dict:
         decoder.step()
     on_warm()
     times = [decoder.step() for _ in range(args.tokens)]
+    snapshot = on_timed() if on_timed is not None else None
     tokens = list(decoder.tokens)
     busy = busy_fraction(decoder.step, args.profile_steps, device) if args.profile_steps else None
-    return {"seconds_per_token": sum(times) / len(times), "tokens": tokens, "gpu_busy": busy}
+    return {"seconds_per_token": sum(times) / len(times), "tokens": tokens, "gpu_busy": busy, "snapshot": snapshot}
 
 
 def run_graph(model, prompt, args, device, dtype_name: str, on_warm, routers) -> dict:
@@ -231,8 +239,9 @@ def cmd_speed(args) -> None:
                     torch.cuda.empty_cache()
             offload = ExpertOffload(model, slots, args.eviction, device=device, time_copies=harness == "eager",
                                     host_weights=hosts[fmt].__getitem__, host_format=fmt,
-                                    prefetch_threshold=args.threshold if policy == "staged" else None,
-                                    staging="device" if harness == "graph" else "host")
+                                    prefetch_threshold=args.threshold if "staged" in (policy or "") else None,
+                                    staging="device" if harness == "graph" else "host",
+                                    prefetch_gate="estimate" if policy == "staged-estimate" else "measured")
             predictor = None
             if policy is not None:
                 predictor = TracePredictor(model, 1, 0 if policy == "fifo" else 1, source="attn")
@@ -244,9 +253,14 @@ def cmd_speed(args) -> None:
                 if predictor is not None:
                     predictor.reset()
 
+            def on_timed(offload=offload, predictor=predictor):     # what the timed steps did
+                sync(device)
+                copy_s = offload.copier.copy_seconds() if offload.staging_mode == "host" else None
+                return offload.stats(), copy_s, predictor.recall() if predictor is not None else None
+
             reset_cursors()
             try:
-                result = run_eager(model, prompt, args, device, on_warm) if harness == "eager" else \
+                result = run_eager(model, prompt, args, device, on_warm, on_timed) if harness == "eager" else \
                     run_graph(model, prompt, args, device, args.dtype, on_warm, routers)
             except Exception as exc:  # noqa: BLE001 - one GPU call: report the mode's failure, run the others
                 import traceback
@@ -257,7 +271,8 @@ def cmd_speed(args) -> None:
                     predictor.remove()
                 continue
             results[(mode, percent)] = result
-            runs.append(describe(mode, percent, slots, result, offload, predictor, args.tokens, compute_ms))
+            runs.append(describe(mode, percent, slots, result, result.get("snapshot") or on_timed(), args.tokens,
+                                 compute_ms))
             if predictor is not None:
                 predictor.remove()
             base = IDENTITY_BASE.get(mode)
@@ -293,9 +308,8 @@ def cmd_speed(args) -> None:
                  f"{len(failures)} failed (see 'failures')")
 
 
-def describe(mode, percent, slots, result, offload, predictor, steps, compute_ms) -> dict:
-    stats = offload.stats()
-    copy_s = offload.copier.copy_seconds() if offload.staging_mode == "host" else None
+def describe(mode, percent, slots, result, snapshot, steps, compute_ms) -> dict:
+    stats, copy_s, recall = snapshot
     run = {"mode": mode, "cache_percent": percent, "slots": slots, "ms_per_token": 1e3 * result["seconds_per_token"],
            "gpu_busy": result["gpu_busy"], "graph_replay_ms": result.get("graph_replay_ms"),
            "hit_rate": stats["hit_rate"], "copies_per_token": stats["copies"] / steps,
@@ -305,13 +319,33 @@ def describe(mode, percent, slots, result, offload, predictor, steps, compute_ms
            "h2d_gb_per_s_measured": stats["bytes_copied"] / copy_s / 1e9 if copy_s else None}
     staged = stats.get("staged")
     if staged:
-        run["staged"] = {key: staged[key] for key in ("guesses", "chunks", "promoted", "dropped", "dropped_chunks",
-                                                       "overruns", "decisions", "margin_threshold_now", "copy_ms")}
+        run["staged"] = {key: staged[key] for key in ("gate", "measuring", "decisions", "overruns", "guesses", "issued",
+                                                       "used", "promoted", "promoted_chunks", "dropped", "wasted",
+                                                       "chunks", "dropped_chunks", "margin_threshold_now", "copy_ms",
+                                                       "host_ms", "learned")}
+        run["staged"]["budget"] = learned_budget(staged["learned"], stats["expert_bytes"], staged["chunks_per_expert"])
         run["promoted_per_token"] = staged["promoted"] / steps
-    if predictor is not None:
-        recall = predictor.recall()
+        run["staging_host_ms_per_token"] = staged["host_ms"] / steps
+    if recall is not None:
         run["recall_1_ahead"], run["precision_1_ahead"] = recall["overall"][1], recall["precision"][1]
     return run
+
+
+def learned_budget(learned: dict | None, expert_bytes: int, chunks: int) -> dict | None:
+    """The measured gate's final state in a row's units: one chunk's measured ms, and per layer the budget in
+    ms and in chunks (mean over layers, and the smallest and largest)."""
+    if not learned or not learned["layers"]:
+        return None
+    rate = learned["ms_per_byte"] or learned["miss_ms_per_byte"] or learned["prior_ms_per_byte"]
+    chunk_ms = rate * expert_bytes / chunks if rate else None
+    budgets = [layer["budget_ms"] for layer in learned["layers"].values()]
+    in_chunks = [b / chunk_ms for b in budgets] if chunk_ms else []
+    return {"chunk_ms": chunk_ms, "chunk_ms_source": "guesses" if learned["ms_per_byte"] else
+            "misses" if learned["miss_ms_per_byte"] else "estimate",
+            "budget_ms_mean": sum(budgets) / len(budgets), "budget_chunks_mean": sum(in_chunks) / len(in_chunks)
+            if in_chunks else None, "budget_chunks_min": min(in_chunks, default=None),
+            "budget_chunks_max": max(in_chunks, default=None),
+            "scale_mean": sum(layer["scale"] for layer in learned["layers"].values()) / len(budgets)}
 
 
 def simulated(trace, report, caches, arch, compute_ms, num_moe) -> list[dict]:
@@ -330,76 +364,6 @@ def simulated(trace, report, caches, arch, compute_ms, num_moe) -> list[dict]:
                             "ms_per_token_per_trace_layer": sim["ms_per_token"] / trace.num_layers,
                             "ms_per_token": sim["ms_per_token"] * num_moe / trace.num_layers})
     return out
-
-
-def speed_markdown(report: dict) -> str:
-    runs = report["runs"]
-    lines = [f"# Expert offload decode speed, issue 24 modes: {report['arch']}, {report['dtype']}, {report['device']}",
-             "", f"{report['date']}, commit {report['commit']}, {report['machine']['gpu'] or report['machine']['cpu']}; "
-             f"{report['num_layers']} layers; expert {report['expert_bytes'] / 2**20:.0f} MiB (bf16); host->device "
-             f"{report['h2d_gb_per_s']:.1f} GB/s (one expert {report['copy_ms_one_expert']:.2f} ms); host experts "
-             f"{report['host_experts']}; eviction {report['eviction']}; staged threshold {report['threshold']}; batch 1, "
-             f"prompt {report['prompt_len']}, {report['tokens']} timed tokens after {report['warmup']} warm-up; "
-             f"{report['seconds']} s in all.", "", f"Command: `{report['command']}`", "",
-             "Token identity: " + ("every checked run matched its reference (16-bit runs: the resident run of the same "
-                                   "harness; staged-fp8: on-demand-fp8)." if not report["mismatches"] else
-                                   f"**MISMATCH** {report['mismatches']}"), "",
-             *([f"**Failed runs**: {report['failures']}", ""] if report["failures"] else []),
-             "GPU busy: eager rows, union of profiled GPU activity / wall; graph rows, graph replay time / wall.", "",
-             "| cache | mode | ms / token | vs on-demand | GPU busy % | hit % | copies / token | misses / token "
-             "| MiB moved / token | copy ms / token | staged promoted / token | matches |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def num(run, key, fmt="{:.2f}"):
-        value = run.get(key)
-        return "-" if value is None else fmt.format(value)
-    for run in runs:
-        lines.append(f"| {run['cache_percent']}% ({run['slots']}) | {run['mode']} | {run['ms_per_token']:.2f} | "
-                     f"{num(run, 'speedup_vs_on_demand', '{:.2f}x')} | {pct(run.get('gpu_busy'))} | "
-                     f"{pct(run.get('hit_rate'))} | {num(run, 'copies_per_token')} | {num(run, 'misses_per_token')} | "
-                     f"{num(run, 'mb_moved_per_token', '{:.0f}')} | {num(run, 'copy_ms_per_token')} | "
-                     f"{num(run, 'promoted_per_token')} | {run.get('matches') or '-'} |")
-    lines += ["", "## Issue 24's targets", ""]
-    for percent in sorted({r["cache_percent"] for r in runs if r["cache_percent"] < 100}):
-        at = {r["mode"]: r for r in runs if r["cache_percent"] == percent}
-        base = at.get("on-demand")
-        if base is None:
-            continue
-        for mode in ("staged", "staged-fp8"):
-            ref = at.get("on-demand" if mode == "staged" else "on-demand-fp8")
-            if mode in at and ref is not None:
-                verdict = "never slower: met" if at[mode]["ms_per_token"] <= ref["ms_per_token"] else "**slower: missed**"
-                lines.append(f"- {percent}%: {mode} {at[mode]['ms_per_token']:.1f} ms vs {ref['mode']} "
-                             f"{ref['ms_per_token']:.1f} ms ({ref['ms_per_token'] / at[mode]['ms_per_token']:.2f}x): "
-                             f"{verdict}.")
-        if percent == 50:
-            native = [r for m, r in at.items() if m in ("prefetch", "staged", "device-graph")]
-            fp8 = [r for m, r in at.items() if m.endswith("fp8")]
-            for label, group, target in (("16-bit host experts", native, 1.3), ("FP8 host experts", fp8, 2.0)):
-                if group:
-                    best = min(group, key=lambda r: r["ms_per_token"])
-                    gain = base["ms_per_token"] / best["ms_per_token"]
-                    lines.append(f"- 50%, {label}: fastest {best['mode']} {best['ms_per_token']:.1f} ms = {gain:.2f}x "
-                                 f"on-demand ({base['ms_per_token']:.1f} ms); target {target}x: "
-                                 f"{'met' if gain >= target else '**missed** by ' + f'{target / gain:.2f}x'}.")
-    graph = [r for r in runs if r["mode"].startswith("device-graph") and r.get("graph_replay_ms")]
-    if graph:
-        lines.append(f"- Offloaded decode steps replay a CUDA graph: {len(graph)} device-graph runs; GPU busy "
-                     + ", ".join(f"{r['mode']} {r['cache_percent']}% {pct(r['gpu_busy'])}%" for r in graph) + ".")
-    lines += ["", "## The timeline simulator on this run's copy and compute times", "",
-              "moe.prefetch.timeline.simulate_decode over 1024 trace tokens, per-layer compute = resident ms / layers "
-              "(half attention, half experts), one expert's copy as measured (FP8: half of it); scaled to "
-              f"{report['num_layers']} layers. No host overhead, so it is a lower bound for eager runs.", "",
-              "| cache | host format | on-demand | prefetch | staged |", "|---|---|---|---|---|"]
-    sims = report["simulated"]
-    for percent in sorted({s["cache_percent"] for s in sims}):
-        for fmt in ("native", "fp8"):
-            row = {s["mode"]: f"{s['ms_per_token']:.1f}" for s in sims
-                   if s["cache_percent"] == percent and s["host_format"] == fmt}
-            lines.append(f"| {percent}% | {fmt} | {row.get('on-demand', '-')} | {row.get('prefetch', '-')} | "
-                         f"{row.get('staged', '-')} |")
-    lines.append("")
-    return "\n".join(lines)
 
 
 def h2d_bandwidth(nbytes: int, device: torch.device, reps: int = 10) -> float:

@@ -20,7 +20,7 @@ def _run(monkeypatch, argv):
 def test_speed_runs_every_harness_and_checks_tokens(monkeypatch, tmp_path):
     out = tmp_path / "speed"
     _run(monkeypatch, ["speed", "--tiny", "--device", "cpu", "--trace-tokens", "512", "--tokens", "4",
-                       "--warmup", "1", "--profile-steps", "0", "--cache", "50",
+                       "--warmup", "1", "--profile-steps", "1", "--cache", "50",
                        "--modes", "on-demand,staged,device-graph", "--out", str(out)])
     report = json.loads(out.with_suffix(".json").read_text())
     modes = [run["mode"] for run in report["runs"]]
@@ -29,7 +29,13 @@ def test_speed_runs_every_harness_and_checks_tokens(monkeypatch, tmp_path):
     assert by_mode["staged"]["matches"] == "resident" and by_mode["device-graph"]["matches"] == "resident-graph"
     assert by_mode["on-demand"]["misses_per_token"] > 0 and by_mode["device-graph"]["misses_per_token"] > 0
     assert not report["mismatches"] and not report["failures"]
-    assert "Issue 24's targets" in out.with_suffix(".md").read_text()
+    markdown = out.with_suffix(".md").read_text()
+    assert "Issue 24's targets" in markdown and "## Staged rows: the guess gate" in markdown
+    staged = by_mode["staged"]["staged"]
+    assert staged["decisions"] == 4 * 8                  # the timed steps only (not the profiled one after them)
+    assert {"overruns", "issued", "used", "wasted", "budget", "host_ms"} <= set(staged)
+    assert staged["gate"] == "measured" and not staged["measuring"]        # CPU copies: nothing to measure
+    assert staged["overruns"] == staged["issued"] == 0                    # ... and no idle copy time to stage in
 
 
 def test_timeline_command(monkeypatch, tmp_path):
