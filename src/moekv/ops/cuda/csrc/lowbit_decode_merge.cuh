@@ -25,9 +25,12 @@ __device__ __forceinline__ void attend_staged_pages(const Params& p, const int* 
     float s8[NH];
 #pragma unroll
     for (int h = 0; h < NH; ++h) s8[h] = 0.f;
-#pragma unroll 4
+    uint4 krv[D / 8];                       // the whole row first: one global round trip, not D / 8 / unroll
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) krv[i] = *reinterpret_cast<const uint4*>(krow + 8 * i);
+#pragma unroll
     for (int d0 = 0; d0 < D; d0 += 8) {
-      const uint4 kr = *reinterpret_cast<const uint4*>(krow + d0);
+      const uint4 kr = krv[d0 / 8];
       const QT* kv = reinterpret_cast<const QT*>(&kr);
       float kf[8];
 #pragma unroll
@@ -83,6 +86,7 @@ __device__ __forceinline__ void attend_staged_pages(const Params& p, const int* 
     float o8[NH];
 #pragma unroll
     for (int h = 0; h < NH; ++h) o8[h] = 0.f;
+#pragma unroll 4                          // 32 loads in flight per thread (the page loop's registers are free)
     for (int t0 = 0; t0 < P; t0 += 8) {
       float vf[8];
 #pragma unroll
