@@ -45,8 +45,8 @@ constexpr int SLOT_ARRAY = 7;     // the staging-slot array: indexed by page, no
 template <int B> struct Bits;
 template <> struct Bits<4> {
   static constexpr int WORDS = 16;                 // words per row
-  static constexpr int K_LO = 64, K_HI = 0;        // smem bytes per row: main plane, 1-bit plane (keys)
-  static constexpr int V_LO = 80, V_HI = 0;        // values: main plane padded (bank-conflict free pair loads)
+  static constexpr int K_LO = 64, K_HI = 0;        // smem bytes per row: main words, int3's third words (keys)
+  static constexpr int V_LO = 80, V_HI = 0;        // values: main words padded (bank-conflict free pair loads)
 };
 template <> struct Bits<3> {
   static constexpr int WORDS = 12;
@@ -96,8 +96,8 @@ namespace moekv_v7 {
 // ---------------------------------------------------------------- shared memory layout (v9)
 // Every warp streams its own pages (warp w: pages w, w + 4, ... of the CTA's split) through rings of its own, so
 // no CTA barrier runs inside the page loop:
-//   code ring : RING_BUFS buffers of one 32-token chunk of key OR value codes (planes apart, rows padded as Bits
-//               says); fills alternate K_0, V_0, K_1, V_1, ... round the ring, so a chunk's key codes go into the
+//   code ring : RING_BUFS buffers of one 32-token chunk of key OR value codes (int3: main and third words apart,
+//               rows padded as Bits says); fills alternate K_0, V_0, K_1, V_1, ... round the ring, so a chunk's key codes go into the
 //               buffer its values left one chunk earlier (three buffers keep one fill in flight at all times);
 //   meta ring : META_STAGES stages of a page's small arrays (scales, zeros, counts, slot, outliers), one page ahead;
 //   prep      : the page's B fragments (key scale folded into the query), each token's value scale / zero point;
@@ -250,7 +250,7 @@ template <int B>
 __device__ __forceinline__ void issue_chunk(const Params& p, const CopyPlan<B>& cp, uint8_t* buf, long long ph,
                                             int chunk, bool values, int lane) {
   using W = Bits<B>;
-  constexpr int CB = CHUNK * W::WORDS * 4;                  // bytes of one chunk of one plane set
+  constexpr int CB = CHUNK * W::WORDS * 4;                  // bytes of one chunk of a page-head
   const uint8_t* src = reinterpret_cast<const uint8_t*>(values ? p.v_codes : p.k_codes) + ph * (P * W::WORDS * 4)
                        + chunk * CB + lane * 16;
 #pragma unroll

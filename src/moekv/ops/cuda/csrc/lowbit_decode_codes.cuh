@@ -26,7 +26,7 @@ template <int B> __host__ __device__ __forceinline__ int field_off(int k) {   //
 template <int B> __device__ __forceinline__ int key_off(int j) { return field_off<B>(j); }
 
 // Unpack one token row's 32 channels of thread c into 16 fp16x2 registers (A operand values).
-// lo/hi: the row's main-plane and (int3) 1-bit-plane words of this thread, already in registers.
+// kw: the row's words of this thread, already in registers (int3: the triplet's words 0, 1, 2).
 template <int B> struct KeyWords;
 template <> struct KeyWords<4> { uint32_t w[4]; };
 template <> struct KeyWords<3> { uint32_t w[3]; };      // the block's triplet: words 0, 1, 2
