@@ -1,6 +1,6 @@
 """A/B of the v7 low-bit decode kernel on the GPU: a baseline copy of `ops/cuda/lowbit_decode.py` + its `csrc/`
-(folder --a-dir, e.g. from `git show <rev>:...` / `git archive <rev> src/moekv/ops/cuda/csrc`; its extension name
-must differ from this checkout's, e.g. `sed -i s/moekv_lowbit_decode_v7_sm/moekv_v7A_sm/`) against this checkout's
+(folder --a-dir, made on the CPU machine by `python3 tools/ab_baseline.py <rev> ab/A [--replace OLD NEW]`, which
+also gives it its own extension name) against this checkout's
 kernel; both built side by side, timed on the same data (median of CUDA-graph replays, cold L2; Hq=32, Hkv=8,
 D=128, the cache's default format), written as attention-ab-<tag>.{json,md} under --out.
 
