@@ -52,18 +52,20 @@ def _case(context, group=4, bits=3, dtype=torch.bfloat16, kind="normal", fractio
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("group", [1, 3, 4, 5, 8])
 @pytest.mark.parametrize("key_fraction", [0.0, None])
-def test_widths_and_groups(bits, group, key_fraction):
+@pytest.mark.parametrize("warps", [4, 8])
+def test_widths_and_groups(bits, group, key_fraction, warps):
     _check(_case([1, 127, 128, 129, 300, 1000], group=group, bits=bits, seed=bits * 10 + group,
-                 key_fraction=key_fraction), torch.bfloat16)
+                 key_fraction=key_fraction), torch.bfloat16, warps=warps)
 
 
 @needs_cuda
 @pytest.mark.parametrize("kind", ["outlier_channels", "spikes", "heavy_tail", "constant", "near_max", "large"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("key_fraction", [0.0, None])
-def test_adversarial_data(kind, dtype, key_fraction):
+@pytest.mark.parametrize("warps", [4, 8])
+def test_adversarial_data(kind, dtype, key_fraction, warps):
     _check(_case([255, 129, 640], kind=kind, dtype=dtype, fraction=0.01, seed=len(kind), key_fraction=key_fraction),
-           dtype)
+           dtype, warps=warps)
 
 
 @needs_cuda
@@ -134,17 +136,19 @@ def test_staged_sink_pages():
 
 @needs_cuda
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
-def test_forced_splits(splits):
-    _check(_case([1000, 2000, 129, 1], seed=splits), torch.bfloat16, num_splits=splits)
+@pytest.mark.parametrize("warps", [4, 8])
+def test_forced_splits(splits, warps):
+    _check(_case([1000, 2000, 129, 1], seed=splits), torch.bfloat16, num_splits=splits, warps=warps)
 
 
 @needs_cuda
 @pytest.mark.parametrize("splits", [1, 4, 9])
-def test_graph_replay_with_device_splits(splits):
+@pytest.mark.parametrize("warps", [4, 8])
+def test_graph_replay_with_device_splits(splits, warps):
     case = _case([1000, 300, 129, 1], seed=11 + splits)
     ref = reference.paged_attention_lowbit(*case.args(), SCALE).float()
     case.meta.fixed_num_splits = splits
-    fn = lambda: lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE)   # noqa: E731
+    fn = lambda: lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, warps=warps)   # noqa: E731
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -197,6 +201,19 @@ def test_plan_splits(batch, heads, pages, sms, expect):
     splits = lowbit_decode.plan_splits(batch, heads, pages, sms)
     assert splits == expect
     assert -(-pages // splits) <= lowbit_decode.TABLE_MAX
+
+
+@pytest.mark.parametrize("batch,heads,splits,warps", [(1, 8, 16, 8), (1, 8, 17, 4), (32, 8, 2, 4), (2, 8, 8, 8),
+                                                      (16, 1, 8, 8), (17, 1, 8, 4)])
+def test_plan_warps(batch, heads, splits, warps):
+    # 8 warps per CTA exactly when every CTA has one of the 132 SMs to itself
+    assert lowbit_decode.plan_warps(batch, heads, splits, 132) == warps
+
+
+def test_warps_other_than_4_or_8_are_refused():
+    case = build_case([300], [1], 1, 4, 128, 3, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="warps per CTA"):
+        lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, warps=6)
 
 
 @pytest.mark.parametrize("batch,pages,expect", [(32, 128, 4), (128, 128, 1), (1, 128, 16)])

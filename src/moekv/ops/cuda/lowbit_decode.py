@@ -28,6 +28,7 @@ CTAS_PER_SM = 4                  # resident CTAs per SM of the int3 / int2 build
 INT4_CTAS_PER_SM = 3             # the int4 build's (larger code stages)
 INT4_WAVES = 2                   # int4 plans this many full waves (measured best in session 16)
 MIN_PAGES_PER_SPLIT = 8          # below this the split's fixed costs (ring fill, merge, combine) dominate
+SMALL_BATCH_WARPS = 8            # warps per CTA when every CTA has an SM to itself (plan_warps)
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
 
@@ -53,7 +54,9 @@ def _module(major: int, minor: int):
     return load(name=f"moekv_lowbit_decode_v7_sm{arch}",
                 sources=[str(_CSRC / name) for name in ("lowbit_decode.cu", "lowbit_decode_b2.cu", "lowbit_decode_b3.cu",
                                                          "lowbit_decode_b4.cu", "lowbit_decode_b3s.cu",
-                                                         "lowbit_decode_b4s.cu")],
+                                                         "lowbit_decode_b4s.cu", "lowbit_decode_b2w8.cu",
+                                                         "lowbit_decode_b3w8.cu", "lowbit_decode_b3sw8.cu",
+                                                         "lowbit_decode_b4w8.cu", "lowbit_decode_b4sw8.cu")],
                 extra_include_paths=[str(_CSRC)], verbose=False,
                 extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
 
@@ -79,6 +82,13 @@ def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, bit
     else:
         want = max(1, num_sms * CTAS_PER_SM // pairs)
     return max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT)))
+
+
+def plan_warps(batch: int, num_kv_heads: int, splits: int, num_sms: int) -> int:
+    """Warps per CTA: 8 when every CTA has an SM to itself (batch x kv heads x splits <= SMs: small batches, where
+    4 warps leave the SM mostly idle and each warp's page chain is the critical path), else 4 (the occupancy the
+    128-register build is made for)."""
+    return SMALL_BATCH_WARPS if batch * num_kv_heads * splits <= num_sms else 4
 
 
 def graph_splits(batch: int, num_kv_heads: int, max_model_len: int, device: torch.device, bits: int = 3) -> int:
@@ -108,11 +118,13 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,
                                   value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
                                   staging_values: torch.Tensor, staging_slot_of_page: torch.Tensor, meta,
-                                  scale: float, num_splits: int | None = None) -> torch.Tensor:
+                                  scale: float, num_splits: int | None = None,
+                                  warps: int | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over low-bit pages; query [B, Hq, D] -> [B, Hq, D].
 
     `meta.fixed_num_splits` (CUDA graphs) launches exactly that many splits, sized on the device from each
-    sequence's length; otherwise the count is planned from the host lengths (`num_splits` overrides it)."""
+    sequence's length; otherwise the count is planned from the host lengths (`num_splits` overrides it).
+    `warps` (4 or 8) overrides `plan_warps`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
@@ -121,6 +133,8 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError("paged_attention_lowbit_decode: decode only (one new token per sequence)")
     if group > MAX_GROUP or num_heads % num_kv_heads:
         raise ValueError(f"paged_attention_lowbit_decode: GQA group {num_heads}/{num_kv_heads} not supported")
+    if warps is not None and warps not in (4, 8):
+        raise ValueError(f"paged_attention_lowbit_decode: warps per CTA must be 4 or 8, got {warps}")
     out = torch.empty_like(query)
     if batch == 0:
         return out
@@ -139,6 +153,9 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         splits = max(math.ceil(max_pages / pages_per_split), 1)
         if pages_per_split > TABLE_MAX:
             raise ValueError(f"paged_attention_lowbit_decode: {pages_per_split} pages per split exceed {TABLE_MAX}")
+    if warps is None:
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        warps = plan_warps(batch, num_kv_heads, splits, _num_sms(index))
     if splits > 1:
         partial = torch.empty((batch, num_kv_heads, splits, MAX_GROUP, head_dim), dtype=torch.float32,
                               device=query.device)
@@ -155,5 +172,5 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         kp.codes, kp.scale, kp.zero, kp.outlier_vals, kp.outlier_idx, kp.outlier_count,
         vp.codes, vp.scale, vp.zero, vp.scale_base, vp.outlier_vals, vp.outlier_idx, vp.outlier_count,
         staging_keys, staging_values, staging_slot_of_page, meta.block_tables, meta.query_start_loc,
-        meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits)
+        meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits, warps)
     return out

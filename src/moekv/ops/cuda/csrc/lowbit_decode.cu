@@ -7,13 +7,28 @@
 
 using namespace moekv_v7;
 
-template <int B, int STACK>
-void launch_bits(const Params& p, int batch, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>[s].cu
+template <int B, int STACK, int W>
+void launch_bits(const Params& p, int batch, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>[s][w8].cu
 
-int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap) {
+int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap, int64_t warps) {
+  if (warps == 8) {
+    if (bits == 4) return smem_plan<4, 8>(k_cap, v_cap).total;
+    if (bits == 3) return smem_plan<3, 8>(k_cap, v_cap).total;
+    return smem_plan<2, 8>(k_cap, v_cap).total;
+  }
   if (bits == 4) return smem_plan<4>(k_cap, v_cap).total;
   if (bits == 3) return smem_plan<3>(k_cap, v_cap).total;
   return smem_plan<2>(k_cap, v_cap).total;
+}
+
+template <int W>
+static void launch_width(const Params& p, int64_t bits, int batch, bool bf16, cudaStream_t stream) {
+  // GQA groups of at most 4: scores of both token tiles in one (STACK 2); int2 measured 2% slower stacked (session 20)
+  const bool stack = p.group <= NH / 2;
+  if (bits == 4) { if (stack) launch_bits<4, 2, W>(p, batch, bf16, stream); else launch_bits<4, 1, W>(p, batch, bf16, stream); }
+  else if (bits == 3) { if (stack) launch_bits<3, 2, W>(p, batch, bf16, stream); else launch_bits<3, 1, W>(p, batch, bf16, stream); }
+  else if (bits == 2) launch_bits<2, 1, W>(p, batch, bf16, stream);
+  else TORCH_CHECK(false, "lowbit decode v7: bits must be 2, 3 or 4, got ", bits);
 }
 
 // The page's small arrays as uniform 16-byte pieces (Params::m_*): for each array its base, bytes, bytes per
@@ -53,7 +68,7 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
             torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor slot_of_page,
             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
             double qk_scale, int64_t group, int64_t num_splits, int64_t pages_per_split,
-            int64_t bits) {
+            int64_t bits, int64_t warps) {
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(q.size(-1) == D && k_codes.size(2) == P, "lowbit decode v7: head_dim and page size must be 128");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32 &&
@@ -103,12 +118,9 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf,
               "lowbit decode v7: query must be fp16 or bf16");
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
-  // GQA groups of at most 4: scores of both token tiles in one (STACK 2); int2 measured 2% slower stacked (session 20)
-  const bool stack = p.group <= NH / 2;
-  if (bits == 4) { if (stack) launch_bits<4, 2>(p, batch, bf16, stream); else launch_bits<4, 1>(p, batch, bf16, stream); }
-  else if (bits == 3) { if (stack) launch_bits<3, 2>(p, batch, bf16, stream); else launch_bits<3, 1>(p, batch, bf16, stream); }
-  else if (bits == 2) launch_bits<2, 1>(p, batch, bf16, stream);
-  else TORCH_CHECK(false, "lowbit decode v7: bits must be 2, 3 or 4, got ", bits);
+  TORCH_CHECK(warps == 4 || warps == 8, "lowbit decode v7: warps per CTA must be 4 or 8, got ", warps);
+  if (warps == 8) launch_width<8>(p, bits, batch, bf16, stream);
+  else launch_width<4>(p, bits, batch, bf16, stream);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -31,8 +31,9 @@ namespace moekv_v7 {
 
 constexpr int P = 128;            // tokens per page
 constexpr int D = 128;            // head_dim
-constexpr int WARPS = 4;
+constexpr int WARPS = 4;          // warps of the default CTA; CTAs of W = 8 warps take small batches (kernel's W)
 constexpr int THREADS = WARPS * 32;
+constexpr int QWARPS = 4;         // warps that build the query tables and run the staged pages (128 threads = P = D)
 constexpr int NH = 8;             // MMA N: the GQA group padded to 8 heads
 constexpr int TABLE_MAX = 512;    // block-table entries of one split held in shared memory
 constexpr int SLOT_TILE = 8;      // outlier slots per one-hot MMA step (m16n8k8)
@@ -151,9 +152,10 @@ struct SmemPlan {      // byte offsets into dynamic shared memory (host and devi
 
 // after the page loop the rings hold the merge: per-warp outputs and (max, sum), the staged pages' state and
 // their score tile, and the natural-order normalised query [NH][D] fp16
-constexpr int MERGE_BYTES = (WARPS * NH * D + 2 * WARPS * NH + NH * D + 2 * NH + P * NH + 2 * WARPS * NH) * 4;
+template <int W> constexpr int merge_bytes_of() { return (W * NH * D + 2 * W * NH + NH * D + 2 * NH + P * NH + 2 * QWARPS * NH) * 4; }
+constexpr int MERGE_BYTES = merge_bytes_of<WARPS>();
 
-template <int B>
+template <int B, int W = WARPS>
 __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   SmemPlan s;
   s.buf_bytes = Layout<B>::BUF_BYTES;
@@ -166,18 +168,18 @@ __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   s.scratch = s.prep + PREP_BYTES;
   s.staged = s.scratch + (outliers ? W_BYTES : 0);
   s.warp_bytes = (s.staged + (1 + STAGED_MAX) * 4 + 15) / 16 * 16;
-  const int warps_bytes = WARPS * s.warp_bytes;
-  const int merge_bytes = MERGE_BYTES + NH * D * 2 + NH * D * 4;   // + the query tables, fp16 and fp32
+  const int warps_bytes = W * s.warp_bytes;
+  const int merge_bytes = merge_bytes_of<W>() + NH * D * 2 + NH * D * 4;   // + the query tables, fp16 and fp32
   const int region = warps_bytes > merge_bytes ? warps_bytes : merge_bytes;
   s.table = region;
   s.qf = s.table + TABLE_MAX * 4;                  // [4][32 lanes][4] half2: query pairs * 2^-off (B fragments)
   s.qp = s.qf + 4 * 32 * 16;                       // the same pairs without the unit (bias MMA, key outliers)
-  s.qn = MERGE_BYTES;                              // natural-order query, rebuilt after the loop (merge region)
+  s.qn = merge_bytes_of<W>();                      // natural-order query, rebuilt after the loop (merge region)
   s.qn32 = s.qn + NH * D * 2;                      // the same values in fp32 (staged pages), after the loop
   s.qmax = s.qp + 4 * 32 * 16;                     // [NH] fp32 |q| max per head
   s.flag = s.qmax + NH * 4;                        // the split combine's "last CTA" flag
-  s.stlist = s.flag + 16;                          // [1 + WARPS * STAGED_MAX] the split's staged pages, in page order
-  s.total = s.stlist + (1 + WARPS * STAGED_MAX) * 4;
+  s.stlist = s.flag + 16;                          // [1 + W * STAGED_MAX] the split's staged pages, in page order
+  s.total = s.stlist + (1 + W * STAGED_MAX) * 4;
   return s;
 }
 

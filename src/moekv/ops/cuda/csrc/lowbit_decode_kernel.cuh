@@ -8,11 +8,13 @@ namespace moekv_v7 {
 
 // MINB: resident CTAs per SM the registers are capped for (4: <= 128 registers; int4's larger rings fit 3).
 // STACK: 2 for GQA groups of at most 4 (columns 4..7 repeat heads 0..3, lowbit_decode_page.cuh), else 1.
-template <int B, typename QT, int MINB, int STACK>
-__global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
+// W: warps per CTA (4; 8 for small batches: one page per warp at one CTA per SM). The query tables, the staged
+// pages and the combines run on the first QWARPS warps' 128 threads (thread = token or channel).
+template <int B, typename QT, int MINB, int STACK, int W>
+__global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   using L = Layout<B>;
-  const SmemPlan plan = smem_plan<B>(p.k_cap, p.v_cap);
+  const SmemPlan plan = smem_plan<B, W>(p.k_cap, p.v_cap);
   const int ocK = outlier_chunk_bytes(p.k_cap), ocV = outlier_chunk_bytes(p.v_cap);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
@@ -28,14 +30,14 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   __half* qn_tab = reinterpret_cast<__half*>(smem + plan.qn);      // natural order; in the merge region
   float* qmax_tab = reinterpret_cast<float*>(smem + plan.qmax);
   const int* bt = p.block_tables + (long long)seq * p.stride_bt;
-  for (int i = tid; i < n; i += THREADS) table[i] = bt[first + i];
+  for (int i = tid; i < n; i += 32 * W) table[i] = bt[first + i];
 
   // ---- query: heads kvh * G + h, normalised per head (|qn| <= 1); thread: head tid / 16, channels 8 (tid % 16) + 0..7
   const int qh = tid >> 4, qd = (tid & 15) * 8;
-  load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, true);
+  if (W == QWARPS || warp < QWARPS) load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, true);
   __syncthreads();
   // query pair tables in B-fragment order: lane fl (head fl / 4, key block fl % 4), registers 4 jb .. 4 jb + 3
-  {
+  if (W == QWARPS || warp < QWARPS) {
     const int fl = lane, jb = warp;
     uint32_t qf[4], qp[4];
 #pragma unroll
@@ -66,22 +68,22 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   }
   WarpState st;
   st.init();
-  const int my_n = n > warp ? (n - 1 - warp) / WARPS + 1 : 0;
-  warp_pages<B, STACK>(p, plan, wb, table, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, my_n, ocK, ocV,
+  const int my_n = n > warp ? (n - 1 - warp) / W + 1 : 0;
+  warp_pages<B, STACK, W>(p, plan, wb, table, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, my_n, ocK, ocV,
                 qms0, qms1, st);
   cp_wait<0>();
   __syncthreads();
 
   // ---- merge: per-warp states to shared memory (the rings are free now)
-  float* mo = reinterpret_cast<float*>(smem);                       // [WARPS][NH][D] un-normalised outputs
-  float* ml = mo + WARPS * NH * D;                                  // [WARPS][NH] max, [WARPS][NH] sum
-  float* st_o = ml + 2 * WARPS * NH;                                // staged pages' state: [NH][D] o, [NH] m, [NH] l
+  float* mo = reinterpret_cast<float*>(smem);                       // [W][NH][D] un-normalised outputs
+  float* ml = mo + W * NH * D;                                      // [W][NH] max, [W][NH] sum
+  float* st_o = ml + 2 * W * NH;                                    // staged pages' state: [NH][D] o, [NH] m, [NH] l
   float* st_m = st_o + NH * D;
   float* st_l = st_m + NH;
   int* staged_list = reinterpret_cast<int*>(smem + plan.stlist);
   if (tid == 0) {                          // the warps' staged pages, in page order (insertion sort: a few)
     int k = 0;
-    for (int w = 0; w < WARPS; ++w) {
+    for (int w = 0; w < W; ++w) {
       const int* ws = reinterpret_cast<const int*>(smem + w * plan.warp_bytes + plan.staged);
       const int cnt = min(ws[0], STAGED_MAX);
       for (int e = 0; e < cnt; ++e) {
@@ -95,7 +97,7 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   }
   __syncthreads();                         // staged lists read before the merge overwrites the warps' areas
   float* qn32 = reinterpret_cast<float*>(smem + plan.qn32);
-  load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, false, qn32);   // the natural-order query again
+  if (W == QWARPS || warp < QWARPS) load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, false, qn32);
   float l0 = st.l0, l1 = st.l1, z0 = st.z0, z1 = st.z1;
 #pragma unroll
   for (int o = STACK == 2 ? 2 : 4; o < 32; o <<= 1) {      // STACK 2: lanes c and c ^ 2 hold the same heads
@@ -104,7 +106,7 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   }
   if (g == 0) {
     ml[warp * NH + 2 * c] = st.m0; ml[warp * NH + 2 * c + 1] = st.m1;
-    ml[(WARPS + warp) * NH + 2 * c] = l0; ml[(WARPS + warp) * NH + 2 * c + 1] = l1;
+    ml[(W + warp) * NH + 2 * c] = l0; ml[(W + warp) * NH + 2 * c + 1] = l1;
   }
 #pragma unroll
   for (int i2 = 0; i2 < 8; ++i2)
@@ -117,13 +119,13 @@ __global__ void __launch_bounds__(THREADS, MINB) decode_kernel(const Params p) {
   // ---- staged pages (full precision, CUDA cores): one token per thread for scores, one channel per thread for p.v
   const int num_staged = staged_list[0];
   if (tid < NH) { st_m[tid] = NEG_INF; st_l[tid] = 0.f; }
-  for (int i = tid; i < NH * D; i += THREADS) st_o[i] = 0.f;
+  for (int i = tid; i < NH * D; i += 32 * W) st_o[i] = 0.f;
   __syncthreads();
   float* sbuf = st_l + NH;                                          // [P][NH] staged probabilities
-  attend_staged_pages<QT>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn32, qmax_tab, st_o, st_m,
+  attend_staged_pages<QT, W>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn32, qmax_tab, st_o, st_m,
                           st_l, sbuf, sbuf + P * NH);
   __syncthreads();
-  combine_warps<QT>(p, mo, ml, st_o, st_m, st_l, qn_tab, qmax_tab, q_row, kvh, G, seq, split, sbuf + P * NH);
+  combine_warps<QT, W>(p, mo, ml, st_o, st_m, st_l, qn_tab, qmax_tab, q_row, kvh, G, seq, split, sbuf + P * NH);
   if (p.num_splits == 1) return;
   combine_splits<QT>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(smem + plan.flag));
 }

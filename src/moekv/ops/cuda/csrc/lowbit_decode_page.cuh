@@ -81,7 +81,7 @@ __device__ __forceinline__ float qn_at(const uint8_t* qp, int head, int ch) {
 // STACK 2 (GQA groups of at most 4): the B operand's columns 4..7 repeat heads 0..3, so after the key MMAs the
 // lanes of columns 0..3 keep tile 0's scores (tokens 0..15 of the chunk) and those of columns 4..7 tile 1's
 // (tokens 16..31): 4 real scores per lane instead of 8 with 4 padding heads. STACK 1: 8 heads, both tiles.
-template <int B, int STACK>
+template <int B, int STACK, int W>
 __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan, uint8_t* wb, const int* table,
                                            const uint8_t* qf_tab, const uint8_t* qp_tab, int first, int ctx, int kvh,
                                            int warp, int lane, int my_n, int ocK, int ocV, float qms0, float qms1,
@@ -92,7 +92,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   copies.init(lane);
   auto buf = [&](int b) { return wb + plan.ring + b * plan.buf_bytes; };
   auto meta = [&](int jj) { return wb + plan.meta + (jj & 1) * plan.meta_bytes; };
-  auto page_of = [&](int jj) { return table[warp + WARPS * jj]; };
+  auto page_of = [&](int jj) { return table[warp + W * jj]; };
   auto ph_of = [&](int page) { return (long long)page * p.num_kv_heads + kvh; };
   uint8_t* prep = wb + plan.prep;
   uint8_t* scr = wb + plan.scratch;
@@ -114,7 +114,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   for (int jj = 0; jj < my_n; ++jj) {
     const int page = page_of(jj);
     const long long ph = ph_of(page);
-    const int page_index = first + warp + WARPS * jj;
+    const int page_index = first + warp + W * jj;
     const bool full_page = (page_index + 1) * P <= ctx;
     const uint8_t* mt = meta(jj);
     const bool has_next = jj + 1 < my_n;
@@ -140,7 +140,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         const int slot = *reinterpret_cast<const int*>(mt + L::SLOT + ((page * 4) & 15));
         staged = slot >= 0;
         if (staged) {                            // staged page: its low-bit storage is stale; the CTA does it later
-          if (lane == 0) { const int s = wstaged[0]; if (s < STAGED_MAX) wstaged[1 + s] = warp + WARPS * jj; wstaged[0] = s + 1; }
+          if (lane == 0) { const int s = wstaged[0]; if (s < STAGED_MAX) wstaged[1 + s] = warp + W * jj; wstaged[0] = s + 1; }
         } else {
           kcount = p.k_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(mt + L::K_COUNT + ((ph * 2) & 15)), p.k_cap) : 0;
           vcount = p.v_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(mt + L::V_COUNT + ((ph * 2) & 15)), p.v_cap) : 0;
