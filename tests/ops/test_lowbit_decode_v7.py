@@ -206,8 +206,9 @@ def test_plan_splits(batch, heads, pages, sms, expect):
 @pytest.mark.parametrize("batch,heads,splits,warps", [(1, 8, 16, 8), (1, 8, 17, 4), (32, 8, 2, 4), (2, 8, 8, 8),
                                                       (16, 1, 8, 8), (17, 1, 8, 4)])
 def test_plan_warps(batch, heads, splits, warps):
-    # 8 warps per CTA exactly when every CTA has one of the 132 SMs to itself
-    assert lowbit_decode.plan_warps(batch, heads, splits, 132) == warps
+    # 8 warps per CTA (when the small-batch build is chosen) exactly when every CTA has one of the 132 SMs to itself
+    assert lowbit_decode.plan_warps(batch, heads, splits, 132, small_batch_warps=8) == warps
+    assert lowbit_decode.plan_warps(batch, heads, splits, 132, small_batch_warps=4) == 4
 
 
 def test_warps_other_than_4_or_8_are_refused():

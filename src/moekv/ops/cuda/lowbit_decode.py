@@ -28,7 +28,9 @@ CTAS_PER_SM = 4                  # resident CTAs per SM of the int3 / int2 build
 INT4_CTAS_PER_SM = 3             # the int4 build's (larger code stages)
 INT4_WAVES = 2                   # int4 plans this many full waves (measured best in session 16)
 MIN_PAGES_PER_SPLIT = 8          # below this the split's fixed costs (ring fill, merge, combine) dominate
-SMALL_BATCH_WARPS = 8            # warps per CTA when every CTA has an SM to itself (plan_warps)
+# warps per CTA when every CTA has an SM to itself (plan_warps). The 8-warp build exists and is tested; it stays
+# off (4) until it is measured against 4 on the GPU (docs/attention-kernels.md, Next (v11)): `warps=8` forces it.
+SMALL_BATCH_WARPS = 4
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
 
@@ -84,11 +86,12 @@ def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, bit
     return max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT)))
 
 
-def plan_warps(batch: int, num_kv_heads: int, splits: int, num_sms: int) -> int:
-    """Warps per CTA: 8 when every CTA has an SM to itself (batch x kv heads x splits <= SMs: small batches, where
-    4 warps leave the SM mostly idle and each warp's page chain is the critical path), else 4 (the occupancy the
-    128-register build is made for)."""
-    return SMALL_BATCH_WARPS if batch * num_kv_heads * splits <= num_sms else 4
+def plan_warps(batch: int, num_kv_heads: int, splits: int, num_sms: int,
+               small_batch_warps: int = SMALL_BATCH_WARPS) -> int:
+    """Warps per CTA: `small_batch_warps` when every CTA has an SM to itself (batch x kv heads x splits <= SMs:
+    small batches, where 4 warps leave the SM mostly idle and each warp's page chain is the critical path), else 4
+    (the occupancy the 128-register build is made for)."""
+    return small_batch_warps if batch * num_kv_heads * splits <= num_sms else 4
 
 
 def graph_splits(batch: int, num_kv_heads: int, max_model_len: int, device: torch.device, bits: int = 3) -> int:
