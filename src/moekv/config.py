@@ -303,7 +303,7 @@ class KernelConfig:
 
     `from_env()` (the EngineConfig default) applies the MOEKV_* overrides (see `envs.py`) to these
     defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_FUSED_DECODE_LAYER,
-    MOEKV_SKINNY_GEMM.
+    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_SKINNY_GEMM.
     """
 
     SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
@@ -322,6 +322,10 @@ class KernelConfig:
                                         # add + RMSNorm + router GEMV + top-k in one launch, q/k norm + rotary +
                                         # the full-precision KV write in one (docs/moe-kernels.md,
                                         # "Kernels per decode layer"); MOEKV_FUSED_DECODE_LAYER=0 turns them off
+    fused_attention_combine: bool = True   # full-precision decode attention merges its split-K partials inside the
+                                        # decode launch (the last program of a (sequence, kv head) combines,
+                                        # ops/triton/attention/split_k.combine_if_last) instead of a second launch;
+                                        # MOEKV_FUSED_ATTENTION_COMBINE=0 keeps the two launches
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "reference", "triton"):
@@ -332,6 +336,8 @@ class KernelConfig:
             raise ConfigError(f"fused_layer_ops must be True or False, got {self.fused_layer_ops!r}")
         if not isinstance(self.fused_decode_layer, bool):
             raise ConfigError(f"fused_decode_layer must be True or False, got {self.fused_decode_layer!r}")
+        if not isinstance(self.fused_attention_combine, bool):
+            raise ConfigError(f"fused_attention_combine must be True or False, got {self.fused_attention_combine!r}")
         if (not isinstance(self.skinny_gemm_rows, int) or isinstance(self.skinny_gemm_rows, bool)
                 or not 0 <= self.skinny_gemm_rows <= self.SKINNY_GEMM_MAX_ROWS):
             raise ConfigError(f"skinny_gemm_rows must be in 0..{self.SKINNY_GEMM_MAX_ROWS} (0: off), "

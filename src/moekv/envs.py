@@ -13,6 +13,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_LOWBIT_DECODE | `kernel_overrides` | auto or a name of `ops.dispatch.LOWBIT_DECODE_KERNELS` |
 | MOEKV_FUSED_LAYER_OPS | `kernel_overrides` | 0 / 1: the fused per-layer Triton ops on CUDA |
 | MOEKV_FUSED_DECODE_LAYER | `kernel_overrides` | 0 / 1: add + norm + router and q/k norm + rotary + KV write fused |
+| MOEKV_FUSED_ATTENTION_COMBINE | `kernel_overrides` | 0 / 1: full-precision decode attention combines its splits in its own launch |
 | MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) |
 | MOEKV_CAPTURE_ERROR_MODE | `capture_error_mode` | torch.cuda.graph's capture_error_mode |
 | MOEKV_DEFAULT_MODEL | `default_model` | the checkpoint `moekv` runs when none is named |
@@ -78,7 +79,7 @@ def _seconds(name: str, strict: bool, default: float | None = None) -> float | N
 # -- kernel switches (KernelConfig.from_env) -------------------------------------------------------
 def kernel_overrides() -> dict[str, Any]:
     """The KernelConfig fields the environment sets: backend, lowbit_decode, fused_layer_ops,
-    fused_decode_layer, skinny_gemm_rows. The low-bit decode name is checked against the kernel table by ops.dispatch."""
+    fused_decode_layer, fused_attention_combine, skinny_gemm_rows. The low-bit decode name is checked against the kernel table by ops.dispatch."""
     out: dict[str, Any] = {}
     backend = _choice("MOEKV_OPS_BACKEND", ("auto", "reference", "triton"))
     if backend is not None:
@@ -92,6 +93,9 @@ def kernel_overrides() -> dict[str, Any]:
     fused_decode = _flag("MOEKV_FUSED_DECODE_LAYER")
     if fused_decode is not None:
         out["fused_decode_layer"] = fused_decode
+    combine = _flag("MOEKV_FUSED_ATTENTION_COMBINE")
+    if combine is not None:
+        out["fused_attention_combine"] = combine
     skinny = _choice("MOEKV_SKINNY_GEMM", ("0", "1", "auto"))
     if skinny is not None:
         out["skinny_gemm_rows"] = {"0": 0, "auto": 1, "1": 16}[skinny]

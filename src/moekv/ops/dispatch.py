@@ -157,6 +157,13 @@ def lowbit_decode_kernel(key_spec, value_spec, query, staging_keys):
     return choices.lowbit_decode_kernel(_active.lowbit_decode, key_spec, value_spec, query, staging_keys)
 
 
+def _fp_attention_kernel(*args):
+    """The full-precision Triton kernels, with decode's split combine in the decode launch or in a second one
+    (KernelConfig.fused_attention_combine)."""
+    kernel = choices.resolve(_TRI + "attention.full_precision:paged_attention_full_precision")
+    return functools.partial(kernel, combine=_active.fused_attention_combine)
+
+
 def _lowbit_attention_kernel(query, key, value, key_pages, value_pages, key_spec, value_spec, staging_keys, *rest):
     """Decode steps: the configured decode-only kernel; else the general kernel where it supports the
     page size; else None (the reference)."""
@@ -243,8 +250,7 @@ def _no_quantizer(*args):
 
 
 OPS: dict[str, Op] = {
-    "paged_attention_full_precision": Op(_REF + "attention:paged_attention_full_precision",
-                                         _TRI + "attention.full_precision:paged_attention_full_precision",
+    "paged_attention_full_precision": Op(_REF + "attention:paged_attention_full_precision", _fp_attention_kernel,
                                          cpu="moekv.ops.cpu.attention:paged_attention_full_precision"),
     "paged_attention_lowbit": Op(
         _REF + "lowbit:paged_attention_lowbit", _lowbit_attention_kernel,

@@ -37,6 +37,14 @@ class FullPrecisionKVCache(KVCache):
 
         return plan_splits(batch, self.spec.num_kv_heads, max_model_len, 64, self.device)[0]
 
+    def reserve_graph_decode(self, max_batch: int) -> None:
+        """The decode kernel's split-combine arrival counters (one per (sequence, kv head)), allocated before
+        any graph is captured; shared by every layer (they are zero again after each launch)."""
+        if self.device.type == "cuda":
+            from moekv.ops.triton.attention.split_k import arrival_counters   # allocation only (no launch)
+
+            arrival_counters(self.device, max_batch * self.spec.num_kv_heads)
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
         """Scatter the new tokens' keys/values [T, Hkv, D] to their slots."""
         flat_keys = self.key_pages[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)

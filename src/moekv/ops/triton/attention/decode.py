@@ -5,7 +5,11 @@ One program per (sequence, kv head, split): it loads the q_per_kv query heads of
 [BLOCK_H, D] matrix (padded to 16 rows for tl.dot), walks its share of the sequence's block table
 BLOCK_N tokens at a time (a block may span pages: each token row is gathered through the table)
 and keeps an online softmax in base 2 (the scale and log2(e) are folded into q). With more than one
-split the partial results are merged by split_k.combine_splits.
+split the partial results are merged either by a second launch (split_k.combine_splits) or, with
+`combine=True` (KernelConfig.fused_attention_combine), inside this launch: every program stores its partial,
+counts its arrival on its (sequence, kv head)'s counter and the last to arrive combines
+(split_k.combine_if_last, where the memory ordering is argued). One split (a batch that fills the GPU by
+itself) stores the output directly either way.
 
 Splits are planned on the host from the longest sequence (`tokens_per_split` for every sequence),
 or, with `device_splits` (CUDA-graph decode), the launch has a fixed number of splits and each
@@ -22,7 +26,8 @@ import triton.language as tl
 
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
 
-from moekv.ops.triton.attention.split_k import combine_splits, plan_splits
+from moekv.ops.triton.attention.split_k import (arrival_counters, combine_chunk, combine_if_last, combine_splits,
+                                                plan_splits)
 
 
 
@@ -32,8 +37,10 @@ def _fp_decode_kernel(
     k_ptr, v_ptr,           # [num_pages, P, Hkv, D]
     block_tables_ptr,       # [B, max_pages] int32
     seq_lens_ptr,           # [B] int32 (tokens in the cache, the new one included)
-    out_ptr,                # [B, Hq, D] (one split) or partial [B, Hq, S, D] fp32
+    out_ptr,                # [B, Hq, D] (one split, or COMBINE)
+    partial_ptr,            # [B, Hq, S, D] fp32 (split mode only)
     lse_ptr,                # [B, Hq, S] fp32 (split mode only)
+    counters_ptr,           # [>= B * Hkv] int32 arrival counters, zero on entry and on exit (COMBINE only)
     qk_scale,               # softmax scale * log2(e)
     tokens_per_split,       # host-planned split length (ignored with DEVICE_SPLITS)
     num_splits,             # splits per sequence (DEVICE_SPLITS: split lengths derive from it)
@@ -41,11 +48,13 @@ def _fp_decode_kernel(
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
     stride_bt,
-    stride_ob, stride_oh, stride_os,
+    stride_ob, stride_oh,
+    stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
+    COMBINE: tl.constexpr, BLOCK_SC: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,10 +109,14 @@ def _fp_decode_kernel(
     out = acc / l_safe[:, None]
     out_mask = h_mask[:, None] & d_mask[None, :]
     if SPLIT:
-        base = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+        base = partial_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         tl.store(base, out, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+        if COMBINE:
+            combine_if_last(counters_ptr + seq * tl.num_programs(1) + kv_head, partial_ptr + seq * stride_pb,
+                            lse_ptr + seq * stride_lb, out_ptr + seq * stride_ob, kv_head * GROUP, num_splits,
+                            stride_ph, stride_ps, stride_lh, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_SC)
     else:
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -118,12 +131,13 @@ def default_config(head_dim: int, dtype: torch.dtype) -> dict:
 def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                                 scale: float, num_splits: int | None = None, config: dict | None = None,
-                                device_splits: bool = False) -> torch.Tensor:
+                                device_splits: bool = False, combine: bool = False) -> torch.Tensor:
     """query [B, Hq, D]; key/value_pages [num_pages, P, Hkv, D]; block_tables [B, max_pages] int32;
     seq_lens [B] int32 -> [B, Hq, D] in query's dtype. `num_splits` None: chosen from the GPU size.
 
     device_splits: launch exactly `num_splits` splits and size them per sequence on the device
-    (max_seq_len is not read; CUDA-graph capturable)."""
+    (max_seq_len is not read; CUDA-graph capturable). combine: merge the splits inside the decode launch
+    (the last program of each (sequence, kv head) does it) instead of a second launch."""
     batch, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_pages.shape
     assert key_pages.stride(-1) == 1 and value_pages.stride(-1) == 1 and query.stride(-1) == 1
@@ -144,23 +158,27 @@ def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, va
         return out
     check_launchable(_fp_decode_kernel, query)
     half, upcast = dot_modes(query, key_pages.dtype)
+    split = num_splits > 1
+    combine = combine and split
     common = dict(PAGE_SIZE=page_size, GROUP=group, BLOCK_H=pow2(group), HEAD_DIM=head_dim,
                   BLOCK_D=pow2(head_dim), BLOCK_N=block_n, HALF=half, UPCAST=upcast,
-                  DEVICE_SPLITS=device_splits, **cfg)
+                  DEVICE_SPLITS=device_splits, SPLIT=split, COMBINE=combine,
+                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1, **cfg)
     grid = (batch, num_kv_heads, num_splits)
     page_strides = (key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
                     value_pages.stride(0), value_pages.stride(1), value_pages.stride(2))
-    if num_splits == 1:
-        _fp_decode_kernel[grid](
-            query, key_pages, value_pages, block_tables, seq_lens, out, out, scale * LOG2E,
-            tokens_per_split, num_splits, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
-            out.stride(0), out.stride(1), 0, 0, 0, SPLIT=False, **common)
-        return out
-    partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
-    lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    if split:
+        partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        split_strides = (partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1))
+    else:
+        partial = lse = out                          # not read: SPLIT is off
+        split_strides = (0, 0, 0, 0, 0)
+    counters = arrival_counters(query.device, batch * num_kv_heads) if combine else out   # not read without COMBINE
     _fp_decode_kernel[grid](
-        query, key_pages, value_pages, block_tables, seq_lens, partial, lse, scale * LOG2E,
+        query, key_pages, value_pages, block_tables, seq_lens, out, partial, lse, counters, scale * LOG2E,
         tokens_per_split, num_splits, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        SPLIT=True, **common)
-    return combine_splits(partial, lse, out)
+        out.stride(0), out.stride(1), *split_strides, **common)
+    if split and not combine:
+        combine_splits(partial, lse, out)
+    return out
