@@ -45,6 +45,14 @@ def _fused_decode_layer_installed(engine) -> bool:
     return dispatch.fused_decode_layer()        # KernelConfig's fused_decode_layer and fused_layer_ops together
 
 
+def _attention_combine_installed(engine) -> bool | str:
+    from moekv.ops import dispatch
+
+    if engine.config.cache.is_low_bit:
+        return "n/a (low-bit)"                  # the v7 low-bit kernel always combines in its own launch
+    return dispatch.kernel_config().fused_attention_combine
+
+
 def _overlap_installed(engine) -> str:
     if engine.overlap is not None:
         return "on"
@@ -62,6 +70,11 @@ class RowSwitch:
     installed: Callable[[object], bool | str] | None = None   # what the built engine runs (default: the config's
     #                                                         value; a string says more, e.g. "off (no graph steps)")
 
+    @property
+    def dest(self) -> str:
+        """The argparse attribute of its flag ("attention-combine" -> attention_combine)."""
+        return self.name.replace("-", "_")
+
     def value_of(self, engine) -> str:
         on = self.installed(engine) if self.installed else getattr(getattr(engine.config, self.section), self.field)
         return on if isinstance(on, str) else "on" if on else "off"
@@ -71,6 +84,10 @@ SWITCHES: tuple[RowSwitch, ...] = (
     RowSwitch("fusion", "kernels", "fused_decode_layer",
               "on, off or on,off: moekv rows with the fused decode layer (KernelConfig.fused_decode_layer) on / off, "
               "side by side ('' = as configured)", installed=_fused_decode_layer_installed),
+    RowSwitch("attention-combine", "kernels", "fused_attention_combine",
+              "on, off or on,off: moekv rows whose full-precision decode attention merges its split-K partials inside "
+              "the decode launch (KernelConfig.fused_attention_combine) / in a second launch",
+              installed=_attention_combine_installed),
     RowSwitch("overlap", "device", "overlap_decode",
               "on, off or on,off: moekv rows with overlapped decode steps (DeviceConfig.overlap_decode, "
               "engine/overlap.py: the host launches step n + 1 before it reads step n) on / off; 'outside' is then "
@@ -88,7 +105,7 @@ def switch_values(text: str) -> list[bool]:
 
 def add_switch_flags(parser) -> None:
     for switch in SWITCHES:
-        parser.add_argument(f"--{switch.name}", default="", help=switch.help)
+        parser.add_argument(f"--{switch.name}", dest=switch.dest, default="", help=switch.help)
 
 
 def parse_switch_flags(args, parser) -> dict[str, list[bool]]:
@@ -96,7 +113,7 @@ def parse_switch_flags(args, parser) -> dict[str, list[bool]]:
     chosen = {}
     for switch in SWITCHES:
         try:
-            values = switch_values(getattr(args, switch.name))
+            values = switch_values(getattr(args, switch.dest))
         except ValueError as exc:
             parser.error(f"--{switch.name} {exc}")
         if values:

@@ -41,6 +41,8 @@ def test_switch_flags_parse_and_reject_at_the_boundary():
     assert ds.parse_switch_flags(parser.parse_args([]), parser) == {}
     with pytest.raises(SystemExit):
         ds.parse_switch_flags(parser.parse_args(["--fusion", "sometimes"]), parser)
+    args = parser.parse_args(["--attention-combine", "off,on", "--fusion", "on"])     # a hyphenated switch
+    assert ds.parse_switch_flags(args, parser) == {"fusion": [True], "attention-combine": [False, True]}
 
 
 def test_switch_settings_are_every_combination_first_switch_outermost():
@@ -57,6 +59,8 @@ def test_apply_switches_sets_the_field_and_keeps_the_rest():
     assert off.kernels.fused_decode_layer is False and off.kernels.backend == "reference"
     assert base.kernels.fused_decode_layer is True                          # a copy, not an edit
     assert ds.apply_switches(base, {}) == base and ds.apply_switches(base, None) == base
+    two = ds.apply_switches(base, {"attention-combine": False, "fusion": False})
+    assert two.kernels.fused_attention_combine is False and two.kernels.fused_decode_layer is False
 
 
 def test_report_columns_follow_the_registered_switches():
@@ -68,3 +72,18 @@ def test_report_columns_follow_the_registered_switches():
     assert decode_report.switch_cells({}) == "- | " * len(names)
     assert decode_report.switch_suffix(row) == ", fusion off" and decode_report.switch_suffix({}) == ""
     assert decode_report.switch_label(row).startswith("fusion off")
+
+
+def test_attention_combine_row_reports_what_the_engine_runs():
+    from types import SimpleNamespace
+
+    from moekv.config import CacheConfig
+    from moekv.ops import dispatch
+
+    switch = next(s for s in ds.SWITCHES if s.name == "attention-combine")
+    int3 = SimpleNamespace(config=EngineConfig(ModelConfig("m"), cache=CacheConfig(kv_cache_dtype="int3")))
+    bf16 = SimpleNamespace(config=EngineConfig(ModelConfig("m"), cache=CacheConfig(kv_cache_dtype="bf16")))
+    assert switch.value_of(int3) == "n/a (low-bit)"
+    for on in (True, False):
+        with dispatch.override(fused_attention_combine=on):
+            assert switch.value_of(bf16) == ("on" if on else "off")
