@@ -322,10 +322,10 @@ class KernelConfig:
                                         # add + RMSNorm + router GEMV + top-k in one launch, q/k norm + rotary +
                                         # the full-precision KV write in one (docs/moe-kernels.md,
                                         # "Kernels per decode layer"); MOEKV_FUSED_DECODE_LAYER=0 turns them off
-    fused_attention_combine: bool = True   # full-precision decode attention merges its split-K partials inside the
+    fused_attention_combine: bool = False  # full-precision decode attention merges its split-K partials inside the
                                         # decode launch (the last program of a (sequence, kv head) combines,
                                         # ops/triton/attention/split_k.combine_if_last) instead of a second launch;
-                                        # MOEKV_FUSED_ATTENTION_COMBINE=0 keeps the two launches
+                                        # off until measured on the GPU (gpu-runbook row 2b); MOEKV_FUSED_ATTENTION_COMBINE=1
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "reference", "triton"):

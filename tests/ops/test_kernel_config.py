@@ -34,9 +34,9 @@ def test_defaults_and_env_overrides(clean_env):
     assert KernelConfig().fused_decode_layer and KernelConfig.from_env().fused_decode_layer
     clean_env.setenv("MOEKV_FUSED_DECODE_LAYER", "0")
     assert KernelConfig.from_env().fused_decode_layer is False
-    assert KernelConfig().fused_attention_combine and KernelConfig.from_env().fused_attention_combine
-    clean_env.setenv("MOEKV_FUSED_ATTENTION_COMBINE", "off")
-    assert KernelConfig.from_env().fused_attention_combine is False
+    assert KernelConfig().fused_attention_combine is False and KernelConfig.from_env().fused_attention_combine is False
+    clean_env.setenv("MOEKV_FUSED_ATTENTION_COMBINE", "on")
+    assert KernelConfig.from_env().fused_attention_combine is True
 
 
 def test_fused_decode_layer_needs_the_layer_ops():
