@@ -34,16 +34,17 @@ __device__ __forceinline__ void add_corrections(const SlotView& sv, int lo, int 
     const uint2 pp = *reinterpret_cast<const uint2*>(pt + (live ? tok : 0) * NH);
     const float2 p01 = __half22float2(*reinterpret_cast<const __half2*>(&pp.x));
     const float2 p23 = __half22float2(*reinterpret_cast<const __half2*>(&pp.y));
+    auto add = [&] {                   // this lane's slot into its channel's row
+      float4* row = reinterpret_cast<float4*>(corr) + ch;
+      float4 v = *row;
+      v.x = fmaf(r, p01.x, v.x); v.y = fmaf(r, p01.y, v.y); v.z = fmaf(r, p23.x, v.z); v.w = fmaf(r, p23.y, v.w);
+      *row = v;
+    };
     if (live) claim[ch] = (uint8_t)lane;
     __syncwarp();
     const bool clash = __any_sync(0xffffffffu, live && claim[ch] != lane);
     if (!clash) {
-      if (live) {
-        float4* row = reinterpret_cast<float4*>(corr) + ch;
-        float4 v = *row;
-        v.x = fmaf(r, p01.x, v.x); v.y = fmaf(r, p01.y, v.y); v.z = fmaf(r, p23.x, v.z); v.w = fmaf(r, p23.y, v.w);
-        *row = v;
-      }
+      if (live) add();
       __syncwarp();
       continue;
     }
@@ -51,12 +52,7 @@ __device__ __forceinline__ void add_corrections(const SlotView& sv, int lo, int 
     unsigned pending = __ballot_sync(0xffffffffu, live);
     while (pending) {
       const bool mine = live && ((pending >> lane) & 1u) && (__ffs(same & pending) - 1 == lane);
-      if (mine) {
-        float4* row = reinterpret_cast<float4*>(corr) + ch;
-        float4 v = *row;
-        v.x = fmaf(r, p01.x, v.x); v.y = fmaf(r, p01.y, v.y); v.z = fmaf(r, p23.x, v.z); v.w = fmaf(r, p23.y, v.w);
-        *row = v;
-      }
+      if (mine) add();
       __syncwarp();
       pending &= ~__ballot_sync(0xffffffffu, mine);
     }
