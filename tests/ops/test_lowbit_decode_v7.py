@@ -142,6 +142,20 @@ def test_forced_splits(splits, warps):
 
 
 @needs_cuda
+@pytest.mark.parametrize("warps", [4, 8])
+def test_many_splits(warps):
+    # 157 pages, 2 per split: 79 splits combined in one CTA (shared-memory weights, both thread phases of 8 warps)
+    _check(_case([20000, 300, 1], seed=21), torch.bfloat16, num_splits=150, warps=warps)
+
+
+@needs_cuda
+def test_split_count_cap():
+    case = _case([70000], seed=22)                  # 547 pages: one page per split would be 547 splits
+    with pytest.raises(ValueError, match="splits exceed 512"):
+        lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, num_splits=547)
+
+
+@needs_cuda
 @pytest.mark.parametrize("splits", [1, 4, 9])
 @pytest.mark.parametrize("warps", [4, 8])
 def test_graph_replay_with_device_splits(splits, warps):
@@ -194,8 +208,10 @@ def test_runs_on():
     (128, 8, 128, 132, 1),      # the batch fills the GPU
     (1, 8, 128, 132, 16),       # B=1: at least MIN_PAGES_PER_SPLIT pages per split
     (1, 8, 1, 132, 1),          # never more splits than pages allow
-    (1, 1, 4000, 132, 500),
+    (1, 8, 1024, 132, 49),      # B=1 128k: few pairs, about 3 CTAs per SM (not a full wave of 66 splits)
+    (1, 1, 4000, 132, 396),
     (2, 1, 9000, 4, 18),        # long contexts: at most TABLE_MAX pages per split
+    (1, 1, 100000, 200, 512),   # at most MAX_SPLITS (the in-kernel combine's shared memory)
 ])
 def test_plan_splits(batch, heads, pages, sms, expect):
     splits = lowbit_decode.plan_splits(batch, heads, pages, sms)

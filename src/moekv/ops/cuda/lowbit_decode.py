@@ -24,13 +24,18 @@ PAGE_SIZE = 128
 HEAD_DIM = 128
 MAX_GROUP = 8
 TABLE_MAX = 512                  # block-table entries one split holds in shared memory (lowbit_decode.cuh)
+MAX_SPLITS = 512                 # splits per (sequence, kv head) the in-kernel combine takes (lowbit_decode.cuh)
 CTAS_PER_SM = 4                  # resident CTAs per SM of the int3 / int2 builds (__launch_bounds__)
 INT4_CTAS_PER_SM = 3             # the int4 build's (larger code stages)
 INT4_WAVES = 2                   # int4 plans this many full waves (measured best in session 16)
 MIN_PAGES_PER_SPLIT = 8          # below this the split's fixed costs (ring fill, merge, combine) dominate
-# warps per CTA when every CTA has an SM to itself (plan_warps). The 8-warp build exists and is tested; it stays
-# off (4) until it is measured against 4 on the GPU (docs/attention-kernels.md, Next (v11)): `warps=8` forces it.
-SMALL_BATCH_WARPS = 4
+# warps per CTA when every CTA has an SM to itself (plan_warps): 8 measured faster there (session 21, B=1 16k:
+# int3 -7.6%, int4 -10.5%; benchmarks/results/attention-sweep-warps-splits.md); `warps=4|8` forces either
+SMALL_BATCH_WARPS = 8
+# few (sequence, kv head) pairs (B=1, 2 with 8 kv heads): plan about 3 CTAs per SM rather than a full wave (session 21
+# sweep at B=1 64k / 128k: 48 splits beat 64 by 7-13% for int3 and int4's two waves by 20-26%)
+SMALL_PAIRS = 16
+SMALL_PAIRS_CTAS_PER_SM = 3
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
 
@@ -76,14 +81,17 @@ def _num_sms(index: int) -> int:
 def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, bits: int = 3) -> int:
     """Split-K count, each split at least MIN_PAGES_PER_SPLIT pages and at most TABLE_MAX, 1 when the batch fills
     the GPU. int3 / int2 (4 CTAs per SM): the most splits whose CTAs still fit one wave (measured faster than two
-    waves, session 17's sweep in docs/attention-kernels.md); int4 (3 CTAs per SM): enough for two full waves."""
+    waves, session 17's sweep in docs/attention-kernels.md); int4 (3 CTAs per SM): enough for two full waves; at
+    most SMALL_PAIRS (sequence, kv head) pairs, any width: about SMALL_PAIRS_CTAS_PER_SM CTAs per SM (session 21)."""
     pairs = max(batch * num_kv_heads, 1)
     need = math.ceil(max(max_pages, 1) / TABLE_MAX)
-    if bits == 4:
+    if pairs <= SMALL_PAIRS:
+        want = max(1, num_sms * SMALL_PAIRS_CTAS_PER_SM // pairs)
+    elif bits == 4:
         want = math.ceil(INT4_WAVES * num_sms * INT4_CTAS_PER_SM / pairs)
     else:
         want = max(1, num_sms * CTAS_PER_SM // pairs)
-    return max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT)))
+    return min(MAX_SPLITS, max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT))))
 
 
 def plan_warps(batch: int, num_kv_heads: int, splits: int, num_sms: int,
@@ -156,6 +164,8 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         splits = max(math.ceil(max_pages / pages_per_split), 1)
         if pages_per_split > TABLE_MAX:
             raise ValueError(f"paged_attention_lowbit_decode: {pages_per_split} pages per split exceed {TABLE_MAX}")
+    if splits > MAX_SPLITS:
+        raise ValueError(f"paged_attention_lowbit_decode: {splits} splits exceed {MAX_SPLITS}")
     if warps is None:
         index = query.device.index if query.device.index is not None else torch.cuda.current_device()
         warps = plan_warps(batch, num_kv_heads, splits, _num_sms(index))

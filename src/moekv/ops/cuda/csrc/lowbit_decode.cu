@@ -101,6 +101,8 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   p.qk_scale = static_cast<float>(qk_scale);
   p.num_kv_heads = static_cast<int>(k_codes.size(1));
   p.group = static_cast<int>(group);
+  TORCH_CHECK(num_splits >= 1 && num_splits <= MAX_SPLITS, "lowbit decode v7: 1 to ", MAX_SPLITS,
+              " splits, got ", num_splits);
   p.num_splits = static_cast<int>(num_splits);
   p.pages_per_split = static_cast<int>(pages_per_split);
   p.k_cap = static_cast<int>(k_ovals.size(-1));

@@ -146,14 +146,18 @@ constexpr int W_BYTES = W_CLAIM + D;
 constexpr int STAGED_MAX = 16;                     // staged pages of one split (the tail page, sink pages)
 
 struct SmemPlan {      // byte offsets into dynamic shared memory (host and device agree)
-  int buf_bytes, meta_bytes, warp_bytes, ring, meta, prep, scratch, staged, table, qf, qp, qn, qn32, qmax, flag,
+  int buf_bytes, meta_bytes, warp_bytes, ring, meta, prep, scratch, staged, table, qf, qp, qn, qmax, flag,
       stlist, total;
 };
 
 // after the page loop the rings hold the merge: per-warp outputs and (max, sum), the staged pages' state and
 // their score tile, and the natural-order normalised query [NH][D] fp16
-template <int W> constexpr int merge_bytes_of() { return (W * NH * D + 2 * W * NH + NH * D + 2 * NH + P * NH + 2 * QWARPS * NH) * 4; }
+constexpr int MAX_SPLITS = 512;                   // splits per (sequence, kv head): the split combine's scratch
+// the merge region: [W][NH][D] outputs, [2][W][NH] max / sum, [NH] the new token's scores (then the split combine's scratch)
+template <int W> constexpr int merge_bytes_of() { return (W * NH * D + 2 * W * NH + NH) * 4; }
 constexpr int MERGE_BYTES = merge_bytes_of<WARPS>();
+static_assert(merge_bytes_of<WARPS>() >= (MAX_SPLITS * NH + NH + (32 * WARPS / D - 1) * NH * D) * 4, "combine scratch");
+static_assert(merge_bytes_of<2 * WARPS>() >= (MAX_SPLITS * NH + NH + (64 * WARPS / D - 1) * NH * D) * 4, "combine scratch");
 
 template <int B, int W = WARPS>
 __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
@@ -169,13 +173,12 @@ __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   s.staged = s.scratch + (outliers ? W_BYTES : 0);
   s.warp_bytes = (s.staged + (1 + STAGED_MAX) * 4 + 15) / 16 * 16;
   const int warps_bytes = W * s.warp_bytes;
-  const int merge_bytes = merge_bytes_of<W>() + NH * D * 2 + NH * D * 4;   // + the query tables, fp16 and fp32
+  const int merge_bytes = merge_bytes_of<W>() + NH * D * 2;               // + the query table (fp16)
   const int region = warps_bytes > merge_bytes ? warps_bytes : merge_bytes;
   s.table = region;
   s.qf = s.table + TABLE_MAX * 4;                  // [4][32 lanes][4] half2: query pairs * 2^-off (B fragments)
   s.qp = s.qf + 4 * 32 * 16;                       // the same pairs without the unit (bias MMA, key outliers)
   s.qn = merge_bytes_of<W>();                      // natural-order query, rebuilt after the loop (merge region)
-  s.qn32 = s.qn + NH * D * 2;                      // the same values in fp32 (staged pages), after the loop
   s.qmax = s.qp + 4 * 32 * 16;                     // [NH] fp32 |q| max per head
   s.flag = s.qmax + NH * 4;                        // the split combine's "last CTA" flag
   s.stlist = s.flag + 16;                          // [1 + W * STAGED_MAX] the split's staged pages, in page order

@@ -3,8 +3,32 @@
 #pragma once
 #include "lowbit_decode_merge.cuh"
 #include "lowbit_decode_page.cuh"
+#include "lowbit_decode_staged.cuh"
 
 namespace moekv_v7 {
+
+// MOEKV_TRACE (diagnostic builds only, e.g. an A/B folder built with -DMOEKV_TRACE; the library never defines it):
+// per CTA 32 u64 after the split-K lse buffer, which the caller then allocates for every launch: slots 0..15
+// %globaltimer, 16..31 clock64 at 0 entry, 1 query loaded, 2 tables built, 3 the SM id, 4 + w warp w done with its
+// pages, 12 all warps done, 13 staged pages done, 14 warps combined, 15 exit (the last split after its combine).
+#ifdef MOEKV_TRACE
+__device__ __forceinline__ void trace_at(const Params& p, int slot) {
+  const int ctas = gridDim.x * gridDim.y * gridDim.z;
+  const int cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  unsigned long long* t = reinterpret_cast<unsigned long long*>(p.lse + ((ctas * NH + 1) & ~1)) + 32 * cta;
+  unsigned long long g, c = clock64();
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  unsigned int sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  t[slot] = g; t[16 + slot] = c;
+  if (slot == 0) t[3] = sm;
+}
+#define MOEKV_TRACE_CTA(slot) do { if (threadIdx.x == 0) trace_at(p, slot); } while (0)
+#define MOEKV_TRACE_WARP(slot) do { if ((threadIdx.x & 31) == 0) trace_at(p, slot); } while (0)
+#else
+#define MOEKV_TRACE_CTA(slot) do {} while (0)
+#define MOEKV_TRACE_WARP(slot) do {} while (0)
+#endif
 
 // MINB: resident CTAs per SM the registers are capped for (4: <= 128 registers; int4's larger rings fit 3).
 // STACK: 2 for GQA groups of at most 4 (columns 4..7 repeat heads 0..3, lowbit_decode_page.cuh), else 1.
@@ -14,6 +38,7 @@ template <int B, typename QT, int MINB, int STACK, int W>
 __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   using L = Layout<B>;
+  MOEKV_TRACE_CTA(0);
   const SmemPlan plan = smem_plan<B, W>(p.k_cap, p.v_cap);
   const int ocK = outlier_chunk_bytes(p.k_cap), ocV = outlier_chunk_bytes(p.v_cap);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -36,6 +61,7 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   const int qh = tid >> 4, qd = (tid & 15) * 8;
   if (W == QWARPS || warp < QWARPS) load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, true);
   __syncthreads();
+  MOEKV_TRACE_CTA(1);
   // query pair tables in B-fragment order: lane fl (head fl / 4, key block fl % 4), registers 4 jb .. 4 jb + 3
   if (W == QWARPS || warp < QWARPS) {
     const int fl = lane, jb = warp;
@@ -57,6 +83,7 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   const int h0 = STACK == 2 ? (2 * c) & 3 : 2 * c;                 // the heads of this lane's score columns
   const float qms0 = qmax_tab[h0] * p.qk_scale, qms1 = qmax_tab[h0 + 1] * p.qk_scale;   // score scale
   __syncthreads();                 // tables complete; the warps' rings now overwrite the natural-order query
+  MOEKV_TRACE_CTA(2);
 
   // ---- the warp's pages: w, w + WARPS, ... of the split
   uint8_t* wb = smem + warp * plan.warp_bytes;
@@ -71,15 +98,15 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   const int my_n = n > warp ? (n - 1 - warp) / W + 1 : 0;
   warp_pages<B, STACK, W>(p, plan, wb, table, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, my_n, ocK, ocV,
                 qms0, qms1, st);
+  MOEKV_TRACE_WARP(4 + warp);
   cp_wait<0>();
   __syncthreads();
+  MOEKV_TRACE_CTA(12);
 
   // ---- merge: per-warp states to shared memory (the rings are free now)
   float* mo = reinterpret_cast<float*>(smem);                       // [W][NH][D] un-normalised outputs
   float* ml = mo + W * NH * D;                                      // [W][NH] max, [W][NH] sum
-  float* st_o = ml + 2 * W * NH;                                    // staged pages' state: [NH][D] o, [NH] m, [NH] l
-  float* st_m = st_o + NH * D;
-  float* st_l = st_m + NH;
+  float* snew = ml + 2 * W * NH;                                    // [NH] the new token's scores
   int* staged_list = reinterpret_cast<int*>(smem + plan.stlist);
   if (tid == 0) {                          // the warps' staged pages, in page order (insertion sort: a few)
     int k = 0;
@@ -96,8 +123,7 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
     staged_list[0] = min(k, STAGED_MAX);
   }
   __syncthreads();                         // staged lists read before the merge overwrites the warps' areas
-  float* qn32 = reinterpret_cast<float*>(smem + plan.qn32);
-  if (W == QWARPS || warp < QWARPS) load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, false, qn32);
+  if (W == QWARPS || warp < QWARPS) load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, false);
   float l0 = st.l0, l1 = st.l1, z0 = st.z0, z1 = st.z1;
 #pragma unroll
   for (int o = STACK == 2 ? 2 : 4; o < 32; o <<= 1) {      // STACK 2: lanes c and c ^ 2 hold the same heads
@@ -116,18 +142,17 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
       const float unit = __int_as_float((127 + 24 - value_off<B>(vj)) << 23);    // 2^(24 - off)
       mo[(warp * NH + h) * D + ch] = fmaf(st.acc[i2][e], unit, (e & 1) ? z1 : z0);
     }
-  // ---- staged pages (full precision, CUDA cores): one token per thread for scores, one channel per thread for p.v
+  // ---- staged pages (full precision, tensor cores): every warp folds 16-token tiles into its own merge state
   const int num_staged = staged_list[0];
-  if (tid < NH) { st_m[tid] = NEG_INF; st_l[tid] = 0.f; }
-  for (int i = tid; i < NH * D; i += 32 * W) st_o[i] = 0.f;
+  __syncthreads();                         // the query table and every warp's merge state are complete
+  staged_pages_tc<QT, W>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn_tab, qmax_tab, mo, ml);
   __syncthreads();
-  float* sbuf = st_l + NH;                                          // [P][NH] staged probabilities
-  attend_staged_pages<QT, W>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn32, qmax_tab, st_o, st_m,
-                          st_l, sbuf, sbuf + P * NH);
-  __syncthreads();
-  combine_warps<QT, W>(p, mo, ml, st_o, st_m, st_l, qn_tab, qmax_tab, q_row, kvh, G, seq, split, sbuf + P * NH);
-  if (p.num_splits == 1) return;
-  combine_splits<QT>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(smem + plan.flag));
+  MOEKV_TRACE_CTA(13);
+  combine_warps<QT, W>(p, mo, ml, qn_tab, qmax_tab, q_row, kvh, G, seq, split, snew);
+  MOEKV_TRACE_CTA(14);
+  if (p.num_splits == 1) { MOEKV_TRACE_CTA(15); return; }
+  combine_splits<QT, W>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(smem + plan.flag), reinterpret_cast<float*>(smem));
+  MOEKV_TRACE_CTA(15);
 }
 
 }  // namespace moekv_v7

@@ -141,6 +141,16 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         staged = slot >= 0;
         if (staged) {                            // staged page: its low-bit storage is stale; the CTA does it later
           if (lane == 0) { const int s = wstaged[0]; if (s < STAGED_MAX) wstaged[1 + s] = warp + W * jj; wstaged[0] = s + 1; }
+          // its rows of this kv head (16-bit, 256 bytes each) into L2 now, so the tensor-core pass after the loop
+          // (lowbit_decode_staged.cuh) finds them there instead of paying an HBM round trip on the critical path
+          const long long rs = (long long)p.num_kv_heads * D * 2, off = ((long long)slot * P * p.num_kv_heads + kvh) * D * 2;
+          const uint8_t* bk = reinterpret_cast<const uint8_t*>(p.staging_k) + off;
+          const uint8_t* bv = reinterpret_cast<const uint8_t*>(p.staging_v) + off;
+#pragma unroll
+          for (int r = lane; r < P; r += 32) {
+            prefetch_l2(bk + r * rs); prefetch_l2(bk + r * rs + 128);
+            prefetch_l2(bv + r * rs); prefetch_l2(bv + r * rs + 128);
+          }
         } else {
           kcount = p.k_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(mt + L::K_COUNT + ((ph * 2) & 15)), p.k_cap) : 0;
           vcount = p.v_cap > 0 ? min((int)*reinterpret_cast<const int16_t*>(mt + L::V_COUNT + ((ph * 2) & 15)), p.v_cap) : 0;

@@ -1,0 +1,184 @@
+// Staged pages (the tail page, sink pages: full precision in the staging slots) on the tensor cores (v11).
+//
+// Every warp of the CTA takes 16-token tiles w, w + W, ... of each staged page of its split and folds each tile's
+// online-softmax state into its own merge state (mo[w], ml[w]: written by the merge just before), so the warps
+// work side by side and meet no barrier; combine_warps then sees the staged tokens inside the warps' states.
+// v10 ran them on CUDA cores (thread = token, then thread = channel, four CTA barriers per page): about twice a
+// warp's whole page loop on the last split's critical path at B=1 16k (session 21's B=1 profile).
+//
+// Per tile: scores = K (16 tokens x 128 channels, A) . q (B: the fp16 query, head = column) in 8 k-steps; values:
+// o[ch][head] += V^T (A: 16 channels x 16 tokens per m-tile, 8 m-tiles) . p (B). Channel orders are chosen so a
+// lane's operands are whole 16-byte rows: a lane's four key k-slots of k-steps 2b and 2b + 1 are channels
+// 32b + 8c + 0..7 of one load (the query's B fragment the same channels of its fp16 row), and value m-tile i's
+// rows g / g + 8 are channels 16g + 2i / 16g + 2i + 1 (the accumulators' channel order of the page loop), two
+// 16-byte loads of a token row per lane. bf16 staging: bf16 MMAs with the query and the probabilities split in a
+// high and a low bf16 part (two MMAs each; the fp16 query is exact in the two, the probabilities to ~16 bits).
+#pragma once
+#include <type_traits>
+#include "lowbit_decode.cuh"
+
+namespace moekv_v7 {
+
+__device__ __forceinline__ void mma16816_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// an fp16 pair as the high and low parts of a bf16 pair (exact: an fp16 significand fits in two bf16 ones)
+__device__ __forceinline__ void split_half2(uint32_t x, uint32_t& hi, uint32_t& lo) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
+  const __nv_bfloat162 h = __floats2bfloat162_rn(f.x, f.y);
+  const float2 hf = __bfloat1622float2(h);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = pack_bf162(f.x - hf.x, f.y - hf.y);
+}
+
+// C += A . B in the staging dtype: fp16 operands as they are; bf16 A with B given as its high and low parts
+template <typename QT>
+__device__ __forceinline__ void staged_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+  if constexpr (sizeof(QT) == 2 && std::is_same<QT, __half>::value) {
+    mma16816(c, a0, a1, a2, a3, bh0, bh1);
+  } else {
+    mma16816_bf16(c, a0, a1, a2, a3, bh0, bh1);
+    mma16816_bf16(c, a0, a1, a2, a3, bl0, bl1);
+  }
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Fold the staged pages of this CTA's split (staged[0..num_staged): indices into the split's table) into the
+// warps' merge states: mo [W][NH][D] un-normalised outputs, ml [W][NH] max then [W][NH] sum. qn_tab: the query
+// in fp16, natural channel order, zero rows for heads >= G; qmax_tab: its per-head scale. All threads call it.
+template <typename QT, int W>
+__device__ __forceinline__ void staged_pages_tc(const Params& p, const int* table, const int* staged, int num_staged,
+                                                int first, int ctx, int kvh, int G, const __half* qn_tab,
+                                                const float* qmax_tab, float* mo, float* ml) {
+  if (num_staged == 0) return;
+  constexpr bool FP16 = std::is_same<QT, __half>::value;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  // the query's B fragments: column g = head g, k-steps 2b / 2b + 1 = channels 32b + 8c + 0..3 / 4..7
+  uint32_t bh[8][2], bl[8][2];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    const uint4 q = *reinterpret_cast<const uint4*>(qn_tab + g * D + 32 * b + 8 * c);
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      uint32_t& h = bh[2 * b + (r >> 1)][r & 1];
+      uint32_t& l = bl[2 * b + (r >> 1)][r & 1];
+      if constexpr (FP16) { h = w[r]; l = 0u; } else { split_half2(w[r], h, l); }
+    }
+  }
+  const int h0 = 2 * c, h1 = 2 * c + 1;                 // this lane's score / output columns
+  const float qms0 = h0 < G ? qmax_tab[h0] * p.qk_scale : 0.f, qms1 = h1 < G ? qmax_tab[h1] * p.qk_scale : 0.f;
+  const long long row_stride = (long long)p.num_kv_heads * D;
+  for (int k = 0; k < num_staged; ++k) {
+    const int i = staged[k], page_index = first + i;
+    const int slot = p.slot_of_page[table[i]];
+    const QT* base_k = reinterpret_cast<const QT*>(p.staging_k) + (long long)slot * P * row_stride + (long long)kvh * D;
+    const QT* base_v = reinterpret_cast<const QT*>(p.staging_v) + (long long)slot * P * row_stride + (long long)kvh * D;
+    for (int tile = warp; tile < P / 16; tile += W) {
+      const int t0 = 16 * tile, tok0 = page_index * P + t0;
+      // ---- loads: key rows g, g + 8 (channels 32b + 8c ..); value rows 2c, 2c + 1, 2c + 8, 2c + 9 (channels 16g ..)
+      uint4 kr[2][4], vr[4][2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int b = 0; b < 4; ++b)
+          kr[r][b] = *reinterpret_cast<const uint4*>(base_k + (t0 + g + 8 * r) * row_stride + 32 * b + 8 * c);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int t = t0 + 2 * c + (j & 1) + 8 * (j >> 1);
+        const bool ok = tok0 - t0 + t < ctx;             // rows past the context: zero (staging may hold anything)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint4 v = *reinterpret_cast<const uint4*>(base_v + t * row_stride + 16 * g + 8 * hh);
+          vr[j][hh] = ok ? v : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      // ---- scores: rows g / g + 8 = tokens, columns 2c, 2c + 1 = heads
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        staged_mma<QT>(s, kr[0][b].x, kr[1][b].x, kr[0][b].y, kr[1][b].y, bh[2 * b][0], bh[2 * b][1], bl[2 * b][0], bl[2 * b][1]);
+        staged_mma<QT>(s, kr[0][b].z, kr[1][b].z, kr[0][b].w, kr[1][b].w, bh[2 * b + 1][0], bh[2 * b + 1][1],
+                       bl[2 * b + 1][0], bl[2 * b + 1][1]);
+      }
+      const bool v0 = tok0 + g < ctx, v1 = tok0 + g + 8 < ctx;
+      s[0] = v0 ? s[0] * qms0 : NEG_INF; s[1] = v0 ? s[1] * qms1 : NEG_INF;
+      s[2] = v1 ? s[2] * qms0 : NEG_INF; s[3] = v1 ? s[3] * qms1 : NEG_INF;
+      float m0 = fmaxf(s[0], s[2]), m1 = fmaxf(s[1], s[3]);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+        m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+      }
+      const float u0 = m0 == NEG_INF ? 0.f : m0, u1 = m1 == NEG_INF ? 0.f : m1;
+      const float p0 = ex2(s[0] - u0), p1 = ex2(s[1] - u1), p2 = ex2(s[2] - u0), p3 = ex2(s[3] - u1);
+      float l0 = p0 + p2, l1 = p1 + p3;
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, o);
+      }
+      // ---- p as the value MMAs' B fragments (k = tokens, column = head): transposed tiles of the score layout
+      uint32_t ph0, ph1, pl0 = 0u, pl1 = 0u;
+      if constexpr (FP16) {
+        ph0 = movmatrix_trans(pack_half2(p0, p1));
+        ph1 = movmatrix_trans(pack_half2(p2, p3));
+      } else {
+        const __nv_bfloat162 a = __floats2bfloat162_rn(p0, p1), b2 = __floats2bfloat162_rn(p2, p3);
+        const float2 af = __bfloat1622float2(a), bf = __bfloat1622float2(b2);
+        ph0 = movmatrix_trans(*reinterpret_cast<const uint32_t*>(&a));
+        ph1 = movmatrix_trans(*reinterpret_cast<const uint32_t*>(&b2));
+        pl0 = movmatrix_trans(pack_bf162(p0 - af.x, p1 - af.y));
+        pl1 = movmatrix_trans(pack_bf162(p2 - bf.x, p3 - bf.y));
+      }
+      // ---- fold into this warp's merge state: the tile's weights against the new max per head
+      const float M0 = h0 < G ? ml[warp * NH + h0] : 0.f, M1 = h1 < G ? ml[warp * NH + h1] : 0.f;
+      const float L0 = h0 < G ? ml[(W + warp) * NH + h0] : 0.f, L1 = h1 < G ? ml[(W + warp) * NH + h1] : 0.f;
+      const float n0 = fmaxf(M0, m0), n1 = fmaxf(M1, m1);
+      const float nu0 = n0 == NEG_INF ? 0.f : n0, nu1 = n1 == NEG_INF ? 0.f : n1;
+      const float a0 = ex2(M0 - nu0), a1 = ex2(M1 - nu1), b0 = ex2(u0 - nu0), b1 = ex2(u1 - nu1);
+      __syncwarp();                                      // every lane has read ml before lane g == 0 writes it
+#pragma unroll
+      for (int ii = 0; ii < 8; ++ii) {                   // value m-tile ii: channels 16g + 2ii (+1)
+        uint32_t a[4];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {                    // tokens (2c, 2c + 1), then (2c + 8, 2c + 9)
+          const uint32_t x = word_of(vr[2 * q][ii >> 2], ii & 3), y = word_of(vr[2 * q + 1][ii >> 2], ii & 3);
+          a[2 * q] = prmt(x, y, 0x5410);                 // channel 16g + 2ii of both tokens
+          a[2 * q + 1] = prmt(x, y, 0x7632);             // channel 16g + 2ii + 1
+        }
+        float o[4] = {0.f, 0.f, 0.f, 0.f};
+        staged_mma<QT>(o, a[0], a[1], a[2], a[3], ph0, ph1, pl0, pl1);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = (e & 1) ? h1 : h0, ch = 16 * g + 2 * ii + (e >> 1);
+          if (h < G) {
+            float* dst = mo + (warp * NH + h) * D + ch;
+            *dst = fmaf(*dst, (e & 1) ? a1 : a0, o[e] * ((e & 1) ? b1 : b0));
+          }
+        }
+      }
+      if (g == 0) {
+        if (h0 < G) { ml[warp * NH + h0] = n0; ml[(W + warp) * NH + h0] = fmaf(L0, a0, l0 * b0); }
+        if (h1 < G) { ml[warp * NH + h1] = n1; ml[(W + warp) * NH + h1] = fmaf(L1, a1, l1 * b1); }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+}  // namespace moekv_v7
