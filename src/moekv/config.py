@@ -303,7 +303,7 @@ class KernelConfig:
 
     `from_env()` (the EngineConfig default) applies the MOEKV_* overrides (see `envs.py`) to these
     defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_FUSED_DECODE_LAYER,
-    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_SKINNY_GEMM.
+    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_FUSED_MOE_COMBINE, MOEKV_SKINNY_GEMM.
     """
 
     SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
@@ -326,6 +326,9 @@ class KernelConfig:
                                         # decode launch (the last program of a (sequence, kv head) combines,
                                         # ops/triton/attention/split_k.combine_if_last) instead of a second launch;
                                         # off until measured on the GPU (gpu-runbook row 2b); MOEKV_FUSED_ATTENTION_COMBINE=1
+    fused_moe_combine: bool = False     # on top of fused_decode_layer: the MoE decode kernels' combine summed by the
+                                        # next residual add + RMSNorm (one launch fewer per MoE layer); off until a
+                                        # GPU run measures it; MOEKV_FUSED_MOE_COMBINE=1 turns it on
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "reference", "triton"):
@@ -338,6 +341,8 @@ class KernelConfig:
             raise ConfigError(f"fused_decode_layer must be True or False, got {self.fused_decode_layer!r}")
         if not isinstance(self.fused_attention_combine, bool):
             raise ConfigError(f"fused_attention_combine must be True or False, got {self.fused_attention_combine!r}")
+        if not isinstance(self.fused_moe_combine, bool):
+            raise ConfigError(f"fused_moe_combine must be True or False, got {self.fused_moe_combine!r}")
         if (not isinstance(self.skinny_gemm_rows, int) or isinstance(self.skinny_gemm_rows, bool)
                 or not 0 <= self.skinny_gemm_rows <= self.SKINNY_GEMM_MAX_ROWS):
             raise ConfigError(f"skinny_gemm_rows must be in 0..{self.SKINNY_GEMM_MAX_ROWS} (0: off), "

@@ -14,6 +14,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_FUSED_LAYER_OPS | `kernel_overrides` | 0 / 1: the fused per-layer Triton ops on CUDA |
 | MOEKV_FUSED_DECODE_LAYER | `kernel_overrides` | 0 / 1: add + norm + router and q/k norm + rotary + KV write fused |
 | MOEKV_FUSED_ATTENTION_COMBINE | `kernel_overrides` | 0 / 1: full-precision decode attention combines its splits in its own launch |
+| MOEKV_FUSED_MOE_COMBINE | `kernel_overrides` | 0 / 1: the MoE decode combine summed by the next add + norm (off) |
 | MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) |
 | MOEKV_CAPTURE_ERROR_MODE | `capture_error_mode` | torch.cuda.graph's capture_error_mode |
 | MOEKV_DEFAULT_MODEL | `default_model` | the checkpoint `moekv` runs when none is named |
@@ -79,7 +80,7 @@ def _seconds(name: str, strict: bool, default: float | None = None) -> float | N
 # -- kernel switches (KernelConfig.from_env) -------------------------------------------------------
 def kernel_overrides() -> dict[str, Any]:
     """The KernelConfig fields the environment sets: backend, lowbit_decode, fused_layer_ops,
-    fused_decode_layer, fused_attention_combine, skinny_gemm_rows. The low-bit decode name is checked against the kernel table by ops.dispatch."""
+    fused_decode_layer, fused_attention_combine, fused_moe_combine, skinny_gemm_rows. The low-bit decode name is checked against the kernel table by ops.dispatch."""
     out: dict[str, Any] = {}
     backend = _choice("MOEKV_OPS_BACKEND", ("auto", "reference", "triton"))
     if backend is not None:
@@ -96,6 +97,9 @@ def kernel_overrides() -> dict[str, Any]:
     combine = _flag("MOEKV_FUSED_ATTENTION_COMBINE")
     if combine is not None:
         out["fused_attention_combine"] = combine
+    fused_combine = _flag("MOEKV_FUSED_MOE_COMBINE")
+    if fused_combine is not None:
+        out["fused_moe_combine"] = fused_combine
     skinny = _choice("MOEKV_SKINNY_GEMM", ("0", "1", "auto"))
     if skinny is not None:
         out["skinny_gemm_rows"] = {"0": 0, "auto": 1, "1": 16}[skinny]

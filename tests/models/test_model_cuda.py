@@ -1,6 +1,7 @@
 """The same model on a CUDA device: fp32 matches transformers (on the CPU), bf16 stays close -- with the
 torch per-layer ops, with the fused Triton ones (KernelConfig.fused_layer_ops, ops.dispatch.override) and with
-those plus the cross-op fusions of the decode layer (KernelConfig.fused_decode_layer: the CUDA default)."""
+those plus the cross-op fusions of the decode layer (KernelConfig.fused_decode_layer: the CUDA default), and with the
+MoE combine summed by the next norm on top (KernelConfig.fused_moe_combine, opt-in)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ PROMPTS = [[5, 6, 7, 8, 9], [11], [3, 4, 10, 20, 30, 40, 50, 60, 70]]
     ("qwen3_moe", dict(head_dim=96, norm_topk_prob=True)),
     ("olmoe", dict(clip_qkv=0.3, attention_bias=True)),
 ])
-@pytest.mark.parametrize("fused,fused_decode", [(False, False), (True, False), (True, True)],
-                         ids=["torch-layer-ops", "fused-layer-ops", "fused-decode-layer"])
-def test_cuda_matches_transformers(tmp_path, monkeypatch, family, overrides, fused, fused_decode):
+@pytest.mark.parametrize("fused,fused_decode,fused_combine", [(False, False, False), (True, False, False),
+                                                              (True, True, False), (True, True, True)],
+                         ids=["torch-layer-ops", "fused-layer-ops", "fused-decode-layer", "fused-moe-combine"])
+def test_cuda_matches_transformers(tmp_path, monkeypatch, family, overrides, fused, fused_decode, fused_combine):
     torch.backends.cuda.matmul.allow_tf32 = False
-    with dispatch.override(fused_layer_ops=fused, fused_decode_layer=fused_decode):
+    with dispatch.override(fused_layer_ops=fused, fused_decode_layer=fused_decode, fused_moe_combine=fused_combine):
         path, hf_model = make_checkpoint(tmp_path, family, **overrides)
         model = load_model(path, device="cuda")
         assert model.device.type == "cuda" and model.expert_load.device.type == "cuda"

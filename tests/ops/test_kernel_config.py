@@ -10,7 +10,7 @@ from moekv.errors import ConfigError
 from moekv.ops import choices, dispatch
 
 KERNEL_VARS = ("MOEKV_OPS_BACKEND", "MOEKV_LOWBIT_DECODE", "MOEKV_FUSED_LAYER_OPS", "MOEKV_SKINNY_GEMM",
-               "MOEKV_FUSED_DECODE_LAYER", "MOEKV_FUSED_ATTENTION_COMBINE")
+               "MOEKV_FUSED_DECODE_LAYER", "MOEKV_FUSED_ATTENTION_COMBINE", "MOEKV_FUSED_MOE_COMBINE")
 
 
 @pytest.fixture
@@ -37,6 +37,9 @@ def test_defaults_and_env_overrides(clean_env):
     assert KernelConfig().fused_attention_combine is False and KernelConfig.from_env().fused_attention_combine is False
     clean_env.setenv("MOEKV_FUSED_ATTENTION_COMBINE", "on")
     assert KernelConfig.from_env().fused_attention_combine is True
+    assert KernelConfig().fused_moe_combine is False and KernelConfig.from_env().fused_moe_combine is False
+    clean_env.setenv("MOEKV_FUSED_MOE_COMBINE", "1")
+    assert KernelConfig.from_env().fused_moe_combine is True
 
 
 def test_fused_decode_layer_needs_the_layer_ops():
@@ -50,7 +53,8 @@ def test_fused_decode_layer_needs_the_layer_ops():
 
 @pytest.mark.parametrize("name,value", [("MOEKV_OPS_BACKEND", "cuda"), ("MOEKV_FUSED_LAYER_OPS", "maybe"),
                                         ("MOEKV_SKINNY_GEMM", "yes"), ("MOEKV_FUSED_DECODE_LAYER", "2"),
-                                        ("MOEKV_FUSED_ATTENTION_COMBINE", "last")])
+                                        ("MOEKV_FUSED_ATTENTION_COMBINE", "last"),
+                                        ("MOEKV_FUSED_MOE_COMBINE", "sometimes")])
 def test_bad_env_values_name_the_variable(clean_env, name, value):
     clean_env.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
@@ -60,7 +64,8 @@ def test_bad_env_values_name_the_variable(clean_env, name, value):
 @pytest.mark.parametrize("fields,match", [(dict(backend="gpu"), "backend"), (dict(fused_layer_ops=1), "fused"),
                                           (dict(skinny_gemm_rows=-1), "skinny"), (dict(lowbit_decode=""), "lowbit"),
                                           (dict(fused_decode_layer="yes"), "fused_decode_layer"),
-                                          (dict(fused_attention_combine=1), "fused_attention_combine")])
+                                          (dict(fused_attention_combine=1), "fused_attention_combine"),
+                                          (dict(fused_moe_combine=1), "fused_moe_combine")])
 def test_validation(fields, match):
     with pytest.raises(ConfigError, match=match):
         KernelConfig(**fields)

@@ -6,6 +6,8 @@ into `MoEBlock.experts` after the model is built.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -13,6 +15,26 @@ from moekv.core.fp8 import FP8_DTYPE, Fp8Weight, quantize_per_expert
 from moekv.errors import ConfigError
 from moekv.layers.linear import empty_parameter
 from moekv.ops import dispatch
+
+
+@dataclass(frozen=True)
+class UncombinedOutput:
+    """An MoE block's routed output before its weighted sum: partial [S, T*k, H] (fp32 K-split sums of each
+    token-slot's expert output, ops.dispatch.moe_expert_partials) and topk_weights [T, k]. The next residual
+    add + RMSNorm sums it in its own launch (RMSNorm.add_norm -> ops.dispatch.moe_combine_add_rms_norm);
+    `combine()` gives the [T, H] tensor the block would have returned (the same values, bit for bit)."""
+
+    partial: torch.Tensor
+    topk_weights: torch.Tensor
+    dtype: torch.dtype
+
+    def combine(self) -> torch.Tensor:
+        return dispatch.moe_combine(self.partial, self.topk_weights, self.dtype)          # [T, H]
+
+
+def combined(x: torch.Tensor | UncombinedOutput) -> torch.Tensor:
+    """x as a tensor: an UncombinedOutput summed (dispatch.moe_combine), a tensor as it is."""
+    return x.combine() if isinstance(x, UncombinedOutput) else x
 
 
 class Experts(nn.Module):
@@ -28,6 +50,11 @@ class Experts(nn.Module):
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32 -> [T, H] in hidden's dtype."""
         raise NotImplementedError
+
+    def uncombined(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                   ) -> UncombinedOutput | None:
+        """forward's result before its weighted sum, where these experts can give it; None: call forward."""
+        return None
 
 
 class LocalExperts(Experts):
@@ -77,4 +104,13 @@ class LocalExperts(Experts):
 
     def forward(self, hidden, topk_ids, topk_weights):
         return dispatch.moe_experts(hidden, *self.weights(), topk_ids, topk_weights)   # [T, H]
+
+    def uncombined(self, hidden, topk_ids, topk_weights):
+        """On the decode kernels (dispatch.moe_experts_path == "decode": CUDA, T up to the decode limit): their first
+        two launches only, the combine left to the caller; elsewhere None (the reference and the grouped path round
+        each expert's output before the sum: not this contract)."""
+        weights = self.weights()
+        if dispatch.moe_experts_path(hidden, self.num_experts, self.w_down.shape[2], weights) != "decode":
+            return None
+        return UncombinedOutput(dispatch.moe_expert_partials(hidden, *weights, topk_ids), topk_weights, hidden.dtype)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekv.config import ArchConfig, KernelConfig
-from moekv.layers.experts import Experts, LocalExperts
+from moekv.layers.experts import Experts, LocalExperts, UncombinedOutput
 from moekv.layers.linear import Linear, has_forward_hooks
 from moekv.layers.norm import RMSNorm
 from moekv.layers.router import Router
@@ -53,20 +53,22 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = None
 
     def forward(self, hidden: torch.Tensor, expert_load: torch.Tensor | None = None,
-                token_valid: torch.Tensor | None = None) -> torch.Tensor:
+                token_valid: torch.Tensor | None = None, defer_combine: bool = False
+                ) -> torch.Tensor | UncombinedOutput:
         """hidden [T, hidden] -> [T, hidden]; adds routed slots per expert to expert_load [E] (int64).
-        token_valid [T] int64 (0: a padding row of a CUDA-graph bucket, not counted); None: all count."""
+        token_valid [T] int64 (0: a padding row of a CUDA-graph bucket, not counted); None: all count.
+        defer_combine: may return the routed output un-combined (see _routed; the caller keeps hooks away)."""
         if isinstance(self.router, Router):      # counts inside the routing kernel (on device, no sync)
             topk_weights, topk_ids = self.router(hidden, expert_load, token_valid)    # [T, k], [T, k]
         else:                                    # a stand-in router (moe.prefetch.trace): count here
             topk_weights, topk_ids = self.router(hidden)                              # [T, k], [T, k]
             if expert_load is not None:
                 count_expert_load(topk_ids, expert_load, token_valid)
-        return self._routed(hidden, topk_ids, topk_weights)
+        return self._routed(hidden, topk_ids, topk_weights, defer_combine)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                         expert_load: torch.Tensor | None = None, token_valid: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                         expert_load: torch.Tensor | None = None, token_valid: torch.Tensor | None = None,
+                         defer_combine: bool = False) -> tuple[torch.Tensor | UncombinedOutput, torch.Tensor] | None:
         """(self(norm(residual + x)), residual + x) with the add, the norm, the router GEMV and the top-k in one
         launch (ops.dispatch.add_rms_norm_route), or None where that does not apply: the fused decode layer off,
         more than KernelConfig.FUSED_ROUTER_MAX_TOKENS tokens, a stand-in router, forward hooks on the norm, the
@@ -78,9 +80,17 @@ class MoEBlock(nn.Module):
         normed, residual, topk_weights, topk_ids = dispatch.add_rms_norm_route(
             x, residual, norm.weight, norm.eps, router.weight, router.top_k, router.renormalize, expert_load,
             token_valid)                                                              # [T, H] x2, [T, k] x2
-        return self._routed(normed, topk_ids, topk_weights), residual
+        return self._routed(normed, topk_ids, topk_weights, defer_combine), residual
 
-    def _routed(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _routed(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                defer_combine: bool = False) -> torch.Tensor | UncombinedOutput:
+        """The experts' weighted sum (+ the shared expert). defer_combine: an UncombinedOutput instead, for the next
+        residual add + RMSNorm to sum (KernelConfig.fused_moe_combine), where the experts give one (the decode
+        kernels) and nothing here needs the sum: no shared expert, no hooks on the experts."""
+        if defer_combine and self.shared_expert is None and not has_forward_hooks(self.experts):
+            pending = self.experts.uncombined(hidden, topk_ids, topk_weights)
+            if pending is not None:
+                return pending
         out = self.experts(hidden, topk_ids, topk_weights)                            # [T, hidden]
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(hidden))                     # [T, 1]

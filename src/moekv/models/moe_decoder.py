@@ -9,7 +9,8 @@ norm) adds them. The sums are rounded to the model dtype exactly where `hidden =
 In an MoE layer at decode sizes the post-attention add + norm also computes the router logits and the
 top-k in the same launch (MoEBlock.add_norm_forward), and the attention's q/k norm + rotary writes the
 full-precision KV cache (Attention._forward_fused): KernelConfig.fused_decode_layer, docs/moe-kernels.md
-"Kernels per decode layer".
+"Kernels per decode layer". With KernelConfig.fused_moe_combine an MoE layer on the decode kernels returns its
+routed output un-combined (layers.experts.UncombinedOutput) and the next norm sums it in its own launch.
 
 Tokens of all sequences of a step are flattened into T; `positions` gives each token's absolute
 position in its own sequence and `meta` (built by the engine) tells the KV cache where each
@@ -25,7 +26,8 @@ from moekv.config import ArchConfig
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.kvcache.base import KVCache
 from moekv.layers.attention import Attention
-from moekv.layers.linear import Embedding, Linear
+from moekv.layers.experts import UncombinedOutput, combined
+from moekv.layers.linear import Embedding, Linear, has_forward_hooks
 from moekv.layers.moe import DenseMLP, MoEBlock
 from moekv.layers.norm import RMSNorm
 from moekv.layers.rotary import RotaryEmbedding
@@ -53,12 +55,14 @@ class DecoderLayer(nn.Module):
         mlp_out, residual = self.forward_residual(hidden, None, cos, sin, kv_cache, meta, expert_load)
         return residual + mlp_out                                                         # [T, H]
 
-    def forward_residual(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                         sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, expert_load: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_residual(self, hidden: torch.Tensor | UncombinedOutput, residual: torch.Tensor | None,
+                         cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                         expert_load: torch.Tensor, defer_combine: bool = False
+                         ) -> tuple[torch.Tensor | UncombinedOutput, torch.Tensor]:
         """-> (mlp_out [T, H], residual [T, H]); this layer's output hidden state is residual + mlp_out
         (added by the next norm). hidden [T, H]: the previous layer's mlp_out, or with residual None
-        the layer's input itself (the embedding). expert_load [E]: this layer's row of the counter."""
+        the layer's input itself (the embedding). expert_load [E]: this layer's row of the counter.
+        defer_combine: an MoE layer may return mlp_out as an UncombinedOutput (RMSNorm.add_norm sums it)."""
         if residual is None:
             residual = hidden                                                             # [T, H]
             normed = self.input_norm(hidden)                                              # [T, H]
@@ -66,12 +70,14 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_norm.add_norm(hidden, residual)                 # [T, H] x2
         attn_out = self.attn(normed, cos, sin, kv_cache, meta)                            # [T, H]
         if self.is_moe:                     # add + norm + router + top-k in one launch where it applies
-            fused = self.mlp.add_norm_forward(attn_out, residual, self.post_attn_norm, expert_load, meta.token_valid)
+            fused = self.mlp.add_norm_forward(attn_out, residual, self.post_attn_norm, expert_load, meta.token_valid,
+                                              defer_combine)
             if fused is not None:
                 return fused                                                              # [T, H] x2
         normed, residual = self.post_attn_norm.add_norm(attn_out, residual)               # [T, H] x2
         if self.is_moe:
-            return self.mlp(normed, expert_load, meta.token_valid), residual              # [T, H]
+            defer = defer_combine and not has_forward_hooks(self.mlp)                     # hooks see a tensor
+            return self.mlp(normed, expert_load, meta.token_valid, defer_combine=defer), residual   # [T, H]
         return self.mlp(normed), residual                                                 # [T, H]
 
 
@@ -105,15 +111,16 @@ class MoEForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)                                    # [T, H]
         cos, sin = self.rotary(positions, hidden.dtype)                          # [T, D] each
         residual = None
+        defer = dispatch.fused_moe_combine()     # MoE layers may leave their combine to the next norm
         for layer in self.layers:
             load = self.expert_load[layer.layer_idx]                             # [E]
             if layer._forward_hooks or layer._forward_pre_hooks:                 # hooks see whole hidden states
                 if residual is not None:
-                    hidden, residual = residual + hidden, None                   # [T, H]
+                    hidden, residual = residual + combined(hidden), None         # [T, H]
                 hidden = layer(hidden, cos, sin, kv_cache, meta, load)           # [T, H]
             else:
                 hidden, residual = layer.forward_residual(hidden, residual, cos, sin, kv_cache, meta,
-                                                          load)                  # [T, H] x2
+                                                          load, defer)           # [T, H] x2
         if residual is None:                                                     # no layers
             return self.norm(hidden)                                             # [T, H]
         return self.norm.add_norm(hidden, residual)[0]                           # [T, H]

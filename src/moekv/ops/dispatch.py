@@ -25,6 +25,7 @@ from moekv.errors import ConfigError
 from moekv.ops import choices
 from moekv.ops.choices import DEFAULT_LOWBIT_DECODE, LOWBIT_DECODE_KERNELS, moe_expert_passes  # noqa: F401
 from moekv.ops.reference.layers import compose_add_rms_norm_route, compose_qk_norm_rotary_write
+from moekv.ops.reference.moe_combine import compose_moe_combine_add_rms_norm
 
 _REF, _TRI = "moekv.ops.reference.", "moekv.ops.triton."
 _warned: set[str] = set()
@@ -146,6 +147,13 @@ def fused_decode_layer() -> bool:
     return _active.fused_decode_layer and _active.fused_layer_ops
 
 
+def fused_moe_combine() -> bool:
+    """Whether an MoE block on the decode kernels hands its un-combined expert outputs to the next residual add +
+    RMSNorm (moe_combine_add_rms_norm: one launch fewer per MoE layer): KernelConfig.fused_moe_combine, on top of
+    fused_decode_layer (and so of fused_layer_ops). Off by default until a GPU run measures it."""
+    return _active.fused_moe_combine and fused_decode_layer()
+
+
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
@@ -205,6 +213,21 @@ def _norm_route_kernel(x, residual, norm_weight, eps, router_weight, top_k, reno
     if module.supports(x, residual, norm_weight, router_weight, top_k, expert_load):
         return module.add_rms_norm_route
     return functools.partial(compose_add_rms_norm_route, fused_add_rms_norm, skinny_linear, route_topk)
+
+
+def _moe_partials_kernel(hidden, w_gate_up, w_down, topk_ids):
+    decode = choices.resolve(_TRI + "moe.decode")
+    if decode.supports(w_gate_up, w_down) and hidden.shape[0] <= decode.MAX_DECODE_TOKENS:
+        return decode.moe_expert_partials
+    return None
+
+
+def _combine_norm_kernel(partial, topk_weights, residual, norm_weight, eps):
+    """The one-launch kernel where it takes these shapes, else moe_combine and fused_add_rms_norm of this module."""
+    module = choices.resolve(_TRI + "layer.combine_norm")
+    if module.supports(partial, topk_weights, residual, norm_weight):
+        return module.moe_combine_add_rms_norm
+    return functools.partial(compose_moe_combine_add_rms_norm, moe_combine, fused_add_rms_norm)
 
 
 def _rotary_write_kernel(*args):
@@ -271,6 +294,11 @@ OPS: dict[str, Op] = {
                       unsupported=lambda hidden, w_gate_up, w_down, *a, **k: "moekv: no Triton MoE kernel for these "
                       f"expert weights ({type(w_gate_up).__name__} / {type(w_down).__name__}, FP8 scale blocks must "
                       "span the reduced dimension or a multiple of 16 of it); running the reference"),
+    "moe_expert_partials": Op(_REF + "moe_combine:moe_expert_partials", _moe_partials_kernel,
+                              unsupported=lambda hidden, *a: f"moekv: no Triton per-slot MoE outputs for "
+                              f"{hidden.shape[0]} tokens / these expert weights; running the reference"),
+    "moe_combine": Op(_REF + "moe_combine:moe_combine", _TRI + "moe.decode:combine_partials"),
+    "moe_combine_add_rms_norm": Op(_REF + "moe_combine:moe_combine_add_rms_norm", _combine_norm_kernel, gate="layer"),
     "fp8_linear": Op(_REF + "fp8_linear:fp8_linear", _TRI + "layer.fp8_linear:fp8_linear",
                      lambda m, x, weight, bias=None: m.supports(x, weight),
                      unsupported=lambda x, weight, bias=None: f"moekv: no Triton FP8 linear for x {tuple(x.shape)} "
@@ -387,6 +415,26 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
     align + grouped GEMM). out_dtype: the output's dtype (None: hidden's); torch.float32 returns the fp32
     weighted sum unrounded. w_gate_up / w_down: tensors, or both moekv.core.fp8.Fp8Weight (W8A16)."""
     return _call("moe_experts", hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=out_dtype)
+
+
+def moe_expert_partials(hidden, w_gate_up, w_down, topk_ids):
+    """The routed experts' outputs per token-slot, not yet weighted or summed: [S, T*k, H] fp32 (the decode path's
+    K-split partial sums; see ops.reference.moe_combine.moe_expert_partials, one split). Triton:
+    ops.triton.moe.decode's first two launches, for T <= its MAX_DECODE_TOKENS."""
+    return _call("moe_expert_partials", hidden, w_gate_up, w_down, topk_ids)
+
+
+def moe_combine(partial, topk_weights, dtype):
+    """sum_j topk_weights[t, j] * sum_s partial[s, t*k + j] -> [T, H] in dtype, fp32 sums in a fixed order: see
+    ops.reference.moe_combine.moe_combine (Triton: ops.triton.moe.decode's combine kernel, bit for bit the same)."""
+    return _call("moe_combine", partial, topk_weights, dtype)
+
+
+def moe_combine_add_rms_norm(partial, topk_weights, residual, norm_weight, eps):
+    """(rms_norm(residual + x), residual + x) with x = moe_combine(partial, topk_weights, residual.dtype): see
+    ops.reference.moe_combine.moe_combine_add_rms_norm (Triton: ops.triton.layer.combine_norm, one launch; shapes
+    it does not take run moe_combine and fused_add_rms_norm of this module)."""
+    return _call("moe_combine_add_rms_norm", partial, topk_weights, residual, norm_weight, eps)
 
 
 def fp8_linear(x, weight, bias=None):

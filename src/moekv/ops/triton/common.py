@@ -1,4 +1,4 @@
-"""Small pieces shared by the attention kernels."""
+"""Small pieces shared by the Triton kernels (attention, MoE, layer ops)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,18 @@ def weight_dot(x, w, scale_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST: t
         return product * scale[None, :]
     else:
         return mma(x, w, UPCAST)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """fp32 x rounded to `dtype` (round to nearest even), returned in `dtype`. EMULATE_BF16: do the
+    bf16 rounding on the bits (the CPU interpreter's fp32 -> bf16 cast truncates; a GPU's rounds)."""
+    if EMULATE_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit

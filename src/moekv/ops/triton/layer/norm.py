@@ -24,21 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.common import check_launchable
+from moekv.ops.triton.common import check_launchable, round_to
 
 MAX_HIDDEN = 16384          # one row is held in registers: 16K fp32 values over 16 warps = 32 per thread
-
-
-@triton.jit
-def round_to(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """fp32 x rounded to `dtype` (round to nearest even), returned in `dtype`. EMULATE_BF16: do the
-    bf16 rounding on the bits (the CPU interpreter's fp32 -> bf16 cast truncates; a GPU's rounds)."""
-    if EMULATE_BF16 and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(dtype)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit

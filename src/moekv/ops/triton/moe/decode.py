@@ -11,7 +11,10 @@ Same contract as ops.reference.moe.moe_experts_reference. Three launches:
 2. down: one program per (token-slot, H-block, K-split), the same deduplication; partial sums of
    act @ W_down^T per slot and split go to an fp32 buffer [S, T*k, H].
 3. combine: one program per (token, H-block): out[t] = sum_j w[t, j] * sum_s partial[s, t*k + j],
-   in a fixed order -- deterministic, no atomics.
+   in a fixed order -- deterministic, no atomics -- launched without multiply-add contraction (a rounded
+   product, then a rounded add: the order and rounding points of ops.reference.moe_combine, bit for bit).
+   With KernelConfig.fused_moe_combine the model skips this launch at decode: `moe_expert_partials` hands
+   the partial sums on and the next residual add + RMSNorm sums them (ops.triton.layer.combine_norm).
 
 Memory-bound: the weights dominate the bytes (Mixtral-8x7B at one token: 2 experts x 3 x 4096 x
 14336 x 2 B = 704 MB), so the extra tile rows of tl.dot (BLOCK_T = 16 for one token) cost nothing.
@@ -31,7 +34,7 @@ import triton
 import triton.language as tl
 
 from moekv.core.fp8 import Fp8Weight
-from moekv.ops.triton.common import check_launchable, weight_dot
+from moekv.ops.triton.common import check_launchable, round_to, weight_dot
 from moekv.ops.triton.moe.configs import get_config
 
 MAX_DECODE_TOKENS = 64     # BLOCK_T = next power of two >= T; beyond this the grouped path is better
@@ -160,7 +163,7 @@ def _combine_kernel(
     weights_ptr,            # [T, k] routing weights (contiguous)
     out_ptr,                # [T, H]
     hidden, num_splits, stride_ps, stride_pt, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,7 +175,8 @@ def _combine_kernel(
         for split in range(0, num_splits):
             expert_out += tl.load(row + split * stride_ps, mask=n_mask, other=0.0).to(tl.float32)
         acc += tl.load(weights_ptr + token * TOP_K + j).to(tl.float32) * expert_out
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + cols, round_to(acc, out_ptr.dtype.element_ty, EMULATE_BF16),
+             mask=n_mask)
 
 
 def upcast_dots(dtype: torch.dtype, device: torch.device) -> bool:
@@ -183,15 +187,27 @@ def upcast_dots(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def combine(partial: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, block_n: int = 256) -> torch.Tensor:
-    """out [T, H] = sum_j topk_weights[t, j] * sum_s partial[s, t*k + j] (fp32 sums, fixed order)."""
+    """out [T, H] = sum_j topk_weights[t, j] * sum_s partial[s, t*k + j] (fp32 sums, fixed order, no multiply-add
+    contraction; rounded to out's dtype to nearest even, under the interpreter too: ops.reference.moe_combine)."""
     num_tokens, top_k = topk_weights.shape
     hidden = out.shape[1]
+    if num_tokens == 0 or hidden == 0:
+        return out
+    check_launchable(_combine_kernel, out)
     weights = topk_weights.contiguous()
+    if partial.stride(-1) != 1:
+        partial = partial.contiguous()
     block_n = min(block_n, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         partial, weights, out, hidden, partial.shape[0], partial.stride(0), partial.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n)
+        TOP_K=top_k, BLOCK_N=block_n, EMULATE_BF16=not out.is_cuda, enable_fp_fusion=False)
     return out
+
+
+def combine_partials(partial: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Same contract as ops.reference.moe_combine.moe_combine: partial [S, T*k, H] -> [T, H] in dtype."""
+    out = torch.empty((topk_weights.shape[0], partial.shape[2]), dtype=dtype, device=partial.device)
+    return combine(partial, topk_weights, out)
 
 
 def default_split_k(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, block_n: int,
@@ -288,12 +304,13 @@ def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight,
 
 def moe_shapes(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
                topk_ids: torch.Tensor,
-               topk_weights: torch.Tensor) -> tuple[int, int, int, int, int]:
+               topk_weights: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
     """(tokens T, hidden H, experts E, intermediate I, top-k) of a MoE call, with its shapes checked."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
-    assert tuple(w_down.shape) == (num_experts, hidden_size, inter) and topk_ids.shape == topk_weights.shape
+    assert tuple(w_down.shape) == (num_experts, hidden_size, inter)
+    assert topk_ids.shape[0] == num_tokens and (topk_weights is None or topk_ids.shape == topk_weights.shape)
     return num_tokens, hidden_size, num_experts, inter, topk_ids.shape[1]
 
 
@@ -308,11 +325,21 @@ def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight
     Expert ids of a token are expected distinct (torch.topk's are); repeated ones still give the
     reference's result. out_dtype: the output's (None: hidden's; torch.float32: the sum unrounded).
     """
-    num_tokens, hidden_size, num_experts, inter, top_k = moe_shapes(hidden, w_gate_up, w_down, topk_ids,
-                                                                    topk_weights)
+    moe_shapes(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)   # [T, H]
-    if num_tokens == 0:
+    if hidden.shape[0] == 0:
         return out
+    partial = moe_expert_partials(hidden, w_gate_up, w_down, topk_ids, config)         # [S, T*k, H]
+    return combine(partial, topk_weights, out)                                       # [T, H]
+
+
+def moe_expert_partials(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
+                        topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """The first two launches alone: partial [S, T*k, H] fp32, the down projection's K-split sums per slot (twin:
+    ops.reference.moe_combine.moe_expert_partials, one split). config as moe_experts_decode's."""
+    num_tokens, hidden_size, num_experts, inter, top_k = moe_shapes(hidden, w_gate_up, w_down, topk_ids)
+    if num_tokens == 0:
+        return torch.zeros((1, 0, hidden_size), dtype=torch.float32, device=hidden.device)
     act = decode_activation(hidden, w_gate_up, topk_ids, config)                      # [T*k, I]
     cfg = _resolve_config(hidden, w_gate_up, config, w_down)["down"]
     split_k = cfg.pop("SPLIT_K", None) or default_split_k(
@@ -327,4 +354,4 @@ def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight
         act, weight, topk_ids.contiguous(), partial, scale_args[0], num_tokens, hidden_size, inter, k_per_split,
         act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), partial.stride(0), partial.stride(1),
         *scale_args[1:], **_common(num_tokens, top_k, hidden), **cfg, **quant)
-    return combine(partial, topk_weights, out)                                       # [T, H]
+    return partial                                                                   # [S, T*k, H]
