@@ -53,6 +53,12 @@ def _attention_combine_installed(engine) -> bool | str:
     return dispatch.kernel_config().fused_attention_combine
 
 
+def _fused_moe_combine_installed(engine) -> bool:
+    from moekv.ops import dispatch
+
+    return dispatch.fused_moe_combine()         # KernelConfig's fused_moe_combine, on top of the fused decode layer
+
+
 def _overlap_installed(engine) -> str:
     if engine.overlap is not None:
         return "on"
@@ -88,6 +94,10 @@ SWITCHES: tuple[RowSwitch, ...] = (
               "on, off or on,off: moekv rows whose full-precision decode attention merges its split-K partials inside "
               "the decode launch (KernelConfig.fused_attention_combine) / in a second launch",
               installed=_attention_combine_installed),
+    RowSwitch("moe-combine", "kernels", "fused_moe_combine",
+              "on, off or on,off: moekv rows with the MoE decode combine summed by the next add + RMSNorm "
+              "(KernelConfig.fused_moe_combine; needs the fused decode layer, so 'on' under --fusion off runs off) "
+              "on / off", installed=_fused_moe_combine_installed),
     RowSwitch("overlap", "device", "overlap_decode",
               "on, off or on,off: moekv rows with overlapped decode steps (DeviceConfig.overlap_decode, "
               "engine/overlap.py: the host launches step n + 1 before it reads step n) on / off; 'outside' is then "

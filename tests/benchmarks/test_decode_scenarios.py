@@ -43,6 +43,8 @@ def test_switch_flags_parse_and_reject_at_the_boundary():
         ds.parse_switch_flags(parser.parse_args(["--fusion", "sometimes"]), parser)
     args = parser.parse_args(["--attention-combine", "off,on", "--fusion", "on"])     # a hyphenated switch
     assert ds.parse_switch_flags(args, parser) == {"fusion": [True], "attention-combine": [False, True]}
+    args = parser.parse_args(["--moe-combine", "on,off", "--attention-combine", "off"])
+    assert ds.parse_switch_flags(args, parser) == {"attention-combine": [False], "moe-combine": [True, False]}
 
 
 def test_switch_settings_are_every_combination_first_switch_outermost():
@@ -61,6 +63,20 @@ def test_apply_switches_sets_the_field_and_keeps_the_rest():
     assert ds.apply_switches(base, {}) == base and ds.apply_switches(base, None) == base
     two = ds.apply_switches(base, {"attention-combine": False, "fusion": False})
     assert two.kernels.fused_attention_combine is False and two.kernels.fused_decode_layer is False
+    combined = ds.apply_switches(base, {"moe-combine": True})
+    assert combined.kernels.fused_moe_combine is True and base.kernels.fused_moe_combine is False
+
+
+def test_moe_combine_switch_reports_what_dispatch_runs():
+    from moekv.ops import dispatch
+
+    switch = next(s for s in ds.SWITCHES if s.name == "moe-combine")
+    with dispatch.override(fused_moe_combine=True, fused_decode_layer=True, fused_layer_ops=True):
+        assert switch.value_of(None) == "on"
+        with dispatch.override(fused_decode_layer=False):       # needs the fused decode layer
+            assert switch.value_of(None) == "off"
+    with dispatch.override(fused_moe_combine=False):
+        assert switch.value_of(None) == "off"
 
 
 def test_report_columns_follow_the_registered_switches():
