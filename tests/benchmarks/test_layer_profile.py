@@ -1,6 +1,6 @@
 """benchmarks/layer_profile.py: attributing a trace's kernels to decoder layers (a hand-made trace with known
 numbers), the kernel classes, the per-layer ranges on a real (CPU) profile, and bench_decode's --fusion /
---layer-profile options on the tiny model."""
+--moe-combine / --layer-profile options on the tiny model."""
 
 from __future__ import annotations
 
@@ -93,6 +93,22 @@ def test_bench_decode_fusion_on_off_side_by_side(tmp_path):
     assert not result["errors"]
     with pytest.raises(SystemExit):
         bench_decode.main(["--tiny", "--fusion", "maybe"])
+
+
+def test_bench_decode_moe_combine_on_off_side_by_side(tmp_path):
+    """--moe-combine on,off: every moekv row once per value, tagged in the row and the markdown's column; the
+    attention combine keeps its configured default (off)."""
+    assert bench_decode.main(["--tiny", "--no-hf", "--scenarios", "1x32:bf16", "--moe-tokens", "", "--steps", "1",
+                              "--warmup", "0", "--moe-combine", "on,off", "--out", str(tmp_path),
+                              "--tag", "moecombine"]) == 0
+    result = json.loads(next(tmp_path.glob("decode-bench-*-moecombine.json")).read_text())
+    rows = [(r["system"], r["moe-combine"], r["attention-combine"]) for r in result["decode"]]
+    assert rows == [("moekv", "on", "off"), ("moekv", "off", "off")]
+    assert not result["errors"]
+    markdown = next(tmp_path.glob("decode-bench-*-moecombine.md")).read_text()
+    assert "| moe-combine |" in markdown
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--tiny", "--moe-combine", "sometimes"])
 
 
 def test_fusion_parity_of_layer_zero_under_the_triton_kernels():
