@@ -88,18 +88,12 @@ def kernel_overrides() -> dict[str, Any]:
     lowbit_decode = get("MOEKV_LOWBIT_DECODE")
     if lowbit_decode is not None:
         out["lowbit_decode"] = lowbit_decode
-    fused = _flag("MOEKV_FUSED_LAYER_OPS")
-    if fused is not None:
-        out["fused_layer_ops"] = fused
-    fused_decode = _flag("MOEKV_FUSED_DECODE_LAYER")
-    if fused_decode is not None:
-        out["fused_decode_layer"] = fused_decode
-    combine = _flag("MOEKV_FUSED_ATTENTION_COMBINE")
-    if combine is not None:
-        out["fused_attention_combine"] = combine
-    fused_combine = _flag("MOEKV_FUSED_MOE_COMBINE")
-    if fused_combine is not None:
-        out["fused_moe_combine"] = fused_combine
+    for name, field in (("MOEKV_FUSED_LAYER_OPS", "fused_layer_ops"), ("MOEKV_FUSED_DECODE_LAYER", "fused_decode_layer"),
+                        ("MOEKV_FUSED_ATTENTION_COMBINE", "fused_attention_combine"),
+                        ("MOEKV_FUSED_MOE_COMBINE", "fused_moe_combine")):
+        flag = _flag(name)
+        if flag is not None:
+            out[field] = flag
     skinny = _choice("MOEKV_SKINNY_GEMM", ("0", "1", "auto"))
     if skinny is not None:
         out["skinny_gemm_rows"] = {"0": 0, "auto": 1, "1": 16}[skinny]

@@ -19,19 +19,6 @@
 
 namespace moekv_v7 {
 
-__device__ __forceinline__ void mma16816_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf162(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
 // an fp16 pair as the high and low parts of a bf16 pair (exact: an fp16 significand fits in two bf16 ones)
 __device__ __forceinline__ void split_half2(uint32_t x, uint32_t& hi, uint32_t& lo) {
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
@@ -45,7 +32,7 @@ __device__ __forceinline__ void split_half2(uint32_t x, uint32_t& hi, uint32_t& 
 template <typename QT>
 __device__ __forceinline__ void staged_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                            uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
-  if constexpr (sizeof(QT) == 2 && std::is_same<QT, __half>::value) {
+  if constexpr (std::is_same<QT, __half>::value) {
     mma16816(c, a0, a1, a2, a3, bh0, bh1);
   } else {
     mma16816_bf16(c, a0, a1, a2, a3, bh0, bh1);
