@@ -149,6 +149,18 @@ def test_many_splits(warps):
 
 
 @needs_cuda
+@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize("splits", [4, 16])
+def test_tail_page_on_the_last_split(fixed, splits):
+    # splits share the full pages, the last also takes the tail page: 2049 tokens = 16 full pages + a 1-token tail
+    # (4 splits: the last holds 5 pages; 16: the last 2), 2048 = no tail, 2177 = 17 full (uneven shares) + a tail
+    case = _case([2049, 2048, 2177, 127], seed=30 + splits)
+    if fixed:
+        case.meta.fixed_num_splits = splits
+    _check(case, torch.bfloat16, **({} if fixed else {"num_splits": splits}))
+
+
+@needs_cuda
 def test_split_count_cap():
     case = _case([70000], seed=22)                  # 547 pages: one page per split would be 547 splits
     with pytest.raises(ValueError, match="splits exceed 512"):
@@ -216,7 +228,7 @@ def test_runs_on():
 def test_plan_splits(batch, heads, pages, sms, expect):
     splits = lowbit_decode.plan_splits(batch, heads, pages, sms)
     assert splits == expect
-    assert -(-pages // splits) <= lowbit_decode.TABLE_MAX
+    assert -(-pages // splits) + 1 <= lowbit_decode.TABLE_MAX        # a share + the tail page
 
 
 @pytest.mark.parametrize("batch,heads,splits,warps", [(1, 8, 16, 8), (1, 8, 17, 4), (32, 8, 2, 4), (2, 8, 8, 8),
