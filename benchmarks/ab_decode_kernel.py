@@ -24,6 +24,16 @@ SHAPES = [(1, 2048, (3, 4)), (1, 16384, (3, 4)), (1, 131072, (3, 4)), (8, 32768,
           (128, 16384, (3,))]
 
 
+def parse_shapes(text: str) -> list[tuple[int, int, tuple[int, ...]]]:
+    """'1x16392:3;32x16448:3,4' -> [(1, 16392, (3,)), (32, 16448, (3, 4))] (bits default 3)."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        size, _, bits = part.partition(":")
+        batch, length = (int(v) for v in size.lower().split("x"))
+        shapes.append((batch, length, tuple(int(b) for b in bits.split(",")) if bits else (3,)))
+    return shapes
+
+
 def load_baseline(folder: pathlib.Path):
     spec = importlib.util.spec_from_file_location("lowbit_decode_baseline", folder / "lowbit_decode.py")
     module = importlib.util.module_from_spec(spec)
@@ -40,6 +50,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="ab")
     ap.add_argument("--title", default="v7 decode kernel A/B")
     ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--shapes", default=None,
+                    help="B x L [: bits,bits] separated by ';' (default: the target table's shapes), e.g. "
+                         "'1x16392:3;32x16448:3,4'")
+    ap.add_argument("--fixed-splits", action="store_true",
+                    help="launch as a CUDA-graph bucket does: the split count planned from the table width "
+                         "(meta.fixed_num_splits), the pages per split sized on the device")
     args = ap.parse_args(argv)
     import benchmarks.bench_attention as ba        # after argument parsing (it reads no argv at import)
     from moekv.ops.cuda import lowbit_decode as mod_b
@@ -57,13 +73,16 @@ def main(argv=None) -> int:
         list(ex.map(lambda m: m.module(device), mods.values()))
     timer = ba.Timer(cold=True)
     rows = []
-    for batch, length, widths in SHAPES:
+    for batch, length, widths in (parse_shapes(args.shapes) if args.shapes else SHAPES):
         for bits in widths:
             gen = torch.Generator()
             gen.manual_seed(0)
             lb_args, _ = ba.build_lowbit(batch, length, bits, gen)
+            if args.fixed_splits:
+                lb_args[-1].fixed_num_splits = mod_b.graph_splits(batch, 8, length, device, bits)
             ref = mods["A"].paged_attention_lowbit_decode(*lb_args, scale=0.088)
-            row = {"batch": batch, "length": length, "bits": bits}
+            row = {"batch": batch, "length": length, "bits": bits,
+                   "fixed_splits": getattr(lb_args[-1], "fixed_num_splits", None)}
             for name, module in mods.items():
                 out = module.paged_attention_lowbit_decode(*lb_args, scale=0.088)
                 row[f"{name}_ms"] = round(timer(lambda m=module: m.paged_attention_lowbit_decode(*lb_args, scale=0.088)), 4)
