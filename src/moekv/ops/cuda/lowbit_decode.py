@@ -84,7 +84,7 @@ def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, bit
     waves, session 17's sweep in docs/attention-kernels.md); int4 (3 CTAs per SM): enough for two full waves; at
     most SMALL_PAIRS (sequence, kv head) pairs, any width: about SMALL_PAIRS_CTAS_PER_SM CTAs per SM (session 21)."""
     pairs = max(batch * num_kv_heads, 1)
-    need = math.ceil(max(max_pages, 1) / (TABLE_MAX - 1))         # a split's share + the tail page (kernel.cuh)
+    need = math.ceil(max(max_pages, 1) / TABLE_MAX)
     if pairs <= SMALL_PAIRS:
         want = max(1, num_sms * SMALL_PAIRS_CTAS_PER_SM // pairs)
     elif bits == 4:
@@ -153,18 +153,16 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
     table_width = meta.block_tables.shape[1]
     if fixed is not None:
         splits, pages_per_split = max(int(fixed), 1), 0
-        if math.ceil(table_width / splits) + 1 > TABLE_MAX:       # the last split: its share + the tail page
+        if math.ceil(table_width / splits) > TABLE_MAX:
             raise ValueError(f"paged_attention_lowbit_decode: {splits} splits of a {table_width}-page table exceed "
                              f"{TABLE_MAX} pages per split")
     else:
-        longest = max(meta.context_lens_host, default=0)
-        max_pages, max_full = math.ceil(longest / PAGE_SIZE), longest // PAGE_SIZE
+        max_pages = math.ceil(max(meta.context_lens_host, default=0) / PAGE_SIZE)
         index = query.device.index if query.device.index is not None else torch.cuda.current_device()
         splits = num_splits or plan_splits(batch, num_kv_heads, max_pages, _num_sms(index), key_spec.bits)
-        # splits share the full pages; the last one also takes the tail page (lowbit_decode_kernel.cuh)
-        pages_per_split = max(math.ceil(max_full / splits), 1)
-        splits = max(math.ceil(max_full / pages_per_split), 1)
-        if pages_per_split + 1 > TABLE_MAX:
+        pages_per_split = max(math.ceil(max_pages / splits), 1)
+        splits = max(math.ceil(max_pages / pages_per_split), 1)
+        if pages_per_split > TABLE_MAX:
             raise ValueError(f"paged_attention_lowbit_decode: {pages_per_split} pages per split exceed {TABLE_MAX}")
     if splits > MAX_SPLITS:
         raise ValueError(f"paged_attention_lowbit_decode: {splits} splits exceed {MAX_SPLITS}")

@@ -47,14 +47,9 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   const long long q_row = p.query_start_loc[seq];
   const int ctx = p.context_lens[seq];
   const int num_pages = (ctx + P - 1) / P;
-  // splits share the full pages (ctx / P); the last split also takes the partly filled tail page (a staged page:
-  // a few 16-token tiles after the loop). Counting the tail in the share gave 129 pages over 16 splits 9 each:
-  // one warp of an 8-warp CTA took two pages, twice the critical path (session 22, the graph step's profile).
-  const int full = ctx / P;
-  const int pps = p.pages_per_split > 0 ? p.pages_per_split : max((full + p.num_splits - 1) / p.num_splits, 1);
+  const int pps = p.pages_per_split > 0 ? p.pages_per_split : (num_pages + p.num_splits - 1) / p.num_splits;
   const int first = split * pps;
-  const int end = split == p.num_splits - 1 ? num_pages : min(first + pps, num_pages);
-  const int n = max(end - first, 0);                              // <= pps + 1 <= TABLE_MAX (checked on the host)
+  const int n = max(min(first + pps, num_pages) - first, 0);
 
   int* table = reinterpret_cast<int*>(smem + plan.table);
   __half* qn_tab = reinterpret_cast<__half*>(smem + plan.qn);      // natural order; in the merge region
