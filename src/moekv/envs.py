@@ -14,7 +14,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_FUSED_LAYER_OPS | `kernel_overrides` | 0 / 1: the fused per-layer Triton ops on CUDA |
 | MOEKV_FUSED_DECODE_LAYER | `kernel_overrides` | 0 / 1: add + norm + router and q/k norm + rotary + KV write fused |
 | MOEKV_FUSED_ATTENTION_COMBINE | `kernel_overrides` | 0 / 1: full-precision decode attention combines its splits in its own launch |
-| MOEKV_FUSED_MOE_COMBINE | `kernel_overrides` | 0 / 1: the MoE decode combine summed by the next add + norm (off) |
+| MOEKV_FUSED_MOE_COMBINE | `kernel_overrides` | 0 / 1: the MoE decode combine summed by the next add + norm (on) |
 | MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) |
 | MOEKV_CAPTURE_ERROR_MODE | `capture_error_mode` | torch.cuda.graph's capture_error_mode |
 | MOEKV_DEFAULT_MODEL | `default_model` | the checkpoint `moekv` runs when none is named |

@@ -63,8 +63,8 @@ def test_apply_switches_sets_the_field_and_keeps_the_rest():
     assert ds.apply_switches(base, {}) == base and ds.apply_switches(base, None) == base
     two = ds.apply_switches(base, {"attention-combine": False, "fusion": False})
     assert two.kernels.fused_attention_combine is False and two.kernels.fused_decode_layer is False
-    combined = ds.apply_switches(base, {"moe-combine": True})
-    assert combined.kernels.fused_moe_combine is True and base.kernels.fused_moe_combine is False
+    combined = ds.apply_switches(base, {"moe-combine": False})
+    assert combined.kernels.fused_moe_combine is False and base.kernels.fused_moe_combine is True
 
 
 def test_moe_combine_switch_reports_what_dispatch_runs():

@@ -37,9 +37,9 @@ def test_defaults_and_env_overrides(clean_env):
     assert KernelConfig().fused_attention_combine is False and KernelConfig.from_env().fused_attention_combine is False
     clean_env.setenv("MOEKV_FUSED_ATTENTION_COMBINE", "on")
     assert KernelConfig.from_env().fused_attention_combine is True
-    assert KernelConfig().fused_moe_combine is False and KernelConfig.from_env().fused_moe_combine is False
-    clean_env.setenv("MOEKV_FUSED_MOE_COMBINE", "1")
-    assert KernelConfig.from_env().fused_moe_combine is True
+    assert KernelConfig().fused_moe_combine is True and KernelConfig.from_env().fused_moe_combine is True
+    clean_env.setenv("MOEKV_FUSED_MOE_COMBINE", "0")
+    assert KernelConfig.from_env().fused_moe_combine is False
 
 
 def test_fused_decode_layer_needs_the_layer_ops():
