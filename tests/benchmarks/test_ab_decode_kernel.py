@@ -22,3 +22,14 @@ def test_baseline_loads_from_its_folder(tmp_path):
 def test_needs_a_baseline_folder():
     with pytest.raises(SystemExit):
         ab_decode_kernel.main(["--out", "x"])
+
+
+def test_parse_shapes():
+    assert ab_decode_kernel.parse_shapes("1x16392:3,4; 32X16448 ;") == [(1, 16392, (3, 4)), (32, 16448, (3,))]
+    assert ab_decode_kernel.parse_shapes("8x32776:2") == [(8, 32776, (2,))]
+
+
+@pytest.mark.parametrize("bad", ["16384", "1x:3", "axb"])
+def test_bad_shapes_are_refused(bad):
+    with pytest.raises(ValueError):
+        ab_decode_kernel.parse_shapes(bad)
