@@ -79,7 +79,7 @@ def main(argv=None) -> int:
             gen.manual_seed(0)
             lb_args, _ = ba.build_lowbit(batch, length, bits, gen)
             if args.fixed_splits:
-                lb_args[-1].fixed_num_splits = mod_b.graph_splits(batch, 8, length, device, bits)
+                lb_args[-1].fixed_num_splits = mod_b.graph_splits(batch, ba.HKV, length, device, bits)
             ref = mods["A"].paged_attention_lowbit_decode(*lb_args, scale=0.088)
             row = {"batch": batch, "length": length, "bits": bits,
                    "fixed_splits": getattr(lb_args[-1], "fixed_num_splits", None)}

@@ -26,10 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-
-def short_name(name: str) -> str:
-    from benchmarks.layer_profile import short_name as short
-    return short(name)
+from benchmarks.layer_profile import kernel_class, short_name  # noqa: E402
 
 
 def parse_ncu_csv(text: str) -> list[dict]:
@@ -49,8 +46,6 @@ def parse_ncu_csv(text: str) -> list[dict]:
 
 
 def summarise(kernels: list[dict], steps: int, layers: int) -> dict:
-    from benchmarks.layer_profile import kernel_class
-
     table: dict[str, dict] = {}
     for k in kernels:
         name = short_name(k["name"])
