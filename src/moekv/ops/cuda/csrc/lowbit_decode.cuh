@@ -159,6 +159,11 @@ constexpr int MERGE_BYTES = merge_bytes_of<WARPS>();
 static_assert(merge_bytes_of<WARPS>() >= (MAX_SPLITS * NH + NH + (32 * WARPS / D - 1) * NH * D) * 4, "combine scratch");
 static_assert(merge_bytes_of<2 * WARPS>() >= (MAX_SPLITS * NH + NH + (64 * WARPS / D - 1) * NH * D) * 4, "combine scratch");
 
+// 8-warp CTAs (small batches: one CTA per SM, shared memory to spare) keep the fp16 query table out of the rings,
+// so the kernel skips its reload after the page loop (session 23, attention-ab-s23-variants.md: B=1 16k int3
+// -1..-4%, int4 -4..-6%); 4-warp CTAs share it with the merge region (occupancy)
+template <int W> __host__ __device__ constexpr bool keeps_query() { return W != WARPS; }
+
 template <int B, int W = WARPS>
 __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   SmemPlan s;
@@ -178,15 +183,13 @@ __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   s.table = region;
   s.qf = s.table + TABLE_MAX * 4;                  // [4][32 lanes][4] half2: query pairs * 2^-off (B fragments)
   s.qp = s.qf + 4 * 32 * 16;                       // the same pairs without the unit (bias MMA, key outliers)
-  s.qn = merge_bytes_of<W>();                      // natural-order query, rebuilt after the loop (merge region);
-                                                   // 8-warp CTAs keep it past the end instead (below)
   s.qmax = s.qp + 4 * 32 * 16;                     // [NH] fp32 |q| max per head
   s.flag = s.qmax + NH * 4;                        // the split combine's "last CTA" flag
   s.stlist = s.flag + 16;                          // [1 + W * STAGED_MAX] the split's staged pages, in page order
   s.total = s.stlist + (1 + W * STAGED_MAX) * 4;
-  // 8-warp CTAs (small batches: one CTA per SM, shared memory to spare) keep the query table out of the rings and
-  // skip its reload after the loop (session 23, attention-ab-s23-variants.md: B=1 16k int3 -1..-4%, int4 -4..-6%)
-  if (W != WARPS) { s.qn = (s.total + 15) / 16 * 16; s.total = s.qn + NH * D * 2; }
+  // natural-order query: in the merge region, rebuilt after the loop; or (keeps_query) past the end, kept
+  if (keeps_query<W>()) { s.qn = (s.total + 15) / 16 * 16; s.total = s.qn + NH * D * 2; }
+  else s.qn = merge_bytes_of<W>();
   return s;
 }
 

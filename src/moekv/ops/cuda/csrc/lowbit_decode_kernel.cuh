@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   const int n = max(min(first + pps, num_pages) - first, 0);
 
   int* table = reinterpret_cast<int*>(smem + plan.table);
-  __half* qn_tab = reinterpret_cast<__half*>(smem + plan.qn);      // natural order; merge region (4 warps)
+  __half* qn_tab = reinterpret_cast<__half*>(smem + plan.qn);      // natural order (smem_plan: where it lives)
   float* qmax_tab = reinterpret_cast<float*>(smem + plan.qmax);
   const int* bt = p.block_tables + (long long)seq * p.stride_bt;
   for (int i = tid; i < n; i += 32 * W) table[i] = bt[first + i];
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
     staged_list[0] = min(k, STAGED_MAX);
   }
   __syncthreads();                         // staged lists read before the merge overwrites the warps' areas
-  if (W == WARPS) load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, false);   // 8 warps: kept (smem_plan)
+  if (!keeps_query<W>()) load_query<QT>(p, q_row, kvh, G, qh, qd, qn_tab, qmax_tab, false);
   float l0 = st.l0, l1 = st.l1, z0 = st.z0, z1 = st.z1;
 #pragma unroll
   for (int o = STACK == 2 ? 2 : 4; o < 32; o <<= 1) {      // STACK 2: lanes c and c ^ 2 hold the same heads
