@@ -30,7 +30,9 @@ copies it into the outputs it reads back anyway and hands the values to `end_ste
 cache adds no host read of its own to an ordinary decode step (slots taken or returned when a page
 starts or fills add a small map update on those steps only). Every layer runs one launch that checks the new tokens,
 sets the flags and writes the (zeroed where non-finite) rows to staging and to persistent copies the
-attention reads (`dispatch.stage_decode_tokens`), the attention, and one masked, fixed-shape launch
+attention reads (`dispatch.stage_decode_tokens`; with the fused decode layer the layer's rotary launch does
+this itself through `fused_write_target`'s checked target, then `attention_prewritten`: one launch fewer),
+the attention, and one masked, fixed-shape launch
 that quantizes the key and value pages that filled and adds the statistics to the device counters
 (`dispatch.quantize_staged_kv_counted`).
 Without begin_step (tests, prefill until the runner calls the hooks) the plan is built lazily at
