@@ -66,14 +66,24 @@ needs_bundled_model = pytest.mark.skipif(
 
 def poison_graph_key(cache) -> dict:
     """Wrap the cache's attention so that, once armed (`poison["armed"] = True`), the next graph step's layer-1
-    call sees a NaN in the first sequence's new key (disarms itself); returns the switch."""
+    call sees a NaN in the first sequence's new key (disarms itself); returns the switch. A format that offers a
+    fused write target (the low-bit decode step's checked write in the rotary kernel) offers none for that
+    layer while armed, so the layer hands its key to `attention` (the unfused path, the same check)."""
     original, poison = cache.attention, {"armed": False}
+    original_target = cache.fused_write_target
+
+    def poisoned(layer, meta):
+        return poison["armed"] and layer == 1 and meta.fixed_num_splits is not None
+
+    def fused_write_target(layer, meta):
+        return None if poisoned(layer, meta) else original_target(layer, meta)
 
     def attention(layer, query, key, value, meta, scale):
-        if poison["armed"] and layer == 1 and meta.fixed_num_splits is not None:
+        if poisoned(layer, meta):
             key = key.clone()
             key[0, 0, 0] = float("nan")                  # the first sequence's new key, in a graph step
             poison["armed"] = False
         return original(layer, query, key, value, meta, scale)
+    cache.fused_write_target = fused_write_target
     cache.attention = attention
     return poison

@@ -49,6 +49,23 @@ class Pair:
         self.same_counters = True               # until the hooked cache runs a step the lazy one does not
         self.buckets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # size -> a bucket's step bytes
         self.generator = torch.Generator().manual_seed(seed)
+        self.fused = False                      # the hooked cache's decode steps through fused_write_target
+        self.fused_layers = 0                   # layers that took it
+
+    def hooked_layer(self, layer, query, key, value, meta):
+        """One layer of the hooked cache: `attention`, or (fused, a target offered) what the attention layer
+        does with a fused write target -- the rotary kernel's checked write (an identity rotation, exact), then
+        `attention_prewritten`."""
+        target = self.hooked.fused_write_target(layer, meta) if self.fused else None
+        if target is None:
+            return self.hooked.attention(layer, query, key, value, meta, SCALE)
+        self.fused_layers += 1
+        count = query.shape[0]
+        cos, sin = torch.ones(count, DIM), torch.zeros(count, DIM)
+        query, _ = dispatch.qk_norm_rotary_write(
+            query, key, value, cos, sin, target.key_rows, target.value_rows, target.slots, flags=target.flags,
+            key_copy=target.key_copy, value_copy=target.value_copy)
+        return self.hooked.attention_prewritten(layer, query, meta, SCALE)
 
     def manager(self, cache) -> KVCacheManager:
         return self.managers[id(cache)]
@@ -110,7 +127,7 @@ class Pair:
             device.copy_(host)                   # the runner's one upload
         if decode_plan is not None:
             assert isinstance(self.hooked._plan, DecodePlan) == decode_plan
-        hooked_out = [self.hooked.attention(layer, q, k, v, meta, SCALE) for layer, (q, k, v) in enumerate(data)]
+        hooked_out = [self.hooked_layer(layer, q, k, v, meta) for layer, (q, k, v) in enumerate(data)]
         self.hooked.end_step(meta)
         lazy_meta = self.meta(self.lazy, new_tokens)
         lazy_out = [self.lazy.attention(layer, q[:real], k[:real], v[:real], lazy_meta, SCALE)

@@ -28,6 +28,34 @@ class KVCacheSpec:
     dtype: torch.dtype          # full-precision dtype (model dtype, or the dtype asked for)
 
 
+@dataclass(frozen=True)
+class FusedWriteTarget:
+    """The rows a KV format lets the rotary kernel write (KVCache.fused_write_target).
+
+    key_rows / value_rows [S, Hkv, D] in the cache dtype; slots [T] int64: token t's row. Plain mode (flags
+    None, the full-precision format): the rotated key and the (clipped) value of token t go to row slots[t].
+    Checked mode (flags [T] bool given, with key_copy / value_copy [T, Hkv, D] of the rows' dtype: the low-bit
+    format's decode staging): both are rounded to the rows' dtype, a token with any NaN / Inf in its key or
+    value rows (all heads) sets flags[t] (never cleared) and is written as zeros (both rows), and the rows
+    as written also go to key_copy[t] / value_copy[t] -- ops.reference.lowbit.stage_decode_tokens' contract.
+    Padding tokens may share a row: one of them wins."""
+
+    key_rows: torch.Tensor
+    value_rows: torch.Tensor
+    slots: torch.Tensor
+    flags: torch.Tensor | None = None
+    key_copy: torch.Tensor | None = None
+    value_copy: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if (self.flags is None) != (self.key_copy is None) or (self.flags is None) != (self.value_copy is None):
+            raise ValueError("a checked fused write target needs flags, key_copy and value_copy together")
+
+    @property
+    def checked(self) -> bool:
+        return self.flags is not None
+
+
 class KVCache(ABC):
     """Paged storage of keys and values for all layers, in one format.
 
@@ -77,12 +105,11 @@ class KVCache(ABC):
         Each new token attends to its sequence's cached context and to the new tokens up to itself.
         """
 
-    def fused_write_target(self, layer: int, meta: AttentionMetadata
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def fused_write_target(self, layer: int, meta: AttentionMetadata) -> FusedWriteTarget | None:
         """Where the model may write the new tokens' keys and values itself, from the kernel that rotates them
-        (ops.dispatch.qk_norm_rotary_write): (key rows [S, Hkv, D], value rows [S, Hkv, D], the row of each new
-        token [T] int64), rows in the cache dtype holding exactly what `attention` would have stored. The model
-        then calls `attention_prewritten` instead of `attention`. None (the default): the format stores them."""
+        (ops.dispatch.qk_norm_rotary_write): a FusedWriteTarget whose rows, once written, hold exactly what
+        `attention` would have stored (see FusedWriteTarget for the plain and the checked mode). The model then
+        calls `attention_prewritten` instead of `attention`. None (the default): the format stores them."""
         return None
 
     def attention_prewritten(self, layer: int, query: torch.Tensor, meta: AttentionMetadata,

@@ -4,8 +4,10 @@ The layer projects, normalises, clips and rotates, then hands q [T, Hq, D] and t
 k/v [T, Hkv, D] to `kv_cache.attention(layer, ...)`. It never reads or writes pages itself, so a
 low-bit page format or a Triton kernel slots in without touching this file. With the fused decode
 layer on (KernelConfig.fused_decode_layer) the norm / clip / rotary steps are one launch, and a format
-that offers `fused_write_target` rows (full precision) gets its keys and values written by that same
-launch, then `attention_prewritten`; the rows are the format's to name, not the layer's.
+that offers a `fused_write_target` (full precision: its page rows, every step; low-bit: its staging rows
+with the non-finite check, decode steps prepared by begin_step) gets its keys and values written by that
+same launch, then `attention_prewritten`; the rows are the format's to name, not the layer's. Forward hooks
+on q_norm / k_norm (their outputs must exist) keep the unfused path and `attention`.
 """
 
 from __future__ import annotations
@@ -85,11 +87,13 @@ class Attention(nn.Module):
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)          # [T, Hq, D] (views)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)           # [T, Hkv, D]
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)       # [T, Hkv, D]
-        norms = (None, None, 1e-6) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
-                                                               self.q_norm.eps)
-        key_rows, value_rows, slots = target if target is not None else (None, None, None)
-        query, key = dispatch.qk_norm_rotary_write(query, key, value, cos, sin, key_rows, value_rows, slots,
-                                                   *norms, self.clip_qkv)       # [T, Hq, D], [T, Hkv, D]
+        norms = {} if self.q_norm is None else dict(q_norm_weight=self.q_norm.weight,
+                                                    k_norm_weight=self.k_norm.weight, eps=self.q_norm.eps)
+        write = {} if target is None else dict(
+            key_cache=target.key_rows, value_cache=target.value_rows, slots=target.slots, flags=target.flags,
+            key_copy=target.key_copy, value_copy=target.value_copy)     # flags None: the plain write
+        query, key = dispatch.qk_norm_rotary_write(query, key, value, cos, sin, clip=self.clip_qkv, **norms,
+                                                   **write)             # [T, Hq, D], [T, Hkv, D]
         if target is not None:
             out = kv_cache.attention_prewritten(self.layer_idx, query, meta, self.scale)   # [T, Hq, D]
         else:

@@ -342,12 +342,13 @@ def add_rms_norm_route(x, residual, norm_weight, eps, router_weight, top_k, reno
 
 
 def qk_norm_rotary_write(query, key, value, cos, sin, key_cache=None, value_cache=None, slots=None,
-                         q_norm_weight=None, k_norm_weight=None, eps=1e-6, clip=None):
+                         q_norm_weight=None, k_norm_weight=None, eps=1e-6, clip=None, flags=None, key_copy=None,
+                         value_copy=None):
     """See ops.reference.layers.qk_norm_rotary_write -> (rotated query, rotated key), the key and value written to
-    the cache rows when given (Triton: ops.triton.layer.rotary_write, one launch; shapes it does not take run
-    rms_norm and apply_rotary_qk of this module)."""
+    the cache rows when given, checked for non-finite values with flags (Triton: ops.triton.layer.rotary_write,
+    one launch; shapes it does not take run rms_norm, apply_rotary_qk and stage_decode_tokens of this module)."""
     return _call("qk_norm_rotary_write", query, key, value, cos, sin, key_cache, value_cache, slots, q_norm_weight,
-                 k_norm_weight, eps, clip)
+                 k_norm_weight, eps, clip, flags, key_copy, value_copy)
 
 
 def skinny_linear(x, weight, bias=None):

@@ -96,10 +96,13 @@ def _combine_norm_kernel(ops, partial, topk_weights, residual, norm_weight, eps)
 
 
 def _rotary_write_kernel(ops, *args):
+    """The one-launch kernel where it takes these shapes (the checked write included), else dispatch's rms_norm,
+    apply_rotary_qk and (checked write) stage_decode_tokens."""
     module = choices.resolve(_TRI + "layer.rotary_write")
-    if module.supports(*args[:10]):
+    if module.supports(*args[:10], *args[12:15]):
         return module.qk_norm_rotary_write
-    return functools.partial(compose_qk_norm_rotary_write, ops.rms_norm, ops.apply_rotary_qk)
+    return functools.partial(compose_qk_norm_rotary_write, ops.rms_norm, ops.apply_rotary_qk,
+                             stage=ops.stage_decode_tokens)
 
 
 def _quantize_kv_per_side(ops, staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out, value_out,

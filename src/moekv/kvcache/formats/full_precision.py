@@ -6,7 +6,7 @@ import torch
 
 from moekv.config import CacheConfig
 from moekv.core.attention_metadata import AttentionMetadata
-from moekv.kvcache.base import KVCache, KVCacheSpec
+from moekv.kvcache.base import FusedWriteTarget, KVCache, KVCacheSpec
 from moekv.ops import dispatch
 
 
@@ -60,7 +60,7 @@ class FullPrecisionKVCache(KVCache):
         """The layer's pages as rows [num_pages * P, Hkv, D] and the step's slot mapping: a kernel that writes
         key / value row slot_mapping[t] does what `write` does."""
         rows = (-1, self.spec.num_kv_heads, self.spec.head_dim)
-        return self.key_pages[layer].view(rows), self.value_pages[layer].view(rows), meta.slot_mapping
+        return FusedWriteTarget(self.key_pages[layer].view(rows), self.value_pages[layer].view(rows), meta.slot_mapping)
 
     def attention_prewritten(self, layer, query, meta, scale):
         return dispatch.paged_attention_full_precision(

@@ -30,7 +30,9 @@ copies it into the outputs it reads back anyway and hands the values to `end_ste
 cache adds no host read of its own to an ordinary decode step (slots taken or returned when a page
 starts or fills add a small map update on those steps only). Every layer runs one launch that checks the new tokens,
 sets the flags and writes the (zeroed where non-finite) rows to staging and to persistent copies the
-attention reads (`dispatch.stage_decode_tokens`), the attention, and one masked, fixed-shape launch
+attention reads (`dispatch.stage_decode_tokens`; with the fused decode layer the layer's rotary launch does
+this itself through `fused_write_target`'s checked target, then `attention_prewritten`: one launch fewer),
+the attention, and one masked, fixed-shape launch
 that quantizes the key and value pages that filled and adds the statistics to the device counters
 (`dispatch.quantize_staged_kv_counted`).
 Without begin_step (tests, prefill until the runner calls the hooks) the plan is built lazily at
@@ -45,7 +47,7 @@ from moekv.config import CacheConfig
 from moekv.errors import ConfigError, KVCacheCorruptionError
 from moekv.kvcache import accounting
 from moekv.core.attention_metadata import AttentionMetadata
-from moekv.kvcache.base import KVCache, KVCacheSpec
+from moekv.kvcache.base import FusedWriteTarget, KVCache, KVCacheSpec
 from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.kvcache.formats.lowbit_plan import (DecodePlan, StagingSlots, StepPlan, StepRows, build_decode_plan,
                                                build_plan, step_bytes)
@@ -288,6 +290,33 @@ class LowBitKVCache(KVCache):
             self._finish_step(plan)
         return out
 
+    def fused_write_target(self, layer: int, meta: AttentionMetadata) -> FusedWriteTarget | None:
+        """A decode step prepared by begin_step(meta) (a DecodePlan with its rows): the checked target -- the
+        layer's staging pools as flat rows [S * P, Hkv, D], the new tokens' staging rows, the step's flags and
+        the persistent new-token copies -- so the rotary kernel does stage_decode_tokens' work (one launch fewer
+        a layer). The rows are of the staging dtype: a model of another dtype gets them too and the dispatch
+        rounds to it before checking (its unfused fallback: rotary, then stage_decode_tokens). Other steps
+        (lazy plans, prefill, a StepPlan): None, the cache stores the keys and values itself."""
+        plan = self._plan
+        if not (isinstance(plan, DecodePlan) and plan.meta is meta and self._plan_hooked and plan.rows is not None):
+            return None
+        count = meta.num_seqs
+        rows = plan.rows
+        shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
+        key_copy, value_copy = self._new_token_buffers(self.staging_keys.dtype, self.staging_values.dtype)
+        return FusedWriteTarget(self.staging_keys[layer].view(shape), self.staging_values[layer].view(shape),
+                                rows.index[0, :count], rows.flags[:count], key_copy[:count], value_copy[:count])
+
+    def attention_prewritten(self, layer: int, query: torch.Tensor, meta: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
+        """The decode step whose new tokens the rotary kernel staged already (fused_write_target's checked
+        write): the attention over the copies, then the quantizer, as `_decode_attention` after its stage."""
+        target = self.fused_write_target(layer, meta)
+        if target is None:
+            raise RuntimeError("attention_prewritten without a fused write target (no decode step of this meta "
+                               "prepared by begin_step)")
+        return self._attend_and_quantize(layer, query, target.key_copy, target.value_copy, meta, scale)
+
     def _decode_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """A decode step prepared by begin_step: fixed shapes [B], persistent buffers, no host reads."""
@@ -295,14 +324,23 @@ class LowBitKVCache(KVCache):
         if key.shape[0] != count:
             raise ValueError(f"a decode step of {count} sequences got {key.shape[0]} new tokens")
         rows = self._plan.rows
-        stage_rows, quant_pages, quant_slots = (rows.index[i, :count] for i in range(3))   # [B] int64 each
         key_out, value_out = self._new_token_buffers(key.dtype, value.dtype)
         # one launch: finiteness of each token's key and value rows -> its flag (OR), and the rows (zeros
         # when non-finite) -> its staging row and the persistent copies the attention reads. Writing the
         # staging row first is invisible to the attention: that row lies past the token's context.
+        # (With the fused decode layer the rotary kernel does this: fused_write_target, attention_prewritten.)
         key, value = dispatch.stage_decode_tokens(
-            key, value, self.staging_keys[layer], self.staging_values[layer], stage_rows, rows.flags[:count],
-            key_out[:count], value_out[:count])                                    # [B, Hkv, D]
+            key, value, self.staging_keys[layer], self.staging_values[layer], rows.index[0, :count],
+            rows.flags[:count], key_out[:count], value_out[:count])                # [B, Hkv, D]
+        return self._attend_and_quantize(layer, query, key, value, meta, scale)
+
+    def _attend_and_quantize(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The decode step after its staging write: the attention (the new tokens' checked key / value [B, Hkv, D]
+        as given), then the quantizer of the pages that filled."""
+        rows = self._plan.rows
+        count = meta.num_seqs
+        quant_pages, quant_slots = rows.index[1, :count], rows.index[2, :count]       # [B] int64 each
         out = dispatch.paged_attention_lowbit(
             query, key, value, self.key_pages[layer], self.value_pages[layer], self.key_spec, self.value_spec,
             self.staging_keys[layer], self.staging_values[layer], self.slots.device_map, meta, scale)

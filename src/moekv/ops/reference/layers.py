@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moekv.ops.reference.lowbit import stage_decode_tokens
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N] -> weight * (x / sqrt(mean(x^2) + eps)) over the last dimension.
@@ -110,8 +112,10 @@ def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: tor
 
 
 def compose_qk_norm_rotary_write(norm, rotary, query, key, value, cos, sin, key_cache=None, value_cache=None,
-                                 slots=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6, clip=None):
-    """qk_norm_rotary_write from its parts (the reference's rms_norm / apply_rotary_qk, or ops.dispatch's)."""
+                                 slots=None, q_norm_weight=None, k_norm_weight=None, eps=1e-6, clip=None, flags=None,
+                                 key_copy=None, value_copy=None, *, stage=None):
+    """qk_norm_rotary_write from its parts (the reference's rms_norm / apply_rotary_qk / stage_decode_tokens, or
+    ops.dispatch's); `stage` (the checked write) defaults to ops.reference.lowbit.stage_decode_tokens."""
     num_tokens, num_q, head_dim = query.shape
     num_kv = key.shape[1]
     full = q_norm_weight is not None and q_norm_weight.numel() != head_dim
@@ -124,7 +128,14 @@ def compose_qk_norm_rotary_write(norm, rotary, query, key, value, cos, sin, key_
         query = norm(query, q_norm_weight, eps)                                        # [T, Hq, D]
         key = norm(key, k_norm_weight, eps)                                            # [T, Hkv, D]
     query, key = rotary(query, key, cos, sin)
-    if key_cache is not None:
+    if flags is not None:
+        if key_cache is None or key_copy is None or value_copy is None:
+            raise ValueError("the checked write (flags) needs key / value rows, slots and key_copy / value_copy")
+        stage = stage_decode_tokens if stage is None else stage
+        # rounded to the rows' dtype first: what is checked is what is stored; rows [S, Hkv, D] as [S, 1, Hkv, D]
+        stage(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache.unsqueeze(1), value_cache.unsqueeze(1),
+              slots, flags, key_copy, value_copy)
+    elif key_cache is not None:
         key_cache.index_copy_(0, slots, key.to(key_cache.dtype))
         value_cache.index_copy_(0, slots, value.to(value_cache.dtype))
     return query, key
@@ -134,15 +145,24 @@ def qk_norm_rotary_write(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          sin: torch.Tensor, key_cache: torch.Tensor | None = None,
                          value_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                          q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                         eps: float = 1e-6, clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         eps: float = 1e-6, clip: float | None = None, flags: torch.Tensor | None = None,
+                         key_copy: torch.Tensor | None = None, value_copy: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """query [T, Hq, D], key / value [T, Hkv, D] (views of a fused qkv projection) -> (rotated query, rotated
     key), new tensors; with key_cache / value_cache [S, Hkv, D] and slots [T] int64 also writes the rotated
     key and the (clipped) value of token t to row slots[t] of the caches (the full-precision cache's write;
     without a cache the value is not needed and not returned).
+
+    Checked write (flags [T] bool, key_copy / value_copy [T, Hkv, D] of the caches' dtype; kvcache.base.
+    FusedWriteTarget): the rotated key and the value are rounded to the caches' dtype, then written as
+    ops.reference.lowbit.stage_decode_tokens writes them -- a token with a NaN / Inf anywhere in its key or
+    value rows sets flags[t] (never clears it) and is written as zeros, both rows; the rows as written also go
+    to key_copy[t] / value_copy[t]. The returned key stays the rotated key as computed.
 
     In the attention layer's order: q/k norm over the whole projection (a weight of Hq*D / Hkv*D values, OLMoE),
     then clipping of q, k and v to +-clip, then the per-head norm (a weight of D values, Qwen3-MoE), then rotary.
     A norm weight of D values with one head is both (the same math).
     """
     return compose_qk_norm_rotary_write(rms_norm, apply_rotary_qk, query, key, value, cos, sin, key_cache,
-                                        value_cache, slots, q_norm_weight, k_norm_weight, eps, clip)
+                                        value_cache, slots, q_norm_weight, k_norm_weight, eps, clip, flags, key_copy,
+                                        value_copy)
