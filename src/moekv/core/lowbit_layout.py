@@ -106,6 +106,21 @@ class QuantSpec:
         return words_per_row(self.bits, self.head_dim)
 
 
+LAYER_ALIGN = 16   # bytes: each layer's pages of stacked PackedPages start aligned (the v7 kernel's 16-byte copies)
+
+
+def stacked_zeros(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros [L, *shape] whose layers are dense and LAYER_ALIGN-byte aligned: the layer stride is numel(shape)
+    rounded up to a multiple of LAYER_ALIGN bytes (an allocation starts aligned)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    per_layer = math.prod(shape)
+    step = max(LAYER_ALIGN // element, 1)
+    stride = -(-per_layer // step) * step
+    flat = torch.zeros(num_layers * stride, dtype=dtype, device=device)
+    inner = torch.empty(shape, dtype=dtype, device="meta").stride()
+    return flat.as_strided((num_layers, *shape), (stride, *inner))
+
+
 @dataclass
 class PackedPages:
     """Quantized pages, all tensors indexed [N, Hkv, ...] (N pages of one layer, one of keys/values).
@@ -123,12 +138,18 @@ class PackedPages:
     outlier_count: torch.Tensor   # [N, H] int16: slots in use (the first `count`, ascending index)
 
     @staticmethod
-    def empty(spec: QuantSpec, num_pages: int, num_kv_heads: int, device) -> "PackedPages":
-        """Zero-filled storage for `num_pages` pages (zeros decode to finite values)."""
+    def empty(spec: QuantSpec, num_pages: int, num_kv_heads: int, device,
+              num_layers: int | None = None) -> "PackedPages":
+        """Zero-filled storage for `num_pages` pages (zeros decode to finite values). With `num_layers`: the
+        pages of that many layers in one allocation per tensor, every tensor [L, N, H, ...]: layer l's pages
+        are dense (`layer(l)`, a view) and start LAYER_ALIGN-byte aligned (the layer stride, `t.stride(0)`, is
+        rounded up where N * page bytes is not a multiple of it: at most LAYER_ALIGN - 1 bytes a layer)."""
         n, h, p, c = num_pages, num_kv_heads, spec.page_size, spec.outlier_capacity
 
         def zeros(*shape, dtype):
-            return torch.zeros(shape, dtype=dtype, device=device)
+            if num_layers is None:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return stacked_zeros(num_layers, shape, dtype, device)
 
         if spec.axis == "channel":
             scale, zero = zeros(n, h, spec.head_dim, dtype=torch.float16), zeros(n, h, spec.head_dim,
@@ -142,6 +163,12 @@ class PackedPages:
                            scale_base=scale_base, outlier_vals=zeros(n, h, c, dtype=torch.float16),
                            outlier_idx=zeros(n, h, c, dtype=torch.int16),
                            outlier_count=zeros(n, h, dtype=torch.int16))
+
+    def layer(self, index: int) -> "PackedPages":
+        """Of stacked pages (`empty(..., num_layers=L)`): layer `index`'s pages, as views (dense, [N, H, ...],
+        LAYER_ALIGN-byte aligned)."""
+        return PackedPages(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                              for f in fields(self)})
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by field name (None fields left out)."""

@@ -250,6 +250,14 @@ def quantize_staged_kv_counted(staging_keys, staging_values, slots, pages, key_s
                  key_out, value_out, counters, key_counters, value_counters)
 
 
+def quantize_staged_kv_counted_layers(staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out,
+                                      value_out, counters, key_counters, value_counters):
+    """See ops.reference.lowbit.quantize_staged_kv_counted_layers: every layer's quantize_staged_kv_counted
+    (Triton: ops.triton.lowbit.quantize, one launch for all layers; otherwise one dispatched call per layer)."""
+    return _call("quantize_staged_kv_counted_layers", staging_keys, staging_values, slots, pages, key_spec,
+                 value_spec, key_out, value_out, counters, key_counters, value_counters)
+
+
 def stage_decode_tokens(key, value, staging_keys, staging_values, stage_rows, flags, key_out, value_out):
     """See ops.reference.lowbit.stage_decode_tokens (Triton: ops.triton.lowbit.stage)."""
     return _call("stage_decode_tokens", key, value, staging_keys, staging_values, stage_rows, flags, key_out,

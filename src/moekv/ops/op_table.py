@@ -112,6 +112,14 @@ def _quantize_kv_per_side(ops, staging_keys, staging_values, slots, pages, key_s
         ops.quantize_staged_pages_counted(staging, slots, pages, spec, out, counters, *indices)
 
 
+def _quantize_kv_per_layer(ops, staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out,
+                           value_out, counters, key_counters, value_counters):
+    for layer in range(staging_keys.shape[0]):
+        ops.quantize_staged_kv_counted(staging_keys[layer], staging_values[layer], slots, pages, key_spec, value_spec,
+                                       key_out.layer(layer), value_out.layer(layer), counters, key_counters,
+                                       value_counters)
+
+
 def _no_quantizer(*args):
     spec = next(a for a in args if hasattr(a, "page_size"))
     return f"moekv: no Triton page quantizer for page_size={spec.page_size}, head_dim={spec.head_dim}; running the reference"
@@ -143,6 +151,9 @@ def build(ops) -> dict[str, Op]:
         "quantize_staged_kv_counted": Op(bound(_quantize_kv_per_side),
                                          _TRI + "lowbit.quantize:quantize_staged_kv_counted",
                                          lambda m, *a: m.supports(a[4]) and m.supports(a[5])),
+        "quantize_staged_kv_counted_layers": Op(bound(_quantize_kv_per_layer),
+                                                _TRI + "lowbit.quantize:quantize_staged_kv_counted_layers",
+                                                lambda m, *a: m.supports(a[4]) and m.supports(a[5])),
         "stage_decode_tokens": Op(_REF + "lowbit:stage_decode_tokens", _TRI + "lowbit.stage:stage_decode_tokens"),
         "moe_experts": Op(_REF + "moe:moe_experts_reference", _moe_kernel,
                           unsupported=lambda hidden, w_gate_up, w_down, *a, **k: "moekv: no Triton MoE kernel for "

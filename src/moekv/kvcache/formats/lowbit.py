@@ -31,10 +31,13 @@ cache adds no host read of its own to an ordinary decode step (slots taken or re
 starts or fills add a small map update on those steps only). Every layer runs one launch that checks the new tokens,
 sets the flags and writes the (zeroed where non-finite) rows to staging and to persistent copies the
 attention reads (`dispatch.stage_decode_tokens`; with the fused decode layer the layer's rotary launch does
-this itself through `fused_write_target`'s checked target, then `attention_prewritten`: one launch fewer),
-the attention, and one masked, fixed-shape launch
-that quantizes the key and value pages that filled and adds the statistics to the device counters
-(`dispatch.quantize_staged_kv_counted`).
+this itself through `fused_write_target`'s checked target, then `attention_prewritten`: one launch fewer)
+and the attention; after the last layer's attention one masked, fixed-shape launch for all layers quantizes
+the key and value pages that filled, of every layer, and adds the statistics to the device counters
+(`dispatch.quantize_staged_kv_counted_layers`, on the stacked storage `key_pages_stacked` /
+`value_pages_stacked`). That is safe: this step's attention reads those pages from staging in every layer
+(their slots return only at end_step), and the launch is part of the step's forward, so the device runs it
+before the next step's kernels (also for overlapped steps, whose begin_step returns the slots early).
 Without begin_step (tests, prefill until the runner calls the hooks) the plan is built lazily at
 layer 0 and checked/committed after the last layer, as before.
 """
@@ -101,10 +104,13 @@ class LowBitKVCache(KVCache):
         self.name = self.config.kv_cache_dtype
         self.key_spec, self.value_spec = quant_specs(spec, self.config)
         heads = spec.num_kv_heads
-        self.key_pages = [PackedPages.empty(self.key_spec, num_pages, heads, self.device)
-                          for _ in range(spec.num_layers)]
-        self.value_pages = [PackedPages.empty(self.value_spec, num_pages, heads, self.device)
-                            for _ in range(spec.num_layers)]
+        # every layer's pages in one allocation per tensor ([L, N, Hkv, ...]: the decode step's one quantizer
+        # launch writes all layers); key_pages[layer] / value_pages[layer] are dense views of layer `layer`
+        self.key_pages_stacked = PackedPages.empty(self.key_spec, num_pages, heads, self.device, spec.num_layers)
+        self.value_pages_stacked = PackedPages.empty(self.value_spec, num_pages, heads, self.device,
+                                                     spec.num_layers)
+        self.key_pages = [self.key_pages_stacked.layer(i) for i in range(spec.num_layers)]
+        self.value_pages = [self.value_pages_stacked.layer(i) for i in range(spec.num_layers)]
         num_slots = num_staging_pages or default_staging_pages(num_pages, self.config)
         staging_shape = (spec.num_layers, num_slots, spec.page_size, heads, spec.head_dim)
         self.staging_keys = torch.zeros(staging_shape, dtype=spec.dtype, device=self.device)    # [L, S, P, H, D]
@@ -310,7 +316,8 @@ class LowBitKVCache(KVCache):
     def attention_prewritten(self, layer: int, query: torch.Tensor, meta: AttentionMetadata,
                              scale: float) -> torch.Tensor:
         """The decode step whose new tokens the rotary kernel staged already (fused_write_target's checked
-        write): the attention over the copies, then the quantizer, as `_decode_attention` after its stage."""
+        write): the attention over the copies, then (after the last layer) the all-layers quantizer, as
+        `_decode_attention` after its stage."""
         target = self.fused_write_target(layer, meta)
         if target is None:
             raise RuntimeError("attention_prewritten without a fused write target (no decode step of this meta "
@@ -336,20 +343,28 @@ class LowBitKVCache(KVCache):
 
     def _attend_and_quantize(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """The decode step after its staging write: the attention (the new tokens' checked key / value [B, Hkv, D]
-        as given), then the quantizer of the pages that filled."""
-        rows = self._plan.rows
+        """The decode step after its staging write (stage_decode_tokens, or the rotary kernel's checked write):
+        the attention (the new tokens' checked key / value [B, Hkv, D] as given), then `_after_attention` (at
+        the last layer: the one quantizer launch of every layer's pages that filled)."""
         count = meta.num_seqs
-        quant_pages, quant_slots = rows.index[1, :count], rows.index[2, :count]       # [B] int64 each
         out = dispatch.paged_attention_lowbit(
             query, key, value, self.key_pages[layer], self.value_pages[layer], self.key_spec, self.value_spec,
             self.staging_keys[layer], self.staging_values[layer], self.slots.device_map, meta, scale)
-        # one launch, keys and values: pages that filled (page id >= 0) are quantized from their staging slot,
-        # the statistics added to the counters by the kernel (masked: skipped entries add nothing)
-        dispatch.quantize_staged_kv_counted(
-            self.staging_keys[layer], self.staging_values[layer], quant_slots, quant_pages, self.key_spec,
-            self.value_spec, self.key_pages[layer], self.value_pages[layer], self._counters, *_DECODE_COUNTERS)
+        self._after_attention(layer, count)
         return out
+
+    def _after_attention(self, layer: int, count: int) -> None:
+        """A prepared decode step, after layer `layer`'s attention: at the last layer, one launch for every
+        layer, keys and values: pages that filled (page id >= 0) are quantized from their staging slots, the
+        statistics added to the counters by the kernel (masked: skipped entries add nothing). Every layer's
+        attention of this step read those pages from staging (their slots return at end_step), so quantizing
+        them after the last one changes nothing the step reads; the next step reads the low-bit pages."""
+        if layer != self.spec.num_layers - 1:
+            return
+        rows = self._plan.rows
+        dispatch.quantize_staged_kv_counted_layers(
+            self.staging_keys, self.staging_values, rows.index[2, :count], rows.index[1, :count], self.key_spec,
+            self.value_spec, self.key_pages_stacked, self.value_pages_stacked, self._counters, *_DECODE_COUNTERS)
 
     def _new_token_buffers(self, key_dtype: torch.dtype, value_dtype: torch.dtype):
         """Persistent [max_batch, Hkv, D] buffers of the new tokens' zero-checked key and value (one pair per

@@ -324,3 +324,25 @@ def quantize_staged_kv_counted(staging_keys: torch.Tensor, staging_values: torch
     values (value_counters), with the same slots and pages."""
     quantize_staged_pages_counted(staging_keys, slots, pages, key_spec, key_out, counters, *key_counters)
     quantize_staged_pages_counted(staging_values, slots, pages, value_spec, value_out, counters, *value_counters)
+
+
+def quantize_staged_kv_counted_layers(staging_keys: torch.Tensor, staging_values: torch.Tensor, slots: torch.Tensor,
+                                      pages: torch.Tensor, key_spec: QuantSpec, value_spec: QuantSpec,
+                                      key_out: PackedPages, value_out: PackedPages, counters: torch.Tensor,
+                                      key_counters: tuple[int, int, int, int],
+                                      value_counters: tuple[int, int, int, int]) -> None:
+    """The decode step's page quantization of every layer at once: staging_keys/values [L, S, P, Hkv, D],
+    key_out/value_out stacked PackedPages [L, N, Hkv, ...] (PackedPages.empty(..., num_layers=L)); the same
+    as quantize_staged_kv_counted of layer l (staging[l], out.layer(l)) for l = 0..L-1, same slots, pages
+    and counter indices (every layer's statistics added to the same counters)."""
+    if staging_keys.dim() != 5 or staging_values.shape != staging_keys.shape:
+        raise ValueError(f"staging pages must be [L, S, P, H, D] (keys and values alike), got "
+                         f"{tuple(staging_keys.shape)} and {tuple(staging_values.shape)}")
+    num_layers = staging_keys.shape[0]
+    if key_out.codes.dim() != 5 or key_out.codes.shape[0] != num_layers or value_out.codes.shape[0] != num_layers:
+        raise ValueError(f"key_out/value_out must be stacked pages of {num_layers} layers, got codes "
+                         f"{tuple(key_out.codes.shape)} and {tuple(value_out.codes.shape)}")
+    for layer in range(num_layers):
+        quantize_staged_kv_counted(staging_keys[layer], staging_values[layer], slots, pages, key_spec, value_spec,
+                                   key_out.layer(layer), value_out.layer(layer), counters, key_counters,
+                                   value_counters)
