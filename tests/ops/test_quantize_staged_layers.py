@@ -10,7 +10,7 @@ import torch
 from moekv.core.lowbit_layout import LAYER_ALIGN, PackedPages, QuantSpec
 from moekv.ops import dispatch
 from moekv.ops.reference import lowbit as reference
-from moekv.ops.triton.lowbit import quantize as lowbit_quantize
+from moekv.ops.triton.lowbit import quantize_layers as lowbit_quantize
 from tests.ops.test_quantize_staged import spiky
 
 LAYERS, NUM_PAGES, SLOTS, HEADS, PAGE, DIM = 3, 6, 4, 2, 16, 32

@@ -28,16 +28,12 @@ copy carries them (no copy, event or sync of the cache's own); other decode step
 use the cache's own buffer, copied by begin_step. `step_flags(meta)` is the flag row: the graph runner
 copies it into the outputs it reads back anyway and hands the values to `end_step(meta, flags)`, so the
 cache adds no host read of its own to an ordinary decode step (slots taken or returned when a page
-starts or fills add a small map update on those steps only). Every layer runs one launch that checks the new tokens,
-sets the flags and writes the (zeroed where non-finite) rows to staging and to persistent copies the
-attention reads (`dispatch.stage_decode_tokens`; with the fused decode layer the layer's rotary launch does
-this itself through `fused_write_target`'s checked target, then `attention_prewritten`: one launch fewer)
-and the attention; after the last layer's attention one masked, fixed-shape launch for all layers quantizes
-the key and value pages that filled, of every layer, and adds the statistics to the device counters
-(`dispatch.quantize_staged_kv_counted_layers`, on the stacked storage `key_pages_stacked` /
-`value_pages_stacked`). That is safe: this step's attention reads those pages from staging in every layer
-(their slots return only at end_step), and the launch is part of the step's forward, so the device runs it
-before the next step's kernels (also for overlapped steps, whose begin_step returns the slots early).
+starts or fills add a small map update on those steps only). The step's device work, layer by layer
+(lowbit_decode.py, `PreparedDecodeStep`): the staging write of the new tokens (`dispatch.stage_decode_tokens`,
+or, with the fused decode layer, the rotary launch itself through `fused_write_target`'s checked target, then
+`attention_prewritten`), the attention, and after the last layer's attention one masked, fixed-shape launch
+that quantizes the pages that filled, of every layer (`dispatch.quantize_staged_kv_counted_layers` on the
+stacked storage `key_pages_stacked` / `value_pages_stacked`).
 Without begin_step (tests, prefill until the runner calls the hooks) the plan is built lazily at
 layer 0 and checked/committed after the last layer, as before.
 """
@@ -50,23 +46,15 @@ from moekv.config import CacheConfig
 from moekv.errors import ConfigError, KVCacheCorruptionError
 from moekv.kvcache import accounting
 from moekv.core.attention_metadata import AttentionMetadata
-from moekv.kvcache.base import FusedWriteTarget, KVCache, KVCacheSpec
+from moekv.kvcache.base import KVCache, KVCacheSpec
 from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.kvcache.formats.lowbit_plan import (DecodePlan, StagingSlots, StepPlan, StepRows, build_decode_plan,
                                                build_plan, step_bytes)
+from moekv.kvcache.formats.lowbit_decode import COUNTERS, PreparedDecodeStep
 from moekv.ops import dispatch
 
 STAGING_SHARE = 8   # default staging pool: one staging page per 8 pages (at least 64, at most num_pages)
 
-# Device counters kept by the cache, in this order (see stats()).
-_COUNTERS = ("page_heads_quantized", "key_budget_hits", "value_budget_hits", "key_outliers", "value_outliers",
-             "key_qualifying", "value_qualifying")
-
-# Counter indices (budget hits, outliers, qualifying, page heads or -1) the decode step's quantizer adds to,
-# for the keys and for the values (page heads are counted once, with the keys).
-_DECODE_COUNTERS = tuple(
-    (_COUNTERS.index(f"{kind}_budget_hits"), _COUNTERS.index(f"{kind}_outliers"), _COUNTERS.index(f"{kind}_qualifying"),
-     _COUNTERS.index("page_heads_quantized") if kind == "key" else -1) for kind in ("key", "value"))
 
 def quant_specs(spec: KVCacheSpec, config: CacheConfig) -> tuple[QuantSpec, QuantSpec]:
     """The (key, value) page formats a cache config asks for."""
@@ -93,8 +81,9 @@ def default_staging_pages(num_pages: int, config: CacheConfig) -> int:
     return min(num_pages, max(64, -(-num_pages // STAGING_SHARE)))
 
 
-class LowBitKVCache(KVCache):
-    """int4 / int3 / int2 pages plus a full-precision staging pool; see the module docstring."""
+class LowBitKVCache(PreparedDecodeStep, KVCache):
+    """int4 / int3 / int2 pages plus a full-precision staging pool; see the module docstring (the prepared
+    decode step's device work: PreparedDecodeStep, lowbit_decode.py)."""
 
     supports_graph_decode = True
 
@@ -123,7 +112,7 @@ class LowBitKVCache(KVCache):
         self._rows: StepRows | None = None   # the cache's own step buffer (decode steps not in a graph bucket)
         self._new_kv: dict = {}                          # (key, value dtype) -> [max_batch, Hkv, D] buffers
         self._index_copied = None                        # CUDA event: the last copy out of _rows is done
-        self._counters = torch.zeros(len(_COUNTERS), dtype=torch.int64, device=self.device)
+        self._counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
 
     @property
     def staging_slot_of_page(self) -> torch.Tensor:
@@ -296,87 +285,6 @@ class LowBitKVCache(KVCache):
             self._finish_step(plan)
         return out
 
-    def fused_write_target(self, layer: int, meta: AttentionMetadata) -> FusedWriteTarget | None:
-        """A decode step prepared by begin_step(meta) (a DecodePlan with its rows): the checked target -- the
-        layer's staging pools as flat rows [S * P, Hkv, D], the new tokens' staging rows, the step's flags and
-        the persistent new-token copies -- so the rotary kernel does stage_decode_tokens' work (one launch fewer
-        a layer). The rows are of the staging dtype: a model of another dtype gets them too and the dispatch
-        rounds to it before checking (its unfused fallback: rotary, then stage_decode_tokens). Other steps
-        (lazy plans, prefill, a StepPlan): None, the cache stores the keys and values itself."""
-        plan = self._plan
-        if not (isinstance(plan, DecodePlan) and plan.meta is meta and self._plan_hooked and plan.rows is not None):
-            return None
-        count = meta.num_seqs
-        rows = plan.rows
-        shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
-        key_copy, value_copy = self._new_token_buffers(self.staging_keys.dtype, self.staging_values.dtype)
-        return FusedWriteTarget(self.staging_keys[layer].view(shape), self.staging_values[layer].view(shape),
-                                rows.index[0, :count], rows.flags[:count], key_copy[:count], value_copy[:count])
-
-    def attention_prewritten(self, layer: int, query: torch.Tensor, meta: AttentionMetadata,
-                             scale: float) -> torch.Tensor:
-        """The decode step whose new tokens the rotary kernel staged already (fused_write_target's checked
-        write): the attention over the copies, then (after the last layer) the all-layers quantizer, as
-        `_decode_attention` after its stage."""
-        target = self.fused_write_target(layer, meta)
-        if target is None:
-            raise RuntimeError("attention_prewritten without a fused write target (no decode step of this meta "
-                               "prepared by begin_step)")
-        return self._attend_and_quantize(layer, query, target.key_copy, target.value_copy, meta, scale)
-
-    def _decode_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """A decode step prepared by begin_step: fixed shapes [B], persistent buffers, no host reads."""
-        count = meta.num_seqs
-        if key.shape[0] != count:
-            raise ValueError(f"a decode step of {count} sequences got {key.shape[0]} new tokens")
-        rows = self._plan.rows
-        key_out, value_out = self._new_token_buffers(key.dtype, value.dtype)
-        # one launch: finiteness of each token's key and value rows -> its flag (OR), and the rows (zeros
-        # when non-finite) -> its staging row and the persistent copies the attention reads. Writing the
-        # staging row first is invisible to the attention: that row lies past the token's context.
-        # (With the fused decode layer the rotary kernel does this: fused_write_target, attention_prewritten.)
-        key, value = dispatch.stage_decode_tokens(
-            key, value, self.staging_keys[layer], self.staging_values[layer], rows.index[0, :count],
-            rows.flags[:count], key_out[:count], value_out[:count])                # [B, Hkv, D]
-        return self._attend_and_quantize(layer, query, key, value, meta, scale)
-
-    def _attend_and_quantize(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """The decode step after its staging write (stage_decode_tokens, or the rotary kernel's checked write):
-        the attention (the new tokens' checked key / value [B, Hkv, D] as given), then `_after_attention` (at
-        the last layer: the one quantizer launch of every layer's pages that filled)."""
-        count = meta.num_seqs
-        out = dispatch.paged_attention_lowbit(
-            query, key, value, self.key_pages[layer], self.value_pages[layer], self.key_spec, self.value_spec,
-            self.staging_keys[layer], self.staging_values[layer], self.slots.device_map, meta, scale)
-        self._after_attention(layer, count)
-        return out
-
-    def _after_attention(self, layer: int, count: int) -> None:
-        """A prepared decode step, after layer `layer`'s attention: at the last layer, one launch for every
-        layer, keys and values: pages that filled (page id >= 0) are quantized from their staging slots, the
-        statistics added to the counters by the kernel (masked: skipped entries add nothing). Every layer's
-        attention of this step read those pages from staging (their slots return at end_step), so quantizing
-        them after the last one changes nothing the step reads; the next step reads the low-bit pages."""
-        if layer != self.spec.num_layers - 1:
-            return
-        rows = self._plan.rows
-        dispatch.quantize_staged_kv_counted_layers(
-            self.staging_keys, self.staging_values, rows.index[2, :count], rows.index[1, :count], self.key_spec,
-            self.value_spec, self.key_pages_stacked, self.value_pages_stacked, self._counters, *_DECODE_COUNTERS)
-
-    def _new_token_buffers(self, key_dtype: torch.dtype, value_dtype: torch.dtype):
-        """Persistent [max_batch, Hkv, D] buffers of the new tokens' zero-checked key and value (one pair per
-        dtype pair, allocated at reserve_graph_decode for the cache dtype; captured graphs keep them)."""
-        buffers = self._new_kv.get((key_dtype, value_dtype))
-        if buffers is None:
-            shape = (self._graph_batch, self.spec.num_kv_heads, self.spec.head_dim)
-            buffers = (torch.empty(shape, dtype=key_dtype, device=self.device),
-                       torch.empty(shape, dtype=value_dtype, device=self.device))
-            self._new_kv[(key_dtype, value_dtype)] = buffers
-        return buffers
-
     def _write(self, kind: str, new: torch.Tensor, staging: torch.Tensor, pages: PackedPages, spec: QuantSpec,
                plan: StepPlan) -> None:
         """Append the new tokens [T, Hkv, D] of one layer: staging rows, and pages that fill are quantized."""
@@ -394,11 +302,11 @@ class LowBitKVCache(KVCache):
             buffer.unflatten(0, (count, spec.page_size)).transpose(1, 2), spec)       # [m, Hkv, P, D]
         pages.store(plan.quant_pages, packed)
         counters = self._counters
-        counters[_COUNTERS.index(f"{kind}_budget_hits")] += (qualifying > spec.outlier_capacity).sum()
-        counters[_COUNTERS.index(f"{kind}_outliers")] += packed.outlier_count.sum(dtype=torch.int64)
-        counters[_COUNTERS.index(f"{kind}_qualifying")] += qualifying.sum(dtype=torch.int64)
+        counters[COUNTERS.index(f"{kind}_budget_hits")] += (qualifying > spec.outlier_capacity).sum()
+        counters[COUNTERS.index(f"{kind}_outliers")] += packed.outlier_count.sum(dtype=torch.int64)
+        counters[COUNTERS.index(f"{kind}_qualifying")] += qualifying.sum(dtype=torch.int64)
         if kind == "key":
-            counters[_COUNTERS.index("page_heads_quantized")] += qualifying.numel()
+            counters[COUNTERS.index("page_heads_quantized")] += qualifying.numel()
 
     def _finish_step(self, plan: StepPlan) -> None:
         """After the last layer: report non-finite sequences (uncommitted), else return released slots."""
@@ -484,7 +392,7 @@ class LowBitKVCache(KVCache):
         return staged / total if total else 0.0
 
     def stats(self) -> dict[str, float]:
-        counts = dict(zip(_COUNTERS, self._counters.tolist()))
+        counts = dict(zip(COUNTERS, self._counters.tolist()))
         page_heads = max(counts["page_heads_quantized"], 1)
         return {
             "pages_quantized": counts["page_heads_quantized"] / (self.spec.num_kv_heads * self.spec.num_layers),

@@ -1,5 +1,6 @@
-"""Device helpers of the page-fill quantizer (quantize.py): fp16 rounding in a set direction, round half to
-even, per-group statistics and extremes on either axis, and packing one bit plane (docs/kv-format.md)."""
+"""Device helpers of the page-fill quantizer (quantize.py, quantize_layers.py): fp16 rounding in a set direction,
+round half to even, per-group statistics and extremes on either axis, packing one bit plane, the range search
+(docs/kv-format.md), and `quantize_page_head`, the body of one (page, kv head) that every quantizer kernel runs."""
 
 from __future__ import annotations
 
@@ -191,3 +192,119 @@ def choose_ranges(x, outlier, lo, hi, base, AXIS_CHANNEL: tl.constexpr, P: tl.co
                     best_a = tl.where(better, a, best_a)
                     best_b = tl.where(better, b, best_b)
     return stored_scale, stored_zero, scale_full, zero_full, codes_f
+
+
+@triton.jit
+def quantize_page_head(
+    x_ptr, stride_xn, stride_xh, stride_xp,
+    codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
+    qualifying_ptr, tau, counters_ptr, entry, head, page, source,
+    COUNT: tl.constexpr, CNT_BUDGET: tl.constexpr, CNT_OUTLIERS: tl.constexpr, CNT_QUALIFYING: tl.constexpr,
+    CNT_PAGES: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    BITS: tl.constexpr, AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr,
+    BLOCK_C: tl.constexpr, WORDS: tl.constexpr, CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr,
+):
+    """Quantize rows `source` of x (head `head`) into page `page` of the output: the body of every quantizer
+    kernel (quantize.py's `_quantize_kernel`, quantize_layers.py's `_quantize_kv_staged_kernel`), so their
+    codes are the same bits. COUNT: statistics added to `counters_ptr` at the CNT_* indices with atomics,
+    else the qualifying count stored at qualifying_ptr[entry, head]."""
+    page_head = page * NUM_HEADS + head
+    offs_p = tl.arange(0, P)
+    offs_d = tl.arange(0, D)
+    x = tl.load(x_ptr + source * stride_xn + head * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :])
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0)                # [P, D]
+    levels: tl.constexpr = (1 << BITS) - 1
+    flat_index = offs_p[:, None] * D + offs_d[None, :]                              # [P, D]
+
+    # ---- outliers: deviation beyond tau * std of the group, at most CAPACITY ----
+    mean = tl.math.div_rn(group_stat(x, AXIS_CHANNEL, P, D, G), tl.full([P, D], GROUP_LEN, tl.float32))
+    centered = x - mean
+    var = tl.math.div_rn(group_stat(centered * centered, AXIS_CHANNEL, P, D, G),
+                         tl.full([P, D], GROUP_LEN, tl.float32))
+    std = tl.sqrt_rn(var)
+    deviation = tl.math.div_rn(tl.abs(centered), tl.where(std > 0, std, 1.0))
+    qualifies = deviation > tau
+    num_qualifying = tl.sum(tl.sum(qualifies.to(tl.int32), axis=1), axis=0)
+    if COUNT:       # statistics straight into the cache's int64 counters (no qualifying output)
+        tl.atomic_add(counters_ptr + CNT_QUALIFYING, num_qualifying.to(tl.int64), sem="relaxed")
+        tl.atomic_add(counters_ptr + CNT_BUDGET, (num_qualifying > CAPACITY).to(tl.int64), sem="relaxed")
+        tl.atomic_add(counters_ptr + CNT_OUTLIERS, tl.minimum(num_qualifying, CAPACITY).to(tl.int64),
+                      sem="relaxed")                          # outliers stored: min(qualifying, capacity)
+        if CNT_PAGES >= 0:
+            tl.atomic_add(counters_ptr + CNT_PAGES, tl.full([], 1, tl.int64), sem="relaxed")
+    else:
+        tl.store(qualifying_ptr + entry * NUM_HEADS + head, num_qualifying)
+    if CAPACITY == 0:
+        outlier = flat_index < 0
+    elif num_qualifying <= CAPACITY:
+        outlier = qualifies
+    else:
+        # the CAPACITY largest deviations: binary search over the (monotonic) bits of the non-negative
+        # fp32 deviations for the CAPACITY-th largest, ties at the cut going to the lowest indices
+        bits = deviation.to(tl.int32, bitcast=True)
+        lo = tl.full([], 0, tl.int32)
+        hi = tl.full([], 0x7F800000, tl.int32)
+        for _ in range(31):
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum(tl.sum((bits >= mid).to(tl.int32), axis=1), axis=0) >= CAPACITY
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        above = bits > lo
+        at_cut = bits == lo
+        room = CAPACITY - tl.sum(tl.sum(above.to(tl.int32), axis=1), axis=0)
+        tie_rank = tl.reshape(tl.cumsum(tl.reshape(at_cut.to(tl.int32), (P * D,)), axis=0), (P, D))
+        outlier = above | (at_cut & (tie_rank <= room))
+
+    # ---- scale and zero point over the inliers ----
+    lo_x = group_extreme(tl.where(outlier, float("inf"), x), False, AXIS_CHANNEL, P, D, G)
+    hi_x = group_extreme(tl.where(outlier, float("-inf"), x), True, AXIS_CHANNEL, P, D, G)
+    lo_x = tl.where(lo_x == float("inf"), 0.0, lo_x)                               # a group of outliers only
+    hi_x = tl.where(hi_x == float("-inf"), 0.0, hi_x)
+    base = 0.0
+    if not AXIS_CHANNEL:
+        frac: tl.constexpr = 1 << (8 - BITS)
+        lo_x = tl.minimum(lo_x, 0.0)                                               # [P, G]: the range includes 0
+        hi_x = tl.maximum(hi_x, 0.0)
+        needed = tl.maximum(tl.math.div_rn(hi_x - lo_x, tl.full([P, G], levels - 1.0 / frac, tl.float32)),
+                            2.0 ** -24)
+        base = fp16_rounded(tl.maximum(tl.max(tl.max(needed, axis=1), axis=0), 2.0 ** -14), True)
+        tl.store(base_ptr + page_head, base.to(tl.float16))
+    stored_scale, stored_zero, scale_full, zero_full, codes_f = choose_ranges(
+        x, outlier, lo_x, hi_x, base, AXIS_CHANNEL, P, D, G, BITS, CLIP_STEPS, CLIP_REFINE)
+    if AXIS_CHANNEL:
+        tl.store(scale_ptr + page_head * D + offs_d, stored_scale.to(tl.float16))
+        tl.store(zero_ptr + page_head * D + offs_d, stored_zero.to(tl.float16))
+    else:
+        token_rows = page_head * (P * G) + offs_p[:, None] * G + tl.arange(0, G)[None, :]
+        tl.store(scale_ptr + token_rows, stored_scale.to(tl.uint8))
+        tl.store(zero_ptr + token_rows, stored_zero.to(tl.uint8))
+
+    # ---- codes ----
+    codes = codes_f.to(tl.int32)
+    rows = codes_ptr + page_head * (P * WORDS) + offs_p[:, None] * WORDS
+    if BITS == 4:
+        tl.store(rows + tl.arange(0, D // 8)[None, :], pack_plane(codes, P, D, 4))
+    elif BITS == 2:
+        tl.store(rows + tl.arange(0, D // 16)[None, :], pack_plane(codes, P, D, 2))
+    else:
+        first = tl.join(pack_triplet_word(codes, 0, P, D), pack_triplet_word(codes, 1, P, D))   # [P, D // 32, 2]
+        tl.store(rows + tl.arange(0, D // 16)[None, :], tl.reshape(first, (P, D // 16)))
+        tl.store(rows + D // 16 + tl.arange(0, D // 32)[None, :], pack_triplet_word(codes, 2, P, D))
+
+    # ---- outliers: fp16 residuals, compacted in ascending index order ----
+    if CAPACITY > 0:
+        dequantized = codes_f * scale_full + zero_full
+        residual = tl.minimum(tl.maximum(x - dequantized, -65504.0), 65504.0)
+        flat_outlier = tl.reshape(outlier.to(tl.int32), (P * D,))
+        position = tl.reshape(tl.cumsum(flat_outlier, axis=0), (P, D)) - 1
+        count = tl.sum(flat_outlier, axis=0)
+        slot_base = page_head * CAPACITY
+        tl.store(outlier_vals_ptr + slot_base + position, residual.to(tl.float16), mask=outlier)
+        index16 = tl.where(flat_index >= 32768, flat_index - 65536, flat_index).to(tl.int16)
+        tl.store(outlier_idx_ptr + slot_base + position, index16, mask=outlier)
+        tl.store(outlier_count_ptr + page_head, count.to(tl.int16))
+        for c0 in range(0, CAPACITY, BLOCK_C):                                    # unused slots: 0 at index 0
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            unused = (offs_c >= count) & (offs_c < CAPACITY)
+            tl.store(outlier_vals_ptr + slot_base + offs_c, tl.zeros([BLOCK_C], tl.float16), mask=unused)
+            tl.store(outlier_idx_ptr + slot_base + offs_c, tl.zeros([BLOCK_C], tl.int16), mask=unused)
