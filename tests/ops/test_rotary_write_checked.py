@@ -2,7 +2,7 @@
 cache's decode staging folded into the rotary launch) against its reference twin and against the unfused
 composition (reference rotary, then ops.reference.lowbit.stage_decode_tokens): flags only ever set, a token
 with a NaN / Inf anywhere in its key or value rows (all kv heads) written as zeros to its row and its copies,
-finite tokens' rows exactly the rotated key and the (clipped) value, padding tokens sharing a row (one wins),
+finite tokens' rows exactly the rotated key and the (clipped) value, padding tokens sharing a row (each element from one of them),
 rows not written untouched; and the dispatch's fallback where the kernel does not take the rows' dtype
 (rounded to it before the check)."""
 
@@ -56,7 +56,10 @@ def _check_written(target, k_rot, v_clipped, expect_bad):
     assert torch.equal(key_copy, want_k) and torch.equal(value_copy, want_v)
     for t, slot in enumerate(SLOTS[:4]):
         assert torch.equal(key_rows[slot], want_k[t]) and torch.equal(value_rows[slot], want_v[t]), t
-    assert any(torch.equal(key_rows[5], want_k[t]) and torch.equal(value_rows[5], want_v[t]) for t in (4, 5))
+    # tokens 4 and 5 share row 5: their programs store it concurrently, so on a GPU each element holds one of the
+    # two tokens' values (rows of padding tokens are scratch, never read for a real sequence)
+    assert ((key_rows[5] == want_k[4]) | (key_rows[5] == want_k[5])).all()
+    assert ((value_rows[5] == want_v[4]) | (value_rows[5] == want_v[5])).all()
     untouched = [r for r in range(ROWS) if r not in SLOTS]
     assert (key_rows[untouched] == FILL).all() and (value_rows[untouched] == FILL).all()
     for t in (t for t, b in enumerate(expect_bad) if b):                 # the bad tokens' rows: zeros
@@ -84,8 +87,9 @@ def test_checked_write_matches_reference(device, dtype, hq, hkv, head_dim, norm,
     if norm == "none":                              # elementwise: bit for bit the reference, rows and all
         assert torch.equal(q_out, q_ref) and torch.equal(k_out.isnan(), k_ref.isnan())
         assert torch.equal(k_out.nan_to_num(), k_ref.nan_to_num())
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
+        private = [r for r in range(ROWS) if r != 5]             # row 5: the padding tokens' race (above)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a[private], b[private]) if i < 2 else torch.equal(a, b), i
     # the plain write of the same tokens stores the same finite rows (the checked mode changes nothing else)
     plain = [torch.full((ROWS, hkv, head_dim), FILL, dtype=dtype, device=device) for _ in range(2)]
     q_plain, k_plain = rotary_write.qk_norm_rotary_write(q, k, v, cos, sin, *plain, got[2], *weights, 1e-6, clip)
