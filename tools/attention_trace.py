@@ -72,16 +72,35 @@ def summarise(stamps, splits: int, warps: int) -> dict:
             "pages_cycles_median": float((stamps[:, 28] - stamps[:, 18]).double().median())}
 
 
-def run(folder: pathlib.Path, out: pathlib.Path, cases: list[str]) -> None:
+def load(folder: pathlib.Path):
+    """The folder's trace build, built for the GPU, and a 256 MiB buffer whose zeroing flushes L2."""
     import torch
-    import benchmarks.bench_attention as ba
 
     spec = importlib.util.spec_from_file_location("lowbit_trace", folder / "lowbit_decode.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     device = torch.device("cuda")
     mod.module(device)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return mod, torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+
+def traced_call(mod, flush, args, **kw):
+    """One cold-L2 launch: (per-CTA stamps [CTAs, 32] int64 on the host, splits, warps)."""
+    import torch
+
+    flush.zero_()
+    torch.cuda.synchronize()
+    mod.paged_attention_lowbit_decode(*args, scale=0.088, **kw)
+    torch.cuda.synchronize()
+    lse, off, (b, h, s), warps = mod.last_trace
+    return lse[off:].view(torch.int64).view(b * h * s, 32).cpu(), s, warps
+
+
+def run(folder: pathlib.Path, out: pathlib.Path, cases: list[str]) -> None:
+    import torch
+    import benchmarks.bench_attention as ba
+
+    mod, flush = load(folder)
     result = {}
     for case in cases:
         parts = case.split(":")
@@ -96,13 +115,8 @@ def run(folder: pathlib.Path, out: pathlib.Path, cases: list[str]) -> None:
         args, _ = ba.build_lowbit(batch, length, bits, gen)
         runs = []
         for _ in range(7):
-            flush.zero_()
-            torch.cuda.synchronize()
-            mod.paged_attention_lowbit_decode(*args, scale=0.088, **kw)
-            torch.cuda.synchronize()
-            lse, off, (b, h, s), warps = mod.last_trace
-            stamps = lse[off:].view(torch.int64).view(b * h * s, 32).cpu()
-            runs.append(dict(summarise(stamps, s, warps), splits=s, warps=warps, ctas=b * h * s))
+            stamps, s, warps = traced_call(mod, flush, args, **kw)
+            runs.append(dict(summarise(stamps, s, warps), splits=s, warps=warps, ctas=stamps.shape[0]))
         runs.sort(key=lambda r: r["total_us"])
         result[case] = runs[len(runs) // 2]
         print(case, json.dumps(result[case]), flush=True)

@@ -11,7 +11,6 @@ its page phase took, to tell a per-CTA imbalance (fixable by sharing pages) from
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -20,32 +19,20 @@ import sys
 def dump(folder: pathlib.Path, out: pathlib.Path, cases: list[str]) -> None:
     import torch
     import benchmarks.bench_attention as ba
+    from tools.attention_trace import load, traced_call
 
-    spec = importlib.util.spec_from_file_location("lowbit_trace", folder / "lowbit_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    device = torch.device("cuda")
-    mod.module(device)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    mod, flush = load(folder)
     out.mkdir(parents=True, exist_ok=True)
     for case in cases:
         batch, length, bits = map(int, case.split(":")[:3])
         gen = torch.Generator()
         gen.manual_seed(0)
         args, _ = ba.build_lowbit(batch, length, bits, gen)
-        runs = []
-        for _ in range(9):
-            flush.zero_()
-            torch.cuda.synchronize()
-            mod.paged_attention_lowbit_decode(*args, scale=0.088)
-            torch.cuda.synchronize()
-            lse, off, (b, h, s), warps = mod.last_trace
-            stamps = lse[off:].view(torch.int64).view(b * h * s, 32).cpu()
-            runs.append((int(stamps[:, 15].max() - stamps[:, 0].min()), stamps))
-        runs.sort(key=lambda r: r[0])
-        torch.save({"stamps": runs[len(runs) // 2][1], "splits": s, "warps": warps},
-                   out / f"{case.replace(':', '_')}.pt")
-        print(case, "total us", runs[len(runs) // 2][0] / 1000, flush=True)
+        runs = [traced_call(mod, flush, args) for _ in range(9)]
+        runs.sort(key=lambda r: int(r[0][:, 15].max() - r[0][:, 0].min()))
+        stamps, splits, warps = runs[len(runs) // 2]
+        torch.save({"stamps": stamps, "splits": splits, "warps": warps}, out / f"{case.replace(':', '_')}.pt")
+        print(case, "total us", int(stamps[:, 15].max() - stamps[:, 0].min()) / 1000, flush=True)
 
 
 def analyse_one(d: dict, num_sms: int = 132) -> dict:

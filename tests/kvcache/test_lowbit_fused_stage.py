@@ -17,7 +17,7 @@ from moekv.ops import dispatch
 from moekv.ops.reference import lowbit as ref_lowbit
 from moekv.ops.triton.layer import rotary_write
 from tests.helpers import BACKENDS, ops_backend
-from tests.kvcache.test_lowbit_graph_decode import BUCKET, HEADS, LAYERS, PAGE, SCALE, Pair
+from tests.kvcache.test_lowbit_graph_decode import BUCKET, HEADS, LAYERS, PAGE, SCALE, Pair, poisoned_step
 
 
 @pytest.fixture(params=BACKENDS)
@@ -66,13 +66,7 @@ def test_fused_non_finite_decode_is_reported_as_unfused(backend):
     pair.fused = True
     pair.step({"a": 15, "b": 15, "c": 6})
     hooked = pair.hooked
-    new = {"a": 1, "b": 1, "c": 1}
-    pair.grow(new)
-    data = pair.tokens(BUCKET)
-    data[0][1][1, 0, 3] = float("nan")           # b's key, layer 0 (b fills its page this step)
-    data[1][2][4, 1, 0] = float("inf")           # a padding sequence's value: never reported
-    meta = pair.meta(hooked, new, pad_to=BUCKET)
-    hooked.begin_step(meta)
+    data, meta = poisoned_step(pair)
     for layer, (q, k, v) in enumerate(data):
         pair.hooked_layer(layer, q, k, v, meta)
     assert pair.fused_layers == LAYERS

@@ -257,19 +257,26 @@ def test_without_reservation_or_hooks_nothing_changes():
     assert (cache._rows.index.data_ptr(), cache._rows.flags.data_ptr()) == buffers
 
 
+def poisoned_step(pair):
+    """a, b, c one token each after 15 / 15 / 6, with a NaN in b's key (layer 0; b fills its page this step) and an
+    Inf in a padding sequence's value (never reported); begin_step done: (layer inputs, meta)."""
+    new = {"a": 1, "b": 1, "c": 1}
+    pair.grow(new)
+    data = pair.tokens(BUCKET)
+    data[0][1][1, 0, 3] = float("nan")
+    data[1][2][4, 1, 0] = float("inf")
+    meta = pair.meta(pair.hooked, new, pad_to=BUCKET)
+    pair.hooked.begin_step(meta)
+    return data, meta
+
+
 def test_non_finite_decode_raises_at_end_step_and_commits_nothing(backend):
     pair = Pair()
     pair.step({"a": 15, "b": 15, "c": 6})
     hooked = pair.hooked
     before_map = hooked.staging_slot_of_page.clone()
     before_used = hooked.slots.num_used
-    new = {"a": 1, "b": 1, "c": 1}
-    pair.grow(new)
-    data = pair.tokens(BUCKET)
-    data[0][1][1, 0, 3] = float("nan")           # b's key, layer 0 (b fills its page this step)
-    data[1][2][4, 1, 0] = float("inf")           # a padding sequence's value: never reported
-    meta = pair.meta(hooked, new, pad_to=BUCKET)
-    hooked.begin_step(meta)
+    data, meta = poisoned_step(pair)
     assert isinstance(hooked._plan, DecodePlan)
     for layer, (q, k, v) in enumerate(data):
         hooked.attention(layer, q, k, v, meta, SCALE)
