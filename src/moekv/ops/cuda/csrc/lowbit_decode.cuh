@@ -40,6 +40,7 @@ constexpr int SLOT_TILE = 8;      // outlier slots per one-hot MMA step (m16n8k8
 constexpr int MARRAYS = 12;       // small per-page arrays (scales, zeros, base, counts, slot, outlier slots)
 constexpr int FIXED_PIECES = 52;  // 16-byte pieces of the fixed-size ones (scales, zeros, base, counts, slot)
 constexpr int SLOT_ARRAY = 7;     // the staging-slot array: indexed by page, not page-head
+constexpr int PTAB = 96;          // pieces of a page's small arrays the CTA tabulates once (smem_plan's ptab)
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // ---------------------------------------------------------------- per-width layout constants
@@ -147,7 +148,7 @@ constexpr int STAGED_MAX = 16;                     // staged pages of one split 
 
 struct SmemPlan {      // byte offsets into dynamic shared memory (host and device agree)
   int buf_bytes, meta_bytes, warp_bytes, ring, meta, prep, scratch, staged, table, qf, qp, qn, qmax, flag,
-      stlist, total;
+      stlist, ptab, total;
 };
 
 // after the page loop the rings hold the merge: per-warp outputs and (max, sum), the staged pages' state and
@@ -186,7 +187,8 @@ __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
   s.qmax = s.qp + 4 * 32 * 16;                     // [NH] fp32 |q| max per head
   s.flag = s.qmax + NH * 4;                        // the split combine's "last CTA" flag
   s.stlist = s.flag + 16;                          // [1 + W * STAGED_MAX] the split's staged pages, in page order
-  s.total = s.stlist + (1 + W * STAGED_MAX) * 4;
+  s.ptab = s.stlist + (1 + W * STAGED_MAX) * 4;    // [PTAB] the small arrays' pieces (piece_entry), built once
+  s.total = s.ptab + PTAB * 4;
   // natural-order query: in the merge region, rebuilt after the loop; or (keeps_query) past the end, kept
   if (keeps_query<W>()) { s.qn = (s.total + 15) / 16 * 16; s.total = s.qn + NH * D * 2; }
   else s.qn = merge_bytes_of<W>();
@@ -257,35 +259,50 @@ template <int B> struct CopyPlan {
   }
 };
 
-// chunk `chunk` of page-head `ph`: its key (values = false) or value codes into ring buffer `buf`
+// byte offset of chunk `chunk` of page-head `ph` in the key (and the value) code array: a chunk of a page-head is
+// contiguous (CHUNK rows of WORDS words), and both arrays have the same page-head stride
+template <int B> __device__ __forceinline__ long long chunk_offset(long long ph, int chunk) {
+  constexpr int CB = CHUNK * Bits<B>::WORDS * 4;
+  return ph * (P / CHUNK) * CB + chunk * CB;
+}
+
+// the chunk at byte offset `off` (chunk_offset) of the key (values = false) or value codes into ring buffer `buf`
 template <int B>
-__device__ __forceinline__ void issue_chunk(const Params& p, const CopyPlan<B>& cp, uint8_t* buf, long long ph,
-                                            int chunk, bool values, int lane) {
-  using W = Bits<B>;
-  constexpr int CB = CHUNK * W::WORDS * 4;                  // bytes of one chunk of a page-head
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(values ? p.v_codes : p.k_codes) + ph * (P * W::WORDS * 4)
-                       + chunk * CB + lane * 16;
+__device__ __forceinline__ void issue_chunk(const Params& p, const CopyPlan<B>& cp, uint8_t* buf, long long off,
+                                            bool values, int lane) {
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(values ? p.v_codes : p.k_codes) + off + lane * 16;
 #pragma unroll
   for (int k = 0; k < CopyPlan<B>::PER_LANE; ++k) cp_async16(buf + cp.dst(values, k), src + k * 512, 16);
 }
 
+// piece q of a page's small arrays as a table entry: bits 0-7 its rank k within array a, 8-11 the array, 16-31 its
+// offset in a meta stage
+__device__ __forceinline__ int piece_entry(const Params& p, int q) {
+  int a, k;
+  if (q < FIXED_PIECES) {
+    a = p.m_piece[q] >> 8;
+    k = p.m_piece[q] & 255;
+  } else {                                   // outlier slots: key indices, key values, value indices, value values
+    const int r = q - FIXED_PIECES;
+    const int kk = 2 * p.m_nk;
+    a = r < kk ? 8 + (r >= p.m_nk) : 10 + (r - kk >= p.m_nv);
+    k = r < kk ? (r >= p.m_nk ? r - p.m_nk : r) : (r - kk >= p.m_nv ? r - kk - p.m_nv : r - kk);
+  }
+  return ((p.m_dst[a] + 16 * k) << 16) | (a << 8) | k;
+}
+
 // the small arrays of page-head `ph` (page `page`) into meta stage `st`, by one warp: one piece per lane and round
-__device__ __forceinline__ void issue_meta(const Params& p, uint8_t* st, int page, long long ph, int lane) {
+// (ptab: the CTA's table of the first PTAB pieces, piece_entry)
+__device__ __forceinline__ void issue_meta(const Params& p, const int* ptab, uint8_t* st, int page, long long ph,
+                                           int lane) {
 #pragma unroll 1
   for (int q = lane; q < p.m_pieces; q += 32) {
-    int a, k;
-    if (q < FIXED_PIECES) {
-      a = p.m_piece[q] >> 8;
-      k = p.m_piece[q] & 255;
-    } else {                                 // outlier slots: key indices, key values, value indices, value values
-      const int r = q - FIXED_PIECES;
-      const int kk = 2 * p.m_nk;
-      a = r < kk ? 8 + (r >= p.m_nk) : 10 + (r - kk >= p.m_nv);
-      k = r < kk ? (r >= p.m_nk ? r - p.m_nk : r) : (r - kk >= p.m_nv ? r - kk - p.m_nv : r - kk);
-    }
+    const int e = q < PTAB ? ptab[q] : piece_entry(p, q);
+    const int a = (e >> 8) & 15, k = e & 255;
     const long long off = (((a == SLOT_ARRAY ? (long long)page : ph) * p.m_stride[a]) & ~15ll) + 16 * k;
-    const int bytes = (int)max(0ll, min(16ll, p.m_total[a] - off));
-    cp_async16(st + p.m_dst[a] + 16 * k, p.m_base[a] + (bytes > 0 ? off : 0), bytes);
+    const long long rem = p.m_total[a] - off;
+    const int bytes = rem >= 16 ? 16 : (int)max(rem, 0ll);
+    cp_async16(st + (int)((unsigned)e >> 16), p.m_base[a] + (bytes > 0 ? off : 0), bytes);
   }
 }
 

@@ -56,6 +56,8 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   float* qmax_tab = reinterpret_cast<float*>(smem + plan.qmax);
   const int* bt = p.block_tables + (long long)seq * p.stride_bt;
   for (int i = tid; i < n; i += 32 * W) table[i] = bt[first + i];
+  int* ptab = reinterpret_cast<int*>(smem + plan.ptab);
+  for (int q = tid; q < min(p.m_pieces, PTAB); q += 32 * W) ptab[q] = piece_entry(p, q);
 
   // ---- query: heads kvh * G + h, normalised per head (|qn| <= 1); thread: head tid / 16, channels 8 (tid % 16) + 0..7
   const int qh = tid >> 4, qd = (tid & 15) * 8;
@@ -96,7 +98,7 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   WarpState st;
   st.init();
   const int my_n = n > warp ? (n - 1 - warp) / W + 1 : 0;
-  warp_pages<B, STACK, W>(p, plan, wb, table, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, my_n, ocK, ocV,
+  warp_pages<B, STACK, W>(p, plan, wb, table, ptab, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, my_n, ocK, ocV,
                 qms0, qms1, st);
   MOEKV_TRACE_WARP(4 + warp);
   cp_wait<0>();

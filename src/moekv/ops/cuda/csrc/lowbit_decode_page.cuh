@@ -83,7 +83,7 @@ __device__ __forceinline__ float qn_at(const uint8_t* qp, int head, int ch) {
 // (tokens 16..31): 4 real scores per lane instead of 8 with 4 padding heads. STACK 1: 8 heads, both tiles.
 template <int B, int STACK, int W>
 __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan, uint8_t* wb, const int* table,
-                                           const uint8_t* qf_tab, const uint8_t* qp_tab, int first, int ctx, int kvh,
+                                           const int* ptab, const uint8_t* qf_tab, const uint8_t* qp_tab, int first, int ctx, int kvh,
                                            int warp, int lane, int my_n, int ocK, int ocV, float qms0, float qms1,
                                            WarpState& st) {
   using L = Layout<B>;
@@ -98,12 +98,13 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   uint8_t* scr = wb + plan.scratch;
   int* wstaged = reinterpret_cast<int*>(wb + plan.staged);
   if (my_n <= 0) return;
+  const float sa0 = qms0 * 16777216.f, sa1 = qms1 * 16777216.f;   // the codes' unit 2^-24 times the score scale
   {
     const int page = page_of(0);
-    issue_meta(p, meta(0), page, ph_of(page), lane);
-    issue_chunk<B>(p, copies, buf(0), ph_of(page), 0, false, lane);
+    issue_meta(p, ptab, meta(0), page, ph_of(page), lane);
+    issue_chunk<B>(p, copies, buf(0), chunk_offset<B>(ph_of(page), 0), false, lane);
     cp_commit();
-    issue_chunk<B>(p, copies, buf(1), ph_of(page), 0, true, lane);
+    issue_chunk<B>(p, copies, buf(1), chunk_offset<B>(ph_of(page), 0), true, lane);
     cp_commit();
   }
   int kb = 0;                                    // ring buffer of K_q (V_q: kb + 1, the next fill: kb + 2, mod 3)
@@ -119,21 +120,23 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
     const uint8_t* mt = meta(jj);
     const bool has_next = jj + 1 < my_n;
     const int next_page = has_next ? page_of(jj + 1) : page;
+    // code offsets of this page-head's chunk 0 and the next page-head's: chunk q + 1's fills take one or the other
+    const long long page_off = chunk_offset<B>(ph, 0), next_off = chunk_offset<B>(ph_of(next_page), 0);
     int kcount = 0, vcount = 0;
     int* kbd = reinterpret_cast<int*>(prep + PREP_BOUNDS);
     int* vbd = kbd + CHUNKS + 1;
-    float bias0 = 0.f, bias1 = 0.f;
+    float sb0 = 0.f, sb1 = 0.f;                  // the score's bias: q . Z times the score scale
     bool staged = false;
 #pragma unroll 1
     for (int k = 0; k < CHUNKS; ++k) {
       const int vbuf = kb == 2 ? 0 : kb + 1, nbuf = kb == 0 ? 2 : kb - 1;
+      const bool more = k + 1 < CHUNKS || has_next;            // a next chunk (K_{q+1}, V_{q+1}) to fill
+      const long long noff = k + 1 < CHUNKS ? page_off + (k + 1) * (CHUNK * Bits<B>::WORDS * 4) : next_off;
       cp_wait<1>();                              // K_q (and the page's small arrays) landed
       __syncwarp();
       {                                          // K_{q+1}; with the first chunk, the next page's small arrays
-        const bool more = k + 1 < CHUNKS || has_next;
-        const long long nph = k + 1 < CHUNKS ? ph : ph_of(next_page);
-        if (more) issue_chunk<B>(p, copies, buf(nbuf), nph, (k + 1) & (CHUNKS - 1), false, lane);
-        if (k == 0 && has_next) issue_meta(p, meta(jj + 1), next_page, ph_of(next_page), lane);
+        if (more) issue_chunk<B>(p, copies, buf(nbuf), noff, false, lane);
+        if (k == 0 && has_next) issue_meta(p, ptab, meta(jj + 1), next_page, ph_of(next_page), lane);
         cp_commit();
       }
       if (k == 0) {                              // ---- the page's prep
@@ -175,7 +178,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
           float bacc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
           for (int s = 0; s < 8; ++s) mma16816(bacc, zp[2 * s], zp[2 * s], zp[2 * s + 1], zp[2 * s + 1], qp[2 * s], qp[2 * s + 1]);
-          bias0 = bacc[0]; bias1 = bacc[1];
+          sb0 = sa0 * (bacc[0] * 5.9604645e-8f); sb1 = sa1 * (bacc[1] * 5.9604645e-8f);   // qms * bacc
           // each token's value scale / zero point
           const float base = __half2float(*reinterpret_cast<const __half*>(mt + L::V_BASE + ((ph * 2) & 15)));
 #pragma unroll
@@ -193,9 +196,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         }
       }
       if (staged) {                              // keep the ring's fills and waits in step
-        if (k + 1 < CHUNKS || has_next) {
+        if (more) {
           __syncwarp();
-          issue_chunk<B>(p, copies, buf(kb), k + 1 < CHUNKS ? ph : ph_of(next_page), (k + 1) & (CHUNKS - 1), true, lane);
+          issue_chunk<B>(p, copies, buf(kb), noff, true, lane);
         }
         cp_commit();
         cp_wait<2>();
@@ -245,8 +248,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         }
       }
       __syncwarp();                              // every lane is done with K_q: V_{q+1} may overwrite it
-      if (k + 1 < CHUNKS || has_next)
-        issue_chunk<B>(p, copies, buf(kb), k + 1 < CHUNKS ? ph : ph_of(next_page), (k + 1) & (CHUNKS - 1), true, lane);
+      if (more) issue_chunk<B>(p, copies, buf(kb), noff, true, lane);
       cp_commit();
       cp_wait<2>();                              // V_q landed
       __syncwarp();
@@ -270,9 +272,18 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float raw = STACK == 2 ? (c < 2 ? cs[0][e] : cs[1][e]) : cs[m][e];
-          const bool valid = full_page || tok0 + tok_of(m, e) < ctx;
-          const float v = (e & 1) ? qms1 * fmaf(raw, 16777216.f, bias1) : qms0 * fmaf(raw, 16777216.f, bias0);
-          sc[m][e] = valid ? v : NEG_INF;
+          sc[m][e] = (e & 1) ? fmaf(raw, sa1, sb1) : fmaf(raw, sa0, sb0);
+        }
+      if (!full_page) {                                    // the sequence's last page: tokens past the context
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[m][e] = tok0 + tok_of(m, e) < ctx ? sc[m][e] : NEG_INF;
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
           if (e & 1) mx1 = fmaxf(mx1, sc[m][e]); else mx0 = fmaxf(mx0, sc[m][e]);
         }
 #pragma unroll
