@@ -286,21 +286,24 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         for (int e = 0; e < 4; ++e) {
           if (e & 1) mx1 = fmaxf(mx1, sc[m][e]); else mx0 = fmaxf(mx0, sc[m][e]);
         }
+      // The running max moves only where some lane holds a score above it, so the reduction (four dependent shuffle
+      // rounds) and the rescale run only then; otherwise the reduced max would equal the running one (exact). Past the
+      // first chunks of a sequence a new max is rare (session 25: the shuffles held 7.5% of the stall samples).
+      if (__any_sync(0xffffffffu, mx0 > st.m0 || mx1 > st.m1)) {
 #pragma unroll
-      for (int o = STACK == 2 ? 2 : 4; o < 32; o <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-      }
-      const float n0 = fmaxf(st.m0, mx0), n1 = fmaxf(st.m1, mx1);
-      const float u0 = n0 == NEG_INF ? 0.f : n0, u1 = n1 == NEG_INF ? 0.f : n1;
-      if (__any_sync(0xffffffffu, n0 > st.m0 || n1 > st.m1)) {
-        const float a0 = ex2(st.m0 - u0), a1 = ex2(st.m1 - u1);
+        for (int o = STACK == 2 ? 2 : 4; o < 32; o <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+        }
+        const float n0 = fmaxf(st.m0, mx0), n1 = fmaxf(st.m1, mx1);
+        const float a0 = ex2(st.m0 - (n0 == NEG_INF ? 0.f : n0)), a1 = ex2(st.m1 - (n1 == NEG_INF ? 0.f : n1));
 #pragma unroll
         for (int i2 = 0; i2 < 8; ++i2) { st.acc[i2][0] *= a0; st.acc[i2][2] *= a0; st.acc[i2][1] *= a1; st.acc[i2][3] *= a1; }
         st.l0 *= a0; st.z0 *= a0; st.l1 *= a1; st.z1 *= a1;
         if (CORR && corr_live) scale_corrections(reinterpret_cast<float*>(scr + W_ONEHOT), g, c, a0, a1);
+        st.m0 = n0; st.m1 = n1;
       }
-      st.m0 = n0; st.m1 = n1;
+      const float u0 = st.m0 == NEG_INF ? 0.f : st.m0, u1 = st.m1 == NEG_INF ? 0.f : st.m1;
       uint32_t pb[2][2];                                   // PV B fragments per k-step (= QK m-tile)
       __half2* ptile = reinterpret_cast<__half2*>(scr + W_PTILE);
 #pragma unroll
