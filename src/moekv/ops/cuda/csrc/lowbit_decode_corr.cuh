@@ -23,21 +23,25 @@ struct SlotView {
 // (the chunk's probabilities, heads 0..3) to corr[channel][head] (fp32, [D][4]). Lanes whose channels are all
 // different (each lane claims its channel in `claim` and reads it back) update at once; otherwise the slots of one
 // channel update in successive rounds in slot order. No atomics, deterministic.
+constexpr float CORR_SPAN = 20.f;     // the corrections' max may trail the running max by up to 2^20 (page loop)
+
+// fac: each head's factor 2^(m - mc) (the probabilities in pt are relative to the running max m, the rows to mc)
 __device__ __forceinline__ void add_corrections(const SlotView& sv, int lo, int hi, int k, int lane, float* corr,
-                                                const __half* pt, uint8_t* claim) {
+                                                const __half* pt, uint8_t* claim, float4 fac) {
   for (int base = lo; base < hi; base += 32) {
     const int s = base + lane;
     const bool live = s < hi;
     const int idx = live ? (int)sv.idx[s] : 0;
     const int tok = idx / D - CHUNK * k, ch = live ? idx % D : D + lane;     // dead lanes: distinct dummies
     const float r = live ? __half2float(sv.val[s]) : 0.f;
+    const float r0 = r * fac.x, r1 = r * fac.y, r2 = r * fac.z, r3 = r * fac.w;
     const uint2 pp = *reinterpret_cast<const uint2*>(pt + (live ? tok : 0) * NH);
     const float2 p01 = __half22float2(*reinterpret_cast<const __half2*>(&pp.x));
     const float2 p23 = __half22float2(*reinterpret_cast<const __half2*>(&pp.y));
     auto add = [&] {                   // this lane's slot into its channel's row
       float4* row = reinterpret_cast<float4*>(corr) + ch;
       float4 v = *row;
-      v.x = fmaf(r, p01.x, v.x); v.y = fmaf(r, p01.y, v.y); v.z = fmaf(r, p23.x, v.z); v.w = fmaf(r, p23.y, v.w);
+      v.x = fmaf(r0, p01.x, v.x); v.y = fmaf(r1, p01.y, v.y); v.z = fmaf(r2, p23.x, v.z); v.w = fmaf(r3, p23.y, v.w);
       *row = v;
     };
     if (live) claim[ch] = (uint8_t)lane;
@@ -73,9 +77,10 @@ __device__ __forceinline__ void scale_corrections(float* corr, int g, int c, flo
   __syncwarp();
 }
 
-// the corrections into the accumulators (their rows' unit 2^(off - 24)); lanes of columns 4..7 hold padding
+// the corrections into the accumulators (their rows' unit 2^(off - 24)) at the running max: b0, b1 = 2^(mc - m) of the
+// lane's heads (c < 2: heads 2c, 2c + 1); lanes of columns 4..7 hold padding
 template <int B>
-__device__ __forceinline__ void fold_corrections(const float* corr, int g, int c, WarpState& st) {
+__device__ __forceinline__ void fold_corrections(const float* corr, int g, int c, WarpState& st, float b0, float b1) {
   __syncwarp();
   if (c >= 2) return;
 #pragma unroll
@@ -84,7 +89,7 @@ __device__ __forceinline__ void fold_corrections(const float* corr, int g, int c
     for (int e = 0; e < 4; ++e) {
       const int vj = 2 * i2 + (e >> 1), ch = 16 * g + vj, h = 2 * c + (e & 1);
       const float unit = __int_as_float((127 - 24 + value_off<B>(vj)) << 23);    // 2^(off - 24)
-      st.acc[i2][e] = fmaf(corr[ch * 4 + h], unit, st.acc[i2][e]);
+      st.acc[i2][e] = fmaf(corr[ch * 4 + h], unit * ((e & 1) ? b1 : b0), st.acc[i2][e]);
     }
 }
 
