@@ -61,7 +61,7 @@ def _module(major: int, minor: int):
     return load(name=f"moekv_lowbit_decode_v7_sm{arch}",
                 sources=[str(_CSRC / name) for name in ("lowbit_decode.cu", "lowbit_decode_b2.cu", "lowbit_decode_b3.cu",
                                                          "lowbit_decode_b4.cu", "lowbit_decode_b3s.cu",
-                                                         "lowbit_decode_b4s.cu", "lowbit_decode_b2w8.cu",
+                                                         "lowbit_decode_b4s.cu", "lowbit_decode_b2s.cu", "lowbit_decode_b2w8.cu", "lowbit_decode_b2sw8.cu",
                                                          "lowbit_decode_b3w8.cu", "lowbit_decode_b3sw8.cu",
                                                          "lowbit_decode_b4w8.cu", "lowbit_decode_b4sw8.cu")],
                 extra_include_paths=[str(_CSRC)], verbose=False,
