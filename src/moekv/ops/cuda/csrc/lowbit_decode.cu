@@ -23,8 +23,8 @@ int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap, int64_t warps) {
 
 template <int W>
 static void launch_width(const Params& p, int64_t bits, int batch, bool bf16, cudaStream_t stream) {
-  // GQA groups of at most 4: scores of both token tiles in one (STACK 2), every width (session 25: with the value
-  // outliers as corrections, which need it, int2 and int4 gained; attention-ab-s25-stack)
+  // GQA groups of at most 4: scores of both token tiles in one (STACK 2), every width (session 25: int2 stacked with
+  // its value outliers as corrections, which need stacking, -2% at B=32, -3.4% at B=128; attention-ab-s25-stack.md)
   const bool stack = p.group <= NH / 2;
   if (bits == 4) { if (stack) launch_bits<4, 2, W>(p, batch, bf16, stream); else launch_bits<4, 1, W>(p, batch, bf16, stream); }
   else if (bits == 3) { if (stack) launch_bits<3, 2, W>(p, batch, bf16, stream); else launch_bits<3, 1, W>(p, batch, bf16, stream); }

@@ -110,7 +110,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   int kb = 0;                                    // ring buffer of K_q (V_q: kb + 1, the next fill: kb + 2, mod 3)
   // CORR (stacked scores, no key outliers): value outliers go to fp32 rows corr[D][4 heads] in the one-hot tile's
   // place, folded into the accumulators after the loop; else one-hot MMAs into the accumulators
-  const bool CORR = STACK == 2 && p.k_cap == 0;   // every width (session 20 had int4 6% slower with it, before v12c)
+  // int3 and int2 (int4 stays on one-hot MMAs: with them it measured 1-7% slower except at B=128 in session 25,
+  // attention-ab-s25-stack.md, as in session 20)
+  const bool CORR = B != 4 && STACK == 2 && p.k_cap == 0;
   bool corr_live = false;
   // the corrections are held relative to a max of their own, mc (<= the running max m, per head of the lane), and
   // rescaled only when m outgrows it by 2^CORR_SPAN (session 25: rescaling them with every new max held 3.3% of the
