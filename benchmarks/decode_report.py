@@ -6,7 +6,7 @@ from __future__ import annotations
 from benchmarks import bench_moe, layer_profile
 from benchmarks.decode_scenarios import SWITCHES
 
-TARGET_MOE_PCT_COPY, TARGET_TPOT_MS, TARGET_TPOT_B64_MS = 80.0, 7.0, 33.0
+TARGET_MOE_PCT_COPY, TARGET_TPOT_MS, TARGET_TPOT_B64_MS = 80.0, 7.0, 35.0   # issue 17: B=64 16k int3 <= 35 ms
 # issue 19: Mixtral-8x7B B=1 16k bf16 KV per weight format (ms), any shape's B=1 share of its floor (%)
 TARGET_TPOT_BY_WEIGHTS, TARGET_PCT_OF_FLOOR_B1 = {"bf16": 7.0, "fp8": 4.5}, 70.0
 

@@ -5,7 +5,7 @@ features); the K loop reads [BLOCK_K, BLOCK_N] tiles of e4m3 codes (one byte per
 a bf16 projection), widens them in registers for the dot (exact) and scales each tile's fp32 product by its
 columns' scales (common.weight_dot; BLOCK_K is capped so a tile never crosses a scale block). Bias in fp32,
 one rounding to x.dtype (EMULATE_BF16 under the CPU interpreter, whose bf16 cast truncates). No host reads:
-CUDA-graph safe. Launch shapes are reasoned, not tuned: BLOCK_M 16 at decode sizes (M <= 16), else 64.
+CUDA-graph safe. Launch shapes: default_config (decode sizes measured, larger ones reasoned).
 """
 
 from __future__ import annotations
@@ -64,7 +64,12 @@ def supports(x: torch.Tensor, weight: Fp8Weight) -> bool:
 
 
 def default_config(num_rows: int) -> dict:
-    return dict(BLOCK_M=16 if num_rows <= 16 else 64, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+    """Decode sizes (<= 16 rows): narrow column tiles and long K tiles, so a projection spreads over ~130-190
+    programs (H200, session 25 sweep on Mixtral's qkv / o shapes at 1 and 8 rows, benchmarks/results/
+    fp8-linear-sweep-h200.md: 0.034 -> 0.014 ms, the old 64 x 64 tiles gave 64-96 programs); else 64 x 64."""
+    if num_rows <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4)
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
