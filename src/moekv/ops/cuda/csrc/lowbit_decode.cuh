@@ -16,11 +16,14 @@
 //             (o + k <= 10) of a 16-bit half IS the fp16 subnormal code * 2^(o - 24); the 2^-o goes into q',
 //             the 2^24 onto the fp32 result. int4: 5 integer instructions per 8 codes; int2: 9 per 16; int3
 //             (triplets, see kv-format.md): 23 per 32 codes (v10; the 2-bit + 1-bit planes of v9 took 38).
-//   softmax : base 2, per warp and head; accumulators rescaled only when a max grows.
+//   softmax : base 2, per warp and head; the max's shuffle reduction and the rescale only when some lane's score
+//             exceeds the running max (one vote; v12).
 //   values  : out^T[ch, head] += codes^T[ch, tok] . (p * S_t)[tok, head]; the probabilities reach the B
 //             fragment layout by movmatrix.trans; token pairs meet in one register by PRMT (int3: one per word).
 //   outliers: exact 0/1 MMAs into the same accumulators (one-hot A tile in shared memory holding the unit
-//             2^(o-24) of the target row, B = residual * p or residual * q): no atomics, deterministic.
+//             2^(o-24) of the target row, B = residual * p or residual * q): no atomics, deterministic. int3 / int2
+//             with stacked scores and keys without outliers: value outliers as fp32 corrections per channel and
+//             head (lowbit_decode_corr.cuh), held at a max of their own and folded in after the loop.
 // Split-K only where the batch does not fill the GPU; the last CTA of a (sequence, kv head) combines.
 #pragma once
 #include <cuda_fp16.h>
