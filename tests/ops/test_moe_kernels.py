@@ -198,13 +198,16 @@ def test_tuned_config_lookup(tmp_path, monkeypatch):
 
 
 def test_stored_config_files_are_well_formed():
-    """Every tuned table in the repo parses and names the keys the kernels read."""
-    for path in moe_configs.CONFIG_DIR.glob("*.json"):
+    """Every tuned table in the repo parses and names the keys the kernels read (a file may leave out a path's
+    section: that path then takes default_config)."""
+    paths = list(moe_configs.CONFIG_DIR.glob("*.json"))
+    for path in paths:
         table = json.loads(path.read_text())
         assert isinstance(table["decode_max_tokens"], int)
-        for entry in table["decode"].values():
+        assert "decode" in table or "grouped" in table, path.name
+        for entry in table.get("decode", {}).values():
             assert {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= set(entry["gate_up"]) and "SPLIT_K" in entry["down"]
-        for entry in table["grouped"].values():
+        for entry in table.get("grouped", {}).values():
             assert entry["BLOCK_M"] in (16, 32, 64, 128)
             assert {"BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"} <= set(entry["down"])
 

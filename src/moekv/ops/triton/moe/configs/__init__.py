@@ -12,7 +12,8 @@ tools/tune_moe.py writes one JSON file per shape and GPU into this folder:
       "meta": {...}                             # who tuned it, when, with what
     }
 
-A call with T tokens takes the entry whose key is nearest to T. Shapes or GPUs without a file get
+A call with T tokens takes the entry whose key is nearest to T; a file may leave out a path's section (that path
+then takes default_config). Shapes or GPUs without a file get
 `default_config` (sane, untuned). Files are read once per process. FP8 experts (W8A16) have their own files
 (`weights=fp8`, `tools/tune_moe.py --quantization fp8`); without one they take the 16-bit file's entries.
 """
