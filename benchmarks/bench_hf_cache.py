@@ -1,7 +1,7 @@
 """moekv's LowBitCache side by side with transformers' QuantizedCache (quanto, HQQ) inside `model(...)`.
 
-    .venv/bin/python benchmarks/bench_hf_cache.py                      # bundled model, 2k context
-    .venv/bin/python benchmarks/bench_hf_cache.py --model PATH --context 2048
+    PYTHONPATH=src:. .venv/bin/python benchmarks/bench_hf_cache.py                      # bundled model, 2k context
+    PYTHONPATH=src:. .venv/bin/python benchmarks/bench_hf_cache.py --model PATH --context 2048
 
 Protocol (the same for every cache, DynamicCache included, so the reference shares the chunking): in each of
 `--windows` windows of `--context` tokens of the validation text, the first `--prefill` tokens go in one
@@ -16,6 +16,9 @@ Bits per value (keys and values, every layer): bytes counted from each cache's s
 (moekv.integrations.hf_accounting): codes + scales + zero points (+ moekv's outliers) + the full-precision
 residual window, divided by the scalars held; "all-in" is the mean over the evaluation steps, "low-bit" the
 quantized part alone at the end. Writes hf-cache-<model>.{json,md} under --out. Prints a table; asserts nothing.
+
+Pieces: hf_cache_specs.py (the caches compared, how each is built), hf_cache_report.py (targets, Pareto rows,
+plot, markdown).
 """
 
 from __future__ import annotations
@@ -36,104 +39,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.hf_cache_report import check_targets, markdown, plot
+from benchmarks.hf_cache_specs import CacheSpec, backend_missing, build_cache, cache_specs
 from moekv import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "models" / "tiny-shakespeare-moe"
-
-
-@dataclass
-class CacheSpec:
-    """One row of the table: how to build the cache, and how to describe it."""
-
-    name: str
-    family: str                     # "dynamic" | "quanto" | "hqq" | "moekv"
-    bits: int
-    grouping: str
-    kwargs: dict = field(default_factory=dict)
-
-
-def cache_specs(head_dim: int) -> list[CacheSpec]:
-    specs = [CacheSpec("DynamicCache (reference)", "dynamic", 16, "none")]
-    default = "transformers defaults: axis_key=0, axis_value=0, q_group_size=64"
-    for bits in (2, 4):
-        specs.append(CacheSpec(f"quanto int{bits} default", "quanto", bits, default + " (contiguous groups of 64)",
-                               dict(nbits=bits)))
-        specs.append(CacheSpec(f"quanto int{bits} matched", "quanto", bits,
-                               f"keys per channel over {head_dim} tokens (axis_key=-1), values per token over "
-                               f"{head_dim} channels (axis_value=0), q_group_size={head_dim}",
-                               dict(nbits=bits, axis_key=-1, axis_value=0, q_group_size=head_dim)))
-    for bits in (2, 3, 4):
-        specs.append(CacheSpec(f"HQQ {bits}-bit default", "hqq", bits, default + " (strided groups)",
-                               dict(nbits=bits)))
-        specs.append(CacheSpec(f"HQQ {bits}-bit matched", "hqq", bits,
-                               f"keys and values per token over {head_dim} channels (axis 1), q_group_size={head_dim}"
-                               " (quantized as a [B*H*T, D] view: see flat_hqq_layer_class)",
-                               dict(nbits=bits, axis_key=1, axis_value=1, q_group_size=head_dim)))
-    moekv_grouping = ("LowBitCache defaults: keys per channel over 128-token pages, values per token in groups of "
-                      "32 channels with a range search (value_clip_steps=8, value_clip_refine=2), 0.35% fp16 outlier slots per page "
-                      "and head (tau 2)")
-    for bits in (4, 3, 2):
-        specs.append(CacheSpec(f"moekv int{bits}", "moekv", bits, moekv_grouping, dict(bits=bits)))
-    for bits in (4, 3, 2):
-        specs.append(CacheSpec(f"moekv int{bits} values min/max", "moekv", bits,
-                               moekv_grouping.replace("with a range search (value_clip_steps=8, value_clip_refine=2)",
-                                                      "min/max"),
-                               dict(bits=bits, value_clip_steps=0)))
-    for bits in (4, 3, 2):
-        specs.append(CacheSpec(f"moekv int{bits} values symmetric search", "moekv", bits,
-                               moekv_grouping.replace("value_clip_refine=2", "value_clip_refine=0"),
-                               dict(bits=bits, value_clip_refine=0)))
-    specs.append(CacheSpec("moekv int3 (dequantized_copy=False)", "moekv", 3, moekv_grouping,
-                           dict(bits=3, dequantized_copy=False)))
-    return specs
-
-
-def backend_missing(family: str) -> str | None:
-    """Why a backend cannot run here, or None."""
-    module = {"quanto": "optimum.quanto", "hqq": "hqq.core.quantize"}.get(family)
-    if module is None:
-        return None
-    try:
-        __import__(module)
-    except Exception as error:                      # noqa: BLE001 - any import failure means skip
-        package = {"quanto": "optimum-quanto", "hqq": "hqq"}[family]
-        return f"{package} is not importable ({type(error).__name__}: {error}); pip install '{package}' or moekv[bench]"
-    return None
-
-
-def build_cache(spec: CacheSpec, config):
-    from transformers import DynamicCache, QuantizedCache
-
-    from moekv.integrations.transformers import LowBitCache
-
-    if spec.family == "dynamic":
-        return DynamicCache(config=config)
-    if spec.family == "moekv":
-        return LowBitCache(config, residual_length=128, **spec.kwargs)
-    cache = QuantizedCache(backend=spec.family, config=config, residual_length=128, **spec.kwargs)
-    if spec.family == "hqq" and spec.kwargs.get("axis_key") == 1:
-        flat = flat_hqq_layer_class()
-        cache.layers = [flat(residual_length=128, **spec.kwargs) for _ in cache.layers]
-    return cache
-
-
-def flat_hqq_layer_class():
-    """HQQ's 3-bit unpacking assumes a 2-D weight: with axis=1 it keeps shape[0] * shape[1] // group_size rows
-    of a [B, H, T, D] tensor (B * H // 64 = 0 here) and fails. Quantizing the same tensor viewed as
-    [B * H * T, D] gives identical axis-1 groups (contiguous runs of q_group_size values) and works."""
-    from transformers.cache_utils import HQQQuantizedLayer
-
-    class FlatHQQQuantizedLayer(HQQQuantizedLayer):
-        def _quantize(self, tensor, axis):
-            codes, meta = super()._quantize(tensor.reshape(-1, tensor.shape[-1]), axis)
-            meta["kv_shape"] = tuple(tensor.shape)
-            return codes, meta
-
-        def _dequantize(self, qtensor):
-            return super()._dequantize(qtensor).reshape(qtensor[1]["kv_shape"])
-
-    return FlatHQQQuantizedLayer
 
 
 class Runner:
@@ -163,7 +74,6 @@ class Runner:
         return torch.cat(logprobs), sizes
 
 
-
 @dataclass
 class DecodeTimer:
     """One cache left after its first window, continued by single-token greedy steps."""
@@ -191,7 +101,8 @@ def time_interleaved(timers: list[DecodeTimer], steps: int, rounds: int = 8) -> 
 
 def git_commit() -> str:
     commit = provenance.git_commit(dirty_paths=["src/moekv/integrations", "src/moekv/kv", "src/moekv/ops/reference",
-                                                "src/moekv/kvcache/formats", "benchmarks/bench_hf_cache.py"])
+                                                "src/moekv/kvcache/formats", "benchmarks/bench_hf_cache.py",
+                                                "benchmarks/hf_cache_specs.py", "benchmarks/hf_cache_report.py"])
     if commit is None:
         return "unknown"
     return f"uncommitted (on {commit[:-len('+uncommitted')]})" if commit.endswith("+uncommitted") else commit
@@ -303,108 +214,6 @@ def run(args) -> dict:
             "window_offsets": [k * args.window_stride for k in range(args.windows)]}
 
 
-def _row(rows: list[dict], name: str) -> dict | None:
-    found = [r for r in rows if r["name"] == name and "perplexity" in r]
-    return found[0] if found else None
-
-
-def check_targets(rows: list[dict]) -> list[dict]:
-    """The targets (issue 23): at each width, moekv int<b> with no more low-bit bits per value than a quanto / HQQ
-    configuration of that width has a lower perplexity and a lower KL than it."""
-    checks = []
-    pairs = [(f"moekv int{r['bits']}", r["name"]) for r in rows if r["family"] in ("quanto", "hqq")]
-    for ours_name, theirs_name in pairs:
-        ours, theirs = _row(rows, ours_name), _row(rows, theirs_name)
-        if ours is None or theirs is None:
-            checks.append({"ours": ours_name, "theirs": theirs_name, "status": "not measured"})
-            continue
-        fewer_bits = ours["bits_per_value_lowbit"] <= theirs["bits_per_value_lowbit"] + 1e-9
-        better_ppl = ours["perplexity"] < theirs["perplexity"]
-        better_kl = ours["mean_kl"] < theirs["mean_kl"]
-        checks.append({
-            "ours": ours_name, "theirs": theirs_name, "met": fewer_bits and better_ppl and better_kl,
-            "bits": [ours["bits_per_value_lowbit"], theirs["bits_per_value_lowbit"]],
-            "perplexity": [ours["perplexity"], theirs["perplexity"]],
-            "mean_kl": [ours["mean_kl"], theirs["mean_kl"]],
-            "status": "met" if fewer_bits and better_ppl and better_kl else "missed",
-        })
-    return checks
-
-
-def pareto_rows(rows: list[dict]) -> tuple[list[dict], list[bool]]:
-    """The measured low-bit rows and whether each is on the (low-bit bits, KL) Pareto front."""
-    from moekv.eval.pareto import pareto_front
-
-    measured = [r for r in rows if "perplexity" in r and r.get("bits_per_value_lowbit") is not None]
-    return measured, pareto_front([(r["bits_per_value_lowbit"], r["mean_kl"]) for r in measured])
-
-
-def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    """KL against low-bit bits per value for every family (PNG; None without matplotlib)."""
-    from moekv.eval.pareto import plot_pareto
-
-    series: dict[str, list] = {}
-    for r in pareto_rows(rows)[0]:
-        series.setdefault(r["family"], []).append((r["name"], r["bits_per_value_lowbit"], r["mean_kl"]))
-    return plot_pareto(series, path, "low-bit bits per value", "mean KL(DynamicCache || cache), nats", title)
-
-
-def _fmt(value, digits: int) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
-
-
-def markdown(report: dict) -> str:
-    meta, rows = report["meta"], report["rows"]
-    reference = _row(rows, "DynamicCache (reference)")
-    lines = [
-        f"# transformers caches side by side: {meta['model_name']}, {meta['context']}-token context",
-        "",
-        f"- date: {meta['date']}; machine: {meta['machine']}; commit: {meta['commit']}",
-        f"- command: `{meta['command']}`",
-        f"- versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}; model dtype {report['dtype']}",
-        f"- protocol: {meta['windows']} windows of {meta['context']} tokens of the validation text (offsets "
-        f"{', '.join(str(o) for o in report['window_offsets'])}); per window, prefill {meta['prefill']} tokens, then "
-        f"chunks of {meta['chunk']} tokens with the cache carried over; perplexity and mean KL(p_DynamicCache || "
-        f"p_cache) over the {meta['evaluated_positions']} positions after the prefills; every cache keeps the newest "
-        "< 128 tokens in full precision (residual_length=128).",
-        "- bits per value: bytes of the stored tensors (codes + scales + zero points + moekv's outliers + the "
-        "full-precision residual window) x 8 / key-value scalars held; *all-in* = mean over the evaluation steps, "
-        "*low-bit* = the quantized part alone at the end.",
-        f"- ms/token: median of {meta['decode_tokens']} single-token greedy steps after the first window's "
-        f"{meta['context']} tokens, interleaved across caches in 8 rounds, {meta['threads']} CPU thread(s); "
-        f"load average at start {meta['load_average']} (a shared machine: compare timings within one run only).",
-        "",
-        "| cache | all-in bits/value | low-bit bits/value | perplexity | Δ ppl | mean KL | ms/token |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        if "perplexity" not in r:
-            lines.append(f"| {r['name']} | {r.get('skipped') or r.get('error')} |||||| ")
-            continue
-        delta = r["perplexity"] - reference["perplexity"] if reference else None
-        lines.append(f"| {r['name']} | {_fmt(r['bits_per_value_all_in'], 3)} | {_fmt(r['bits_per_value_lowbit'], 3)} "
-                     f"| {r['perplexity']:.3f} | {_fmt(delta, 3)} | {r['mean_kl']:.5f} | {r['ms_per_token']:.1f} |")
-    lines += ["", "Groupings:", ""]
-    for r in rows:
-        lines.append(f"- {r['name']}: {r['grouping']}")
-    lines += ["", "## Pareto front (low-bit bits per value against mean KL; lower is better on both)", "",
-              "| cache | low-bit bits/value | mean KL | on the front |", "| --- | ---: | ---: | --- |"]
-    for r, on in zip(*pareto_rows(rows)):
-        lines.append(f"| {r['name']} | {r['bits_per_value_lowbit']:.3f} | {r['mean_kl']:.5f} | {'yes' if on else ''} |")
-    if report.get("plot"):
-        lines += ["", f"Plot: `{report['plot']}`."]
-    lines += ["", "## Targets", "", "| ours | theirs | low-bit bits (ours / theirs) | perplexity | mean KL | status |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for c in report["targets"]:
-        if c["status"] == "not measured":
-            lines.append(f"| {c['ours']} | {c['theirs']} | | | | not measured |")
-            continue
-        lines.append(f"| {c['ours']} | {c['theirs']} | {c['bits'][0]:.3f} / {c['bits'][1]:.3f} "
-                     f"| {c['perplexity'][0]:.3f} / {c['perplexity'][1]:.3f} "
-                     f"| {c['mean_kl'][0]:.5f} / {c['mean_kl'][1]:.5f} | {c['status']} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(BUNDLED), help="a local transformers checkpoint folder")
@@ -435,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": started.strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, CPU".strip(),
             "commit": git_commit(),
-            "command": shlex.join([".venv/bin/python",
+            "command": shlex.join(["PYTHONPATH=src:.", ".venv/bin/python",
                                    os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
             "versions": package_versions(),
             "model": args.model if Path(args.model).resolve() != BUNDLED.resolve() else "models/tiny-shakespeare-moe",

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def provenance(command: list[str]) -> dict:
     commit = git_commit(dirty_paths=["src/moekv/moe", "src/moekv/ops", "benchmarks/bench_offload.py",
-                                     "benchmarks/offload_speed.py"])
+                                     "benchmarks/offload_speed.py", "benchmarks/offload_speed_harness.py"])
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine(),

@@ -1,7 +1,8 @@
 """The bundled checkpoint models/tiny-shakespeare-moe: shape, size, validation perplexity and expert load.
 
 The perplexity on the committed validation slice is recomputed on the CPU in fp32 with the same function the
-training script used to write ``eval.json`` (``tools/train_tiny_moe.py:slice_eval``) and must match within 1%.
+training script used to write ``eval.json`` (``tools/train_tiny_moe.py:slice_eval``, defined in
+``tools/tiny_moe_eval.py``) and must match within 1%.
 """
 
 from __future__ import annotations

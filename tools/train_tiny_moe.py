@@ -25,6 +25,9 @@ Examples::
     python tools/train_tiny_moe.py --device cuda        # the shipped settings: 700 steps, ~2 min on one H200
     python tools/train_tiny_moe.py --device cpu --steps 20 --batch-tokens 2048 --seq-len 256 --out /tmp/tiny
     python tools/train_tiny_moe.py --eval-only --out models/tiny-shakespeare-moe   # recompute eval.json + card
+
+Pieces, next to this file and loaded by path: tiny_moe_model.py (tokenizer, Mixtral config, experts kernel choice,
+dropout hooks, balance loss), tiny_moe_eval.py (evaluate, slice_eval, samples), tiny_moe_card.py (MODEL_CARD.md).
 """
 
 from __future__ import annotations
@@ -48,386 +51,41 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "models" / "tiny-shakespeare-moe"
-SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]   # ids 0 and 1; <|endoftext|> is bos and eos
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] | upper }}:\n{{ m['content'] }}\n\n{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}"
-)
-SLICE_WINDOW = 1024          # window length for the committed-slice perplexity (eval.json, the test)
 SAMPLE_PROMPTS = ["ROMEO:\n", "First Citizen:\n", ""]   # "" = unconditional (from <|endoftext|>)
 
 
-def _load_datasets_module():
-    """src/moekv/datasets.py by path (stdlib only), so the split is defined in one place."""
-    spec = importlib.util.spec_from_file_location("_moekv_datasets", REPO / "src" / "moekv" / "datasets.py")
+def _load_module(path: Path, name: str):
+    """A module by path: neither moekv nor tools need be importable (this script runs as `python
+    tools/train_tiny_moe.py`, and tests load it by path)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+def _load_datasets_module():
+    """src/moekv/datasets.py by path (stdlib only), so the split is defined in one place."""
+    return _load_module(REPO / "src" / "moekv" / "datasets.py", "_moekv_datasets")
 
 
-# ----------------------------------------------------------------------------------------------------- tokenizer
-def train_tokenizer(text: str, vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    chunks = [text[i:i + 8192] for i in range(0, len(text), 8192)]
-    tok.train_from_iterator(chunks, trainer=trainer, length=len(chunks))
-    return tok
-
-
-def hf_tokenizer(tok):
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=SPECIAL_TOKENS[0],
-        eos_token=SPECIAL_TOKENS[0],
-        pad_token=SPECIAL_TOKENS[1],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=4096,
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def save_tokenizer(tok, out: Path) -> None:
-    """tokenizer.json + tokenizer_config.json (chat template inline, class name readable by transformers 4 and 5)."""
-    hf_tokenizer(tok).save_pretrained(out, save_jinja_files=False)
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"   # v5 writes its own "TokenizersBackend", unknown to v4
-    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-# --------------------------------------------------------------------------------------------------------- model
-def build_config(args, vocab_size: int):
-    from transformers import MixtralConfig
-
-    return MixtralConfig(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=args.max_position_embeddings,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        router_aux_loss_coef=args.aux_coef,
-        router_jitter_noise=0.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=1,
-        attention_dropout=0.0,
-        use_cache=True,
-    )
-
-
-def choose_experts_implementation(model, dev, amp_dtype, vocab: int, batch_tokens: int, seq_len: int) -> str:
-    """On CUDA pick the fastest working transformers experts kernel ("grouped_mm" or "eager") for training."""
-    default = getattr(model.config, "_experts_implementation", None) or "default"
-    if dev.type != "cuda" or not hasattr(model, "set_experts_implementation"):
-        return default
-    timings = {}
-    x = torch.randint(2, vocab, (max(1, batch_tokens // seq_len), seq_len), device=dev)
-    for impl in ["grouped_mm", "eager"]:
-        try:
-            model.set_experts_implementation(impl)
-            for i in range(4):
-                if i == 1:
-                    torch.cuda.synchronize()
-                    t0 = time.time()
-                with torch.autocast("cuda", dtype=amp_dtype):
-                    out = model(input_ids=x, output_router_logits=True, use_cache=False)
-                loss = F.cross_entropy(out.logits.float().reshape(-1, vocab), x.reshape(-1))
-                loss.backward()
-            torch.cuda.synchronize()
-            timings[impl] = (time.time() - t0) / 3
-        except Exception as e:  # noqa: BLE001 - any failure means "not usable here"
-            log(f"experts implementation {impl!r} unusable: {type(e).__name__}: {e}")
-        model.zero_grad(set_to_none=True)
-    if not timings:
-        log("no experts implementation could be timed; keeping the default")
-        return default
-    best = min(timings, key=timings.get)
-    model.set_experts_implementation(best)
-    log("experts implementation: " + ", ".join(f"{k} {v * 1000:.0f} ms/step" for k, v in timings.items())
-        + f" -> {best}")
-    return best
-
-
-def count_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def add_dropout_hooks(model, p: float) -> list:
-    """Training-only dropout on the embedding output and on each sublayer output (attention o_proj, MoE block)."""
-    if p <= 0:
-        return []
-
-    def hook(mod, inp, out):
-        if isinstance(out, tuple):
-            return (F.dropout(out[0], p, mod.training),) + tuple(out[1:])
-        return F.dropout(out, p, mod.training)
-
-    mods = [model.model.embed_tokens]
-    for layer in model.model.layers:
-        mods += [layer.self_attn.o_proj, layer.mlp]
-    return [m.register_forward_hook(hook) for m in mods]
-
-
-def per_layer_balance_loss(router_logits, num_experts: int, top_k: int) -> torch.Tensor:
-    """Switch-Transformer load-balancing loss, computed per layer and averaged (1.0 * top_k when balanced).
-
-    transformers' own ``load_balancing_loss_func`` pools the counts of all layers, which lets one layer starve an
-    expert while another compensates; balancing each layer keeps every expert of every layer alive.
-    """
-    total = 0.0
-    for g in router_logits:
-        probs = torch.softmax(g.float(), dim=-1)                          # (tokens, E)
-        top = probs.topk(top_k, dim=-1).indices
-        frac = torch.zeros(num_experts, device=g.device).scatter_add_(
-            0, top.reshape(-1), torch.ones(top.numel(), device=g.device)) / probs.shape[0]
-        total = total + num_experts * (frac * probs.mean(0)).sum()
-    return total / len(router_logits)
-
-
-@torch.no_grad()
-def evaluate(model, ids: torch.Tensor, window: int, batch_windows: int = 4, count_experts: bool = True,
-             autocast_dtype=None) -> dict:
-    """Loss/perplexity over ``ids`` in non-overlapping windows of ``window`` tokens (a shorter tail window too).
-
-    Every token but the first of each window is predicted from the tokens before it in its window. Optionally
-    counts, per layer, how many routed token-slots (top-k choices) each expert receives.
-    """
-    model.eval()
-    dev = next(model.parameters()).device
-    ids = ids.to(dev)
-    cfg = model.config
-    n_layers, n_exp, k = cfg.num_hidden_layers, cfg.num_local_experts, cfg.num_experts_per_tok
-    n_full = ids.numel() // window
-    batches = [ids[: n_full * window].view(n_full, window)[i:i + batch_windows]
-               for i in range(0, n_full, batch_windows)]
-    tail = ids[n_full * window:]
-    if tail.numel() >= 2:
-        batches.append(tail[None])
-    nll, n_pred = 0.0, 0
-    counts = torch.zeros(n_layers, n_exp, dtype=torch.long)
-    ctx = (torch.autocast(dev.type, dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
-    for x in batches:
-        with ctx:
-            out = model(input_ids=x, output_router_logits=count_experts, use_cache=False)
-        logits = out.logits[:, :-1].float()
-        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                               reduction="sum").double().item()
-        n_pred += x[:, 1:].numel()
-        if count_experts:
-            for layer, g in enumerate(out.router_logits):
-                top = g.float().topk(k, dim=-1).indices.reshape(-1)
-                counts[layer] += torch.bincount(top, minlength=n_exp).cpu()
-    loss = nll / n_pred
-    res = {"window": window, "tokens": int(ids.numel()), "predicted_tokens": n_pred,
-           "windows": n_full + (1 if tail.numel() >= 2 else 0), "loss": loss, "perplexity": math.exp(loss)}
-    if count_experts:
-        load = counts.double() / counts.sum(dim=1, keepdim=True).double()
-        res["expert_counts"] = counts.tolist()
-        res["expert_load"] = [[round(v, 5) for v in row] for row in load.tolist()]
-        res["expert_load_min"] = float(load.min())
-        res["expert_load_max"] = float(load.max())
-    return res
-
-
-def encode(tok, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens (tokenizers.Tokenizer or a transformers tokenizer)."""
-    from tokenizers import Tokenizer
-
-    if isinstance(tok, Tokenizer):
-        return tok.encode(text).ids
-    return tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-
-
-def load_checkpoint(folder: Path, device: str = "cpu", dtype=torch.float32):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
-    model.eval()
-    return model, AutoTokenizer.from_pretrained(folder)
-
-
-def slice_eval(folder: Path, device: str = "cpu") -> dict:
-    """What eval.json holds and the test recomputes: fp32 perplexity + expert load on validation_slice.txt."""
-    model, tok = load_checkpoint(folder, device)
-    text = (folder / "validation_slice.txt").read_text(encoding="utf-8")
-    ids = torch.tensor(encode(tok, text), dtype=torch.long)
-    res = evaluate(model, ids, SLICE_WINDOW, batch_windows=4)
-    res.update({"text": "validation_slice.txt", "chars": len(text), "dtype": "float32", "device": device})
-    return res
-
-
-@torch.no_grad()
-def sample(model, tok, prompt: str, n_tokens: int, temperature: float, seed: int) -> str:
-    dev = next(model.parameters()).device
-    ids = encode(tok, prompt) if prompt else [model.config.bos_token_id]
-    torch.manual_seed(seed)
-    out = model.generate(torch.tensor([ids], device=dev), do_sample=True, temperature=temperature, top_k=0,
-                         top_p=1.0, max_new_tokens=n_tokens, pad_token_id=model.config.pad_token_id,
-                         eos_token_id=None)
-    return tok.decode(out[0].tolist(), skip_special_tokens=True)
-
-
-# ----------------------------------------------------------------------------------------------------- reporting
-def folder_sizes(folder: Path) -> dict:
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def _non_default(rep: dict) -> str:
-    defaults = vars(parse_args([]))
-    diff = [f"`--{k.replace('_', '-')} {v}`" for k, v in rep["hparams"].items() if defaults.get(k) != v]
-    if rep["planned_steps"] != defaults["steps"]:
-        diff.append(f"`--steps {rep['planned_steps']}`")
-    return ", ".join(diff) or "none besides `--data/--out/--device`"
+# the pieces next to this file: tokenizer + model (tiny_moe_model.py), evaluation (tiny_moe_eval.py), the model
+# card (tiny_moe_card.py)
+_model = _load_module(Path(__file__).with_name("tiny_moe_model.py"), "_tiny_moe_model")
+_eval = _load_module(Path(__file__).with_name("tiny_moe_eval.py"), "_tiny_moe_eval")
+_card = _load_module(Path(__file__).with_name("tiny_moe_card.py"), "_tiny_moe_card")
+log, SPECIAL_TOKENS, CHAT_TEMPLATE = _model.log, _model.SPECIAL_TOKENS, _model.CHAT_TEMPLATE
+train_tokenizer, hf_tokenizer, save_tokenizer = _model.train_tokenizer, _model.hf_tokenizer, _model.save_tokenizer
+build_config, choose_experts_implementation = _model.build_config, _model.choose_experts_implementation
+count_params, add_dropout_hooks, per_layer_balance_loss = (_model.count_params, _model.add_dropout_hooks,
+                                                           _model.per_layer_balance_loss)
+SLICE_WINDOW, evaluate, encode = _eval.SLICE_WINDOW, _eval.evaluate, _eval.encode
+load_checkpoint, slice_eval, sample = _eval.load_checkpoint, _eval.slice_eval, _eval.sample
+folder_sizes = _card.folder_sizes
 
 
 def write_model_card(folder: Path) -> None:
-    rep = json.loads((folder / "train_report.json").read_text())
-    ev = json.loads((folder / "eval.json").read_text())
-    cfg = rep["config"]
-    val, trn = rep["validation"], rep["train_eval"]
-    L = len(val["expert_load"])
-    lines = [
-        "# tiny-shakespeare-moe",
-        "",
-        "A tiny Mixtral-architecture Mixture-of-Experts causal LM trained from scratch on tinyshakespeare by",
-        "`tools/train_tiny_moe.py`. It is the default model of the moekv engine and the fixture for KV-fidelity and",
-        "expert-routing measurements. Loads with stock `transformers` (`MixtralForCausalLM`), no custom code.",
-        "",
-        "## Architecture",
-        "",
-        "| field | value |",
-        "|---|---|",
-        f"| architecture | `MixtralForCausalLM` |",
-        f"| layers | {cfg['num_hidden_layers']} |",
-        f"| hidden size | {cfg['hidden_size']} |",
-        f"| experts / top-k | {cfg['num_local_experts']} / {cfg['num_experts_per_tok']} |",
-        f"| expert intermediate size | {cfg['intermediate_size']} |",
-        f"| attention | GQA: {cfg['num_attention_heads']} query heads, {cfg['num_key_value_heads']} KV heads, "
-        f"head_dim {cfg['head_dim']} |",
-        f"| vocab | {cfg['vocab_size']} (byte-level BPE, specials `<\\|endoftext\\|>`=0 bos/eos, "
-        f"`<\\|pad\\|>`=1) |",
-        f"| max_position_embeddings | {cfg['max_position_embeddings']} (RoPE, theta {rep['rope_theta']:,.0f}) |",
-        f"| parameters | {rep['params']:,} total, ~{rep['active_params']:,} active per token |",
-        f"| weights dtype | bfloat16 (safetensors), untied embeddings |",
-        "",
-        "## Data and split",
-        "",
-        f"- Corpus: tinyshakespeare (`../shared/data/tinyshakespeare.txt`, {rep['data']['chars']:,} characters, "
-        f"sha256 `{rep['data']['sha256'][:16]}…`).",
-        "- Split by characters: the first 90% (`text[:int(0.9 * len(text))]`) is training text, the last 10% is "
-        f"validation text ({rep['data']['val_chars']:,} characters, {rep['data']['val_tokens']:,} tokens). "
-        "`moekv.datasets.validation_text()` returns exactly this split.",
-        f"- The tokenizer was trained on the training text only ({rep['data']['train_tokens']:,} training tokens, "
-        f"{rep['data']['chars_per_token']:.2f} characters per token).",
-        "- `validation_slice.txt` is the committed copy of the first 64 kB of the validation split (cut at a line "
-        "end); `moekv.datasets.validation_slice()` returns it.",
-        "",
-        "## Training",
-        "",
-        "```",
-        rep["command"],
-        "```",
-        "",
-        f"Settings that differ from the script's defaults: {_non_default(rep)}.",
-        "",
-        f"- Hardware: {rep['hardware']}; torch {rep['versions']['torch']}, transformers "
-        f"{rep['versions']['transformers']}, tokenizers {rep['versions']['tokenizers']}.",
-        f"- {rep['steps_done']} steps in {rep['train_seconds'] / 60:.1f} min of training "
-        f"({rep['total_seconds'] / 60:.1f} min wall incl. tokenizer and evaluation); "
-        f"{rep['hparams']['batch_tokens']:,} tokens per step "
-        f"({rep['tokens_seen'] / 1e6:.1f} M tokens, {rep['epochs']:.0f} passes over the training tokens).",
-        f"- AdamW (betas 0.9/0.95, weight decay {rep['hparams']['weight_decay']}), peak LR {rep['hparams']['lr']}, "
-        f"{rep['hparams']['warmup']} warmup steps, cosine decay to {rep['hparams']['min_lr_frac']}x; "
-        f"{'bf16 autocast' if rep['hardware'].startswith('1x') else 'fp32'}; grad clip 1.0; "
-        f"seed {rep['hparams']['seed']}; experts kernel `{rep.get('experts_implementation')}`.",
-        f"- Sequences of {rep['hparams']['seq_len']} tokens ({rep['hparams']['long_frac']:.0%} of the steps at "
-        f"{rep['hparams']['long_seq_len']}), random offsets; 10% of the sequences start with `<|endoftext|>` "
-        "at a speech boundary.",
-        f"- Router load-balancing aux loss on (`output_router_logits=True`), coefficient "
-        f"{rep['hparams']['aux_coef']}, applied per layer. Dropout {rep['hparams']['dropout']} on embeddings and "
-        "sublayer outputs (training-time hooks only).",
-        f"- Early stopping on validation loss (evaluated every {rep['hparams']['eval_every']} steps): kept "
-        f"step {rep['best_step']}. Note that the validation text therefore selected the checkpoint.",
-        "- The shipped `config.json` has `output_router_logits: false` (inference does not need the aux loss; pass "
-        "`output_router_logits=True` to get router logits).",
-        "",
-        "## Results",
-        "",
-        "Measured after saving, on the reloaded bf16 checkpoint computed in fp32, non-overlapping windows:",
-        "",
-        "| split | window | tokens | loss (nats/token) | perplexity | bits/char |",
-        "|---|---|---|---|---|---|",
-        f"| train (first {trn['tokens']:,} train tokens) | {trn['window']} | {trn['tokens']:,} | {trn['loss']:.4f} | "
-        f"{trn['perplexity']:.2f} | {trn['bits_per_char']:.3f} |",
-        f"| validation (whole split) | {val['window']} | {val['tokens']:,} | {val['loss']:.4f} | "
-        f"{val['perplexity']:.2f} | {val['bits_per_char']:.3f} |",
-        f"| committed 64 kB validation slice | {ev['window']} | {ev['tokens']:,} | {ev['loss']:.4f} | "
-        f"{ev['perplexity']:.2f} | – |",
-        "",
-        f"Final training loss (mean of the last {rep['last_train_loss_steps']} steps, dropout on): "
-        f"{rep['last_train_loss']:.4f} (perplexity {math.exp(rep['last_train_loss']):.2f}).",
-        "",
-        "The committed-slice row is computed exactly as `tests/test_bundled_model.py` does (CPU, fp32, "
-        f"{SLICE_WINDOW}-token windows) and stored in `eval.json`; the test asserts it within 1%.",
-        "",
-        "## Expert load on validation text",
-        "",
-        "Fraction of routed token-slots (top-2 choices) per expert and layer over the whole validation split "
-        f"(uniform = {1 / cfg['num_local_experts']:.3f}). Minimum {val['expert_load_min']:.3f}, maximum "
-        f"{val['expert_load_max']:.3f}.",
-        "",
-        "| layer | " + " | ".join(f"e{e}" for e in range(cfg["num_local_experts"])) + " |",
-        "|---|" + "---|" * cfg["num_local_experts"],
-    ]
-    for layer in range(L):
-        lines.append(f"| {layer} | " + " | ".join(f"{v:.3f}" for v in val["expert_load"][layer]) + " |")
-    if rep.get("notes"):
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in rep["notes"]]
-    lines += ["", "## Samples (temperature 0.8, no top-k/top-p)", ""]
-    for s in rep["samples"]:
-        shown = repr(s["prompt"]) if s["prompt"] else "`<|endoftext|>` (unconditional)"
-        lines += [f"Prompt {shown}, {s['new_tokens']} new tokens, seed {s['seed']}:", "", "```", s["text"], "```", ""]
-    sizes = folder_sizes(folder)
-    sizes.pop("MODEL_CARD.md", None)
-    lines += ["## Files", "", "| file | bytes |", "|---|---|"]
-    lines += [f"| {k} | {v:,} |" for k, v in sizes.items()]
-    lines += [f"| **total (without this card)** | **{sum(sizes.values()):,}** ({sum(sizes.values()) / 1e6:.2f} MB) |",
-              "", "## Chat template", "", "Play format: each message as `ROLE:` on its own line, then the text, then a "
-              "blank line; the generation prompt is `ASSISTANT:`.", "",
-              "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-              "tok = AutoTokenizer.from_pretrained('models/tiny-shakespeare-moe')",
-              "model = AutoModelForCausalLM.from_pretrained('models/tiny-shakespeare-moe')",
-              "ids = tok('ROMEO:\\n', return_tensors='pt').input_ids",
-              "print(tok.decode(model.generate(ids, do_sample=True, temperature=0.8, max_new_tokens=64)[0]))",
-              "```", "", "License of the text: public domain (Shakespeare); the weights follow the repository license.",
-              ""]
-    (folder / "MODEL_CARD.md").write_text("\n".join(lines), encoding="utf-8")
+    """MODEL_CARD.md of `folder` (tiny_moe_card.py), listing the settings that differ from this script's defaults."""
+    _card.write_model_card(folder, vars(parse_args([])), SLICE_WINDOW)
 
 
 # ------------------------------------------------------------------------------------------------------- training

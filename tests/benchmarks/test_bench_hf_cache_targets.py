@@ -1,8 +1,9 @@
-"""benchmarks/bench_hf_cache.py: the per-width targets against every peer and the Pareto rows (no model)."""
+"""benchmarks/hf_cache_report.py (bench_hf_cache.py's report): the per-width targets against every peer and the Pareto
+rows (no model)."""
 
 from __future__ import annotations
 
-from benchmarks import bench_hf_cache
+from benchmarks import hf_cache_report
 
 
 def _row(name, family, bits, lowbit, ppl, kl):
@@ -18,10 +19,10 @@ def test_targets_compare_each_width_with_every_peer():
             _row("moekv int2", "moekv", 2, 2.49, 49.10, 0.0150),
             _row("moekv int3", "moekv", 3, 3.49, 49.0, 0.0028),
             {"name": "quanto int4 default", "family": "quanto", "bits": 4, "grouping": "", "skipped": "no quanto"}]
-    checks = {(c["ours"], c["theirs"]): c["status"] for c in bench_hf_cache.check_targets(rows)}
+    checks = {(c["ours"], c["theirs"]): c["status"] for c in hf_cache_report.check_targets(rows)}
     assert checks == {("moekv int2", "quanto int2 matched"): "missed",      # lower ppl, higher KL
                       ("moekv int2", "HQQ 2-bit matched"): "met",
                       ("moekv int3", "HQQ 3-bit matched"): "met",
                       ("moekv int4", "quanto int4 default"): "not measured"}
-    measured, front = bench_hf_cache.pareto_rows(rows)
+    measured, front = hf_cache_report.pareto_rows(rows)
     assert [r["name"] for r, on in zip(measured, front) if on] == ["quanto int2 matched", "moekv int2", "moekv int3"]

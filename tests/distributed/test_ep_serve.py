@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(MODEL is None, reason="needs the bundled model m
 
 
 def test_expert_parallel_server_matches_one_process(tmp_path):
-    server = ServerProcess(MODEL, tmp_path / "ep-serve.log", "--device", "cpu", "--expert-parallel-size", "2")
+    # --max-model-len 64: a small KV pool, not the CPU default of 1 GiB on each rank (and in the local LLM)
+    server = ServerProcess(MODEL, tmp_path / "ep-serve.log", "--device", "cpu", "--expert-parallel-size", "2",
+                           "--max-model-len", "64")
     server.command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                       *server.command[1:]]
     prompts = ["ROMEO:", "JULIET:\nO", "First Citizen:", "KING"]
@@ -35,6 +37,6 @@ def test_expert_parallel_server_matches_one_process(tmp_path):
             served = list(pool.map(complete, prompts))
     finally:
         server.stop()
-    local = LLM(model=str(MODEL), device="cpu").generate(
+    local = LLM(model=str(MODEL), device="cpu", max_model_len=64).generate(
         prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert served == [out.outputs[0].text for out in local]

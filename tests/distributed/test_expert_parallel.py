@@ -165,11 +165,13 @@ def test_bundled_model_on_8_ranks(tmp_path):
     prompts = ["ROMEO:", "JULIET:\nO", "First Citizen:\nBefore we proceed", "KING", "To be, or not",
                "MENENIUS:", "All:", "Speak, speak."]
     max_tokens = 4
-    llm = LLM(str(BUNDLED), device="cpu")                  # the checkpoint's dtype, bf16
+    # a KV pool for 64-token sequences, not the CPU default of 1 GiB that each of the 8 ranks would zero
+    kwargs = {"max_model_len": 64}
+    llm = LLM(str(BUNDLED), device="cpu", **kwargs)        # the checkpoint's dtype, bf16
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     results = run_worker(8, [dict(name="bundled", kind="llm", model=str(BUNDLED), prompts=prompts,
-                                  max_tokens=max_tokens)], tmp_path, timeout=400)
+                                  max_tokens=max_tokens, kwargs=kwargs)], tmp_path, timeout=400)
     assert results["bundled"]["ranks_agree"]
     assert results["bundled"]["tokens"] == expected
 

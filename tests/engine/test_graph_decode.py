@@ -30,8 +30,8 @@ MAX_TOKENS = [9, 14, 3, 7, 11, 5]
 
 def _generate(static: bool, kv_cache_dtype: str, dtype: str, page_size: int, prompts=PROMPTS,
               max_tokens=MAX_TOKENS, device: str = "cpu", capture: bool = False, max_num_seqs: int = 8,
-              num_splits: int | None = None, **kwargs):
-    llm = LLM(model=default_model_dir(), dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
+              num_splits: int | None = None, model=None, **kwargs):
+    llm = LLM(model=str(model or default_model_dir()), dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
               page_size=page_size, max_model_len=128, max_num_seqs=max_num_seqs, cuda_graphs=False, **kwargs)
     runner = llm.engine.runner
     if static:
@@ -104,16 +104,25 @@ def _forbid_host_reads(monkeypatch, runner):
     return calls
 
 
-def test_static_forward_does_no_host_sync(monkeypatch):
+def test_static_forward_does_no_host_sync(monkeypatch, tmp_path):
     """Triton kernels (the CPU interpreter without CUDA) with a fixed split count of 3: no .item()/.tolist()/
-    .cpu()/torch.tensor/bool() inside the forward, and the tokens match the eager Triton path."""
+    .cpu()/torch.tensor/bool() inside the forward, and the tokens match the eager Triton path. A tiny random
+    Mixtral with the bundled model's attention shape (8 query / 2 KV heads of 64, 8 experts top-2) but 2 layers
+    and hidden size 64: the interpreter runs every kernel of the step in a fraction of the bundled model's time."""
     pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    from tests.hf_fixtures import make_checkpoint
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = make_checkpoint(tmp_path, "mixtral", num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
+                               num_experts=8, top_k=2)
     with dispatch.override(backend="triton"):
-        prompts, max_tokens = [[5, 17, 33, 9, 100, 3, 44], [7], [12, 13, 14]], [3, 4, 2]
+        # short ragged prompts (the prefill is not what is checked): 3 sequences pad to bucket 4, then buckets 2 and
+        # 1; the first one's second decode step starts its second page
+        prompts, max_tokens = [[5, 17, 33], [7], [12, 13]], [3, 4, 2]
         expected, _ = _generate(False, "fp32", "fp32", page_size=4, prompts=prompts, max_tokens=max_tokens,
-                                max_num_seqs=4, device=device)
-        llm = LLM(model=default_model_dir(), dtype="fp32", kv_cache_dtype="fp32", device=device, page_size=4,
+                                max_num_seqs=4, device=device, model=model)
+        llm = LLM(model=str(model), dtype="fp32", kv_cache_dtype="fp32", device=device, page_size=4,
                   max_model_len=128, max_num_seqs=4, cuda_graphs=False)
         runner = llm.engine.runner
         runner._num_splits = lambda size: 3
@@ -122,7 +131,8 @@ def test_static_forward_does_no_host_sync(monkeypatch):
         outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
                                       for n in max_tokens])
         assert [o.outputs[0].token_ids for o in outs] == expected
-        assert calls and all(b.meta.fixed_num_splits == 3 for b in runner._buckets.values())
+        assert calls == [4, 2, 1] and sorted(runner._buckets) == [1, 2, 4]
+        assert all(b.meta.fixed_num_splits == 3 for b in runner._buckets.values())
 
 
 def test_falls_back_to_eager_for_offloaded_experts():

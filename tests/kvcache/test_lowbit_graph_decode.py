@@ -173,16 +173,17 @@ class Pair:
 
 def test_decode_steps_match_the_lazy_path(backend):
     pair = Pair(key_axis="channel" if backend == "reference" else "token")
-    pair.step({"a": 13, "b": 10, "c": 30, "d": 24}, decode_plan=False)      # ragged prefill: hooked, variable plan
+    pair.step({"a": 13, "b": 12, "c": 30, "d": 28}, decode_plan=False)      # ragged prefill: hooked, variable plan
     real = ["a", "b", "c", "d"]
-    for step in range(12):                       # a crosses 16, b 16, c 32, d 32, e 16
-        if step == 8:
+    # pages fill in padded steps (c at step 1, a at 2, e at 4) and in an unpadded one (b and d together at 3)
+    for step in range(6):
+        if step == 4:
             pair.finish("b")                     # a sequence ends, a new one joins (a prefill step)
             real = ["a", "c", "d", "e"]
             pair.step({"e": 15, "a": 1}, decode_plan=False)
         pad = BUCKET if step % 3 else len(real)  # padded buckets and unpadded decode steps
         pair.step({s: 1 for s in real}, pad_to=pad, decode_plan=True)
-    assert pair.lengths == {"a": 26, "c": 42, "d": 36, "e": 19}
+    assert pair.lengths == {"a": 20, "c": 36, "d": 34, "e": 17}
     stats = pair.hooked.stats()
     assert stats["pages_quantized"] == sum(n // PAGE for n in pair.lengths.values()) + 1   # + b's first page
     assert stats["key_outliers_per_page_head"] > 0
@@ -195,7 +196,7 @@ def test_decode_steps_in_a_graph_bucket_buffer_match_the_lazy_path(backend):
     non-finite key reported through the bucket's flags."""
     pair = Pair()
     pair.step({"a": 13, "b": 2, "c": 30}, decode_plan=False)
-    for step in range(6):                        # a crosses 16, c 32; padded to BUCKET and unpadded
+    for step in range(4):                        # c crosses 32 (padded step), a 16 (unpadded); padded to BUCKET
         pad = BUCKET if step % 2 else 3
         pair.step({s: 1 for s in "abc"}, pad_to=pad, decode_plan=True, bucket=True)
     assert pair.hooked.stats()["pages_quantized"] == 3       # c's first page at prefill, a's and c's after

@@ -4,6 +4,8 @@ a page repeated, outlier-heavy data, untouched pages and the int64 counters."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -59,14 +61,22 @@ def assert_same(got, want):
             assert torch.equal(mine.tensors()[name].cpu(), t.cpu()), name
 
 
+@functools.cache
+def all_layers_kernel(device: str, key_axis: str, kind: str):
+    """The all-layers kernel on the staging data of seeds 1 and 2: (keys, values, pages out, counters), launched
+    once for the tests that compare it (they only read it)."""
+    key_spec, value_spec = specs(key_axis)
+    keys, values = staging(device, 1, kind), staging(device, 2, kind)
+    got, counters = run(lowbit_quantize.quantize_staged_kv_counted_layers, keys, values, device, key_spec, value_spec)
+    return keys, values, got, counters
+
+
 @pytest.mark.parametrize("key_axis,kind", [("channel", "spiky"), ("token", "random")])
 def test_all_layers_kernel_matches_reference(device, key_axis, kind):
     key_spec, value_spec = specs(key_axis)
-    keys, values = staging(device, 1, kind), staging(device, 2, kind)
+    keys, values, got, got_counters = all_layers_kernel(device, key_axis, kind)
     want, want_counters = run(reference.quantize_staged_kv_counted_layers, keys.cpu(), values.cpu(), "cpu",
                               key_spec, value_spec)
-    got, got_counters = run(lowbit_quantize.quantize_staged_kv_counted_layers, keys, values, device, key_spec,
-                            value_spec)
     assert torch.equal(got_counters.cpu(), want_counters)
     filled = 3 * HEADS * LAYERS                        # entries 1, 3, 4 (page 4 twice), every head and layer
     assert want_counters[0] == filled and want_counters[3] > 0 and want_counters[4] > 0
@@ -89,9 +99,7 @@ def test_all_layers_kernel_matches_reference(device, key_axis, kind):
 def test_all_layers_equals_per_layer_calls(device):
     """One launch for all layers == the one-layer kernel called per layer on the per-layer views."""
     key_spec, value_spec = specs("channel")
-    keys, values = staging(device, 3, "spiky"), staging(device, 4, "spiky")
-    got, got_counters = run(lowbit_quantize.quantize_staged_kv_counted_layers, keys, values, device, key_spec,
-                            value_spec)
+    keys, values, got, got_counters = all_layers_kernel(device, "channel", "spiky")
 
     def per_layer(k, v, slots, pages, ks, vs, k_out, v_out, counters, *indices):
         for layer in range(LAYERS):

@@ -1,8 +1,9 @@
 """Quality against bits per value: which configurations are on the Pareto front, and a plot of it.
 
-Used by `moekv eval kv` and benchmarks/bench_hf_cache.py. A point is (bits, error) with lower being better on
-both; it is on the front when no other point has fewer-or-equal bits and a lower-or-equal error with at least
-one strictly lower. The plot needs matplotlib (optional: `plot_pareto` returns None when it is missing).
+Used by `moekv eval kv` and benchmarks/bench_hf_cache.py (hf_cache_report.py). A point is (bits, error) with
+lower being better on both; it is on the front when no other point has fewer-or-equal bits and a lower-or-equal
+error with at least one strictly lower. The plot needs matplotlib (optional: `plot_pareto` returns None when it
+is missing).
 """
 
 from __future__ import annotations
