@@ -143,12 +143,12 @@ def tensor_errors(record: TensorRecord, variant, stride: int = 4) -> dict[str, f
             record.outputs[layer] = sampled_attention(query, key, value, positions, record.scale)
         if config.is_low_bit:
             common = dict(bits=config.bits, page_size=config.resolved_page_size, outlier_tau=config.outlier_tau,
-                          group_size=config.token_group_size)
+                          group_size=config.token_group_size, outlier_select=config.resolved_outlier_select)
             key_hat = kv.quantize(key, "key", outlier_fraction=config.key_outlier_fraction, axis=config.key_axis,
                                   clip_steps=config.key_clip_steps, clip_refine=config.key_clip_refine,
                                   **common).dequantize()
             value_hat = kv.quantize(value, "value", outlier_fraction=config.value_outlier_fraction,
-                                    clip_steps=config.value_clip_steps, clip_refine=config.value_clip_refine,
+                                    clip_steps=config.resolved_value_clip_steps, clip_refine=config.value_clip_refine,
                                     **common).dequantize()
         else:
             dtype = torch_dtype(config.kv_cache_dtype)

@@ -62,14 +62,15 @@ def quant_specs(spec: KVCacheSpec, config: CacheConfig) -> tuple[QuantSpec, Quan
         raise ConfigError("the low-bit KV format needs kv_cache_dtype int4, int3 or int2, "
                           f"got {config.kv_cache_dtype!r}")
     common = dict(bits=config.bits, head_dim=spec.head_dim, page_size=spec.page_size,
-                  group_size=config.token_group_size, outlier_tau=config.outlier_tau)
+                  group_size=config.token_group_size, outlier_tau=config.outlier_tau,
+                  outlier_select=config.resolved_outlier_select)
     try:
         key_spec = QuantSpec(axis=config.key_axis, **common, outlier_capacity=QuantSpec.capacity_for(
             config.key_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.key_clip_steps,
             clip_refine=min(config.key_clip_refine, config.key_clip_steps))
         value_spec = QuantSpec(axis="token", **common, outlier_capacity=QuantSpec.capacity_for(
-            config.value_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.value_clip_steps,
-            clip_refine=min(config.value_clip_refine, config.value_clip_steps))
+            config.value_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.resolved_value_clip_steps,
+            clip_refine=min(config.value_clip_refine, config.resolved_value_clip_steps))
     except ValueError as exc:
         raise ConfigError(f"low-bit KV cache: {exc}") from None
     return key_spec, value_spec
