@@ -121,14 +121,14 @@ class CacheConfig:
     # How the budgeted outliers are chosen (docs/kv-format.md §4): "deviation" = the largest |x - mean| / std
     # beyond tau; "range" = greedily the values whose removal shrinks their group's squared range the most
     # (tau unused). None: "range" at int4, "deviation" at int3 / int2 (measured: docs/kv-fidelity.md, issue 23:
-    # int4 KL -17 % with it, int3 not better).
+    # int4 KL -11 % with it, int3 / int2 not better).
     outlier_select: str | None = None
     # Range search (docs/kv-format.md §3): candidates k = 0..N shrink each group's min/max range by k/16; the
     # one of least squared error wins. Same stored layout and dequantization; 0 = plain min/max. Measured
-    # (docs/kv-fidelity.md): values gain at int3 / int2 but lose KL at int4 (value_clip_steps None: 0 at int4,
-    # 8 at int3 / int2); keys lose on attention (clipped extremes carry the large scores), so keys keep min/max.
+    # (docs/kv-fidelity.md): values gain at every width; keys lose on attention (clipped extremes carry the
+    # large scores), so keys keep min/max.
     key_clip_steps: int = 0
-    value_clip_steps: int | None = None
+    value_clip_steps: int = 8
     # Then each end of the best range moves alone by up to N steps (an asymmetric range; capped at the
     # clip steps). Measured (docs/kv-fidelity.md): values -3 to -4 % error at the same stored layout.
     key_clip_refine: int = 0
@@ -159,8 +159,6 @@ class CacheConfig:
             raise ConfigError(f"outlier_tau must be positive, got {self.outlier_tau!r}")
         for name in ("key_clip_steps", "value_clip_steps", "key_clip_refine", "value_clip_refine"):
             steps = getattr(self, name)
-            if name == "value_clip_steps" and steps is None:
-                continue
             if not isinstance(steps, int) or not 0 <= steps <= 8:
                 raise ConfigError(f"{name} must be an integer in [0, 8], got {steps!r}")
         if self.outlier_select is not None and self.outlier_select not in OUTLIER_SELECTS:
@@ -189,13 +187,6 @@ class CacheConfig:
         if self.outlier_fraction is not None:
             return self.outlier_fraction
         return 0.0 if self.key_axis == "channel" else self.value_outlier_fraction
-
-    @property
-    def resolved_value_clip_steps(self) -> int:
-        """value_clip_steps, or its default for the width: 0 (min/max) at int4, else 8."""
-        if self.value_clip_steps is not None:
-            return self.value_clip_steps
-        return 0 if self.bits == 4 else 8
 
     @property
     def resolved_outlier_select(self) -> str:

@@ -97,9 +97,7 @@ def default_variants(ablations: bool = False, full: bool = True) -> list[Variant
         ]
         for bits in ("int4", "int3", "int2"):     # the range search's share (docs/kv-fidelity.md)
             rows.append(Variant(bits, True, "channel", value_clip_steps=0, note="values min/max"))
-            rows.append(Variant(bits, True, "channel", value_clip_steps=8, note="values search 8 + ends 2"))
-            rows.append(Variant(bits, True, "channel", value_clip_steps=8, value_clip_refine=0,
-                                note="values symmetric search"))
+            rows.append(Variant(bits, True, "channel", value_clip_refine=0, note="values symmetric search"))
             other = "deviation" if bits == "int4" else "range"      # the width's other outlier choice
             rows.append(Variant(bits, True, "channel", outlier_select=other, note=f"outliers by {other}"))
             rows.append(Variant(bits, True, "channel", key_clip_steps=8, note="+ key range search"))

@@ -148,7 +148,7 @@ def tensor_errors(record: TensorRecord, variant, stride: int = 4) -> dict[str, f
                                   clip_steps=config.key_clip_steps, clip_refine=config.key_clip_refine,
                                   **common).dequantize()
             value_hat = kv.quantize(value, "value", outlier_fraction=config.value_outlier_fraction,
-                                    clip_steps=config.resolved_value_clip_steps, clip_refine=config.value_clip_refine,
+                                    clip_steps=config.value_clip_steps, clip_refine=config.value_clip_refine,
                                     **common).dequantize()
         else:
             dtype = torch_dtype(config.kv_cache_dtype)

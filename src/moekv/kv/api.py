@@ -107,7 +107,7 @@ def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction
     if not 0.0 <= outlier_fraction <= 0.5:
         raise ValueError(f"outlier_fraction must be in [0, 0.5], got {outlier_fraction!r}")
     if clip_steps is None:
-        clip_steps = defaults.key_clip_steps if kind == "key" else defaults.resolved_value_clip_steps
+        clip_steps = defaults.key_clip_steps if kind == "key" else defaults.value_clip_steps
     if clip_refine is None:
         clip_refine = defaults.key_clip_refine if kind == "key" else defaults.value_clip_refine
     if not isinstance(clip_refine, int) or clip_refine < 0:

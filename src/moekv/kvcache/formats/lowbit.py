@@ -69,8 +69,8 @@ def quant_specs(spec: KVCacheSpec, config: CacheConfig) -> tuple[QuantSpec, Quan
             config.key_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.key_clip_steps,
             clip_refine=min(config.key_clip_refine, config.key_clip_steps))
         value_spec = QuantSpec(axis="token", **common, outlier_capacity=QuantSpec.capacity_for(
-            config.value_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.resolved_value_clip_steps,
-            clip_refine=min(config.value_clip_refine, config.resolved_value_clip_steps))
+            config.value_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.value_clip_steps,
+            clip_refine=min(config.value_clip_refine, config.value_clip_steps))
     except ValueError as exc:
         raise ConfigError(f"low-bit KV cache: {exc}") from None
     return key_spec, value_spec
