@@ -101,7 +101,8 @@ def time_interleaved(timers: list[DecodeTimer], steps: int, rounds: int = 8) -> 
 
 def git_commit() -> str:
     commit = provenance.git_commit(dirty_paths=["src/moekv/integrations", "src/moekv/kv", "src/moekv/ops/reference",
-                                                "src/moekv/kvcache/formats", "benchmarks/bench_hf_cache.py",
+                                                "src/moekv/kvcache/formats", "src/moekv/config.py", "src/moekv/core",
+                                                "benchmarks/bench_hf_cache.py",
                                                 "benchmarks/hf_cache_specs.py", "benchmarks/hf_cache_report.py"])
     if commit is None:
         return "unknown"

@@ -34,21 +34,39 @@ def cache_specs(head_dim: int) -> list[CacheSpec]:
                                f"keys and values per token over {head_dim} channels (axis 1), q_group_size={head_dim}"
                                " (quantized as a [B*H*T, D] view: see flat_hqq_layer_class)",
                                dict(nbits=bits, axis_key=1, axis_value=1, q_group_size=head_dim)))
-    moekv_grouping = ("LowBitCache defaults: keys per channel over 128-token pages, values per token in groups of "
-                      "32 channels with a range search (value_clip_steps=8, value_clip_refine=2), 0.35% fp16 outlier slots per page "
-                      "and head (tau 2)")
+
+    def moekv_grouping(bits: int, values: str | None = None, outliers: str | None = None) -> str:
+        """LowBitCache's layout (the same stored bits at every setting) and how its numbers are chosen; None:
+        the width's default (int4: values min/max, outliers by range; int3 / int2: value range search,
+        outliers by deviation beyond tau 2)."""
+        if values is None:
+            values = "min/max" if bits == 4 else "with a range search (value_clip_steps=8, value_clip_refine=2)"
+        if outliers is None:
+            outliers = "range" if bits == 4 else "deviation"
+        choice = ("chosen by range (greedy: the largest cut of a group's squared range)" if outliers == "range"
+                  else "chosen by deviation beyond tau 2")
+        return ("LowBitCache: keys per channel over 128-token pages, values per token in groups of 32 channels "
+                f"{values}, 0.35% fp16 outlier slots per page and head (keys and values) {choice}")
+
     for bits in (4, 3, 2):
-        specs.append(CacheSpec(f"moekv int{bits}", "moekv", bits, moekv_grouping, dict(bits=bits)))
-    for bits in (4, 3, 2):
-        specs.append(CacheSpec(f"moekv int{bits} values min/max", "moekv", bits,
-                               moekv_grouping.replace("with a range search (value_clip_steps=8, value_clip_refine=2)",
-                                                      "min/max"),
+        specs.append(CacheSpec(f"moekv int{bits}", "moekv", bits, moekv_grouping(bits), dict(bits=bits)))
+    search = "with a range search (value_clip_steps=8, value_clip_refine=2)"
+    specs.append(CacheSpec("moekv int4 outliers by deviation", "moekv", 4, moekv_grouping(4, outliers="deviation"),
+                           dict(bits=4, outlier_select="deviation")))
+    specs.append(CacheSpec("moekv int4 values range search", "moekv", 4, moekv_grouping(4, values=search),
+                           dict(bits=4, value_clip_steps=8)))
+    specs.append(CacheSpec("moekv int4 before issue 23 (deviation, values range search)", "moekv", 4,
+                           moekv_grouping(4, values=search, outliers="deviation"),
+                           dict(bits=4, value_clip_steps=8, outlier_select="deviation")))
+    for bits in (3, 2):
+        specs.append(CacheSpec(f"moekv int{bits} values min/max", "moekv", bits, moekv_grouping(bits, values="min/max"),
                                dict(bits=bits, value_clip_steps=0)))
-    for bits in (4, 3, 2):
         specs.append(CacheSpec(f"moekv int{bits} values symmetric search", "moekv", bits,
-                               moekv_grouping.replace("value_clip_refine=2", "value_clip_refine=0"),
+                               moekv_grouping(bits, values=search.replace("value_clip_refine=2", "value_clip_refine=0")),
                                dict(bits=bits, value_clip_refine=0)))
-    specs.append(CacheSpec("moekv int3 (dequantized_copy=False)", "moekv", 3, moekv_grouping,
+        specs.append(CacheSpec(f"moekv int{bits} outliers by range", "moekv", bits,
+                               moekv_grouping(bits, outliers="range"), dict(bits=bits, outlier_select="range")))
+    specs.append(CacheSpec("moekv int3 (dequantized_copy=False)", "moekv", 3, moekv_grouping(3),
                            dict(bits=3, dequantized_copy=False)))
     return specs
 

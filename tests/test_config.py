@@ -36,6 +36,7 @@ def test_kv_cache_dtype_spellings_are_canonicalised():
     (lambda: CacheConfig(value_clip_steps=9), "value_clip_steps must be an integer in [0, 8]"),
     (lambda: CacheConfig(key_clip_steps=-1), "key_clip_steps must be an integer in [0, 8]"),
     (lambda: CacheConfig(value_clip_refine=9), "value_clip_refine must be an integer in [0, 8]"),
+    (lambda: CacheConfig(outlier_select="magnitude"), "outlier_select must be one of"),
     (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs must be a positive integer"),
     (lambda: SchedulerConfig(max_num_batched_tokens=-5), "max_num_batched_tokens must be a positive integer"),
     (lambda: ParallelConfig(expert_parallel_size=0), "expert_parallel_size must be a positive integer"),

@@ -29,6 +29,7 @@ MODEL_DTYPES = {
     "fp16": "fp16", "float16": "fp16", "half": "fp16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
 }
+OUTLIER_SELECTS = ("deviation", "range")  # low-bit outlier choice (docs/kv-format.md §4); QuantSpec.outlier_select
 KEY_AXIS_MODES = ("channel", "token")  # "channel": per-channel keys (KIVI); "token": the brief's per-token scheme
 
 
@@ -117,6 +118,11 @@ class CacheConfig:
                                             # key outliers: no measured gain), value_outlier_fraction with "token"
     value_outlier_fraction: float = 0.0025  # values: 21 slots of a 128 x 64 page; int3 = 3.29 bits/value
     outlier_tau: float = 3.0            # a value qualifies as an outlier beyond tau * sigma of its group
+    # How the budgeted outliers are chosen (docs/kv-format.md §4): "deviation" = the largest |x - mean| / std
+    # beyond tau; "range" = greedily the values whose removal shrinks their group's squared range the most
+    # (tau unused). None: "range" at int4, "deviation" at int3 / int2 (measured: docs/kv-fidelity.md, issue 23:
+    # int4 KL -11 % with it, int3 / int2 not better).
+    outlier_select: str | None = None
     # Range search (docs/kv-format.md §3): candidates k = 0..N shrink each group's min/max range by k/16; the
     # one of least squared error wins. Same stored layout and dequantization; 0 = plain min/max. Measured
     # (docs/kv-fidelity.md): values gain at every width; keys lose on attention (clipped extremes carry the
@@ -155,6 +161,8 @@ class CacheConfig:
             steps = getattr(self, name)
             if not isinstance(steps, int) or not 0 <= steps <= 8:
                 raise ConfigError(f"{name} must be an integer in [0, 8], got {steps!r}")
+        if self.outlier_select is not None and self.outlier_select not in OUTLIER_SELECTS:
+            raise ConfigError(f"outlier_select must be one of {OUTLIER_SELECTS} or None, got {self.outlier_select!r}")
         if self.fp_sink_pages < 0:
             raise ConfigError(f"fp_sink_pages must be >= 0, got {self.fp_sink_pages!r}")
         if not 0.0 <= self.value_outlier_fraction <= 0.5:
@@ -179,6 +187,13 @@ class CacheConfig:
         if self.outlier_fraction is not None:
             return self.outlier_fraction
         return 0.0 if self.key_axis == "channel" else self.value_outlier_fraction
+
+    @property
+    def resolved_outlier_select(self) -> str:
+        """outlier_select, or its default for the width: "range" at int4, else "deviation"."""
+        if self.outlier_select is not None:
+            return self.outlier_select
+        return "range" if self.bits == 4 else "deviation"
 
     @property
     def resolved_page_size(self) -> int:

@@ -15,6 +15,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from moekv import kv  # noqa: E402
 from moekv.integrations.hf_accounting import stored_bytes  # noqa: E402
+from moekv.integrations.settings import LowBitCacheSettings  # noqa: E402
 from moekv.integrations.transformers import CROP_TAKES_COUNT, LowBitCache  # noqa: E402
 
 B, H, D, PAGE = 2, 2, 32, 16
@@ -42,6 +43,8 @@ def _cache(**kwargs) -> LowBitCache:
 def _quantize(x, kind, bits, **settings):
     """What the cache stores for x [tokens, H, D]: moekv.kv.quantize with LowBitCache's defaults."""
     options = dict(page_size=PAGE, outlier_fraction=0.0035, outlier_tau=2.0, group_size=32 if kind == "value" else None)
+    if kind == "value":     # LowBitCache's own width default: int4 values min/max (issue 23)
+        options["clip_steps"] = LowBitCacheSettings(bits=bits).resolved_value_clip_steps
     options.update(settings)
     return kv.quantize(x, kind=kind, bits=bits, **options)
 
@@ -61,6 +64,18 @@ def test_import_moekv_does_not_import_transformers():
 def test_settings_are_validated(bad):
     with pytest.raises(ValueError):
         LowBitCache(None, **bad)
+
+
+def test_width_defaults():
+    # issue 23 (docs/kv-fidelity.md): int4 keeps values min/max and fills the outlier slots by range; int3 / int2
+    # search the value ranges and fill the slots by deviation; explicit settings win
+    resolved = {bits: (LowBitCacheSettings(bits=bits).resolved_value_clip_steps,
+                       LowBitCacheSettings(bits=bits).resolved_outlier_select) for bits in (2, 3, 4)}
+    assert resolved == {2: (8, "deviation"), 3: (8, "deviation"), 4: (0, "range")}
+    chosen = LowBitCacheSettings(bits=4, value_clip_steps=8, outlier_select="deviation")
+    assert (chosen.resolved_value_clip_steps, chosen.resolved_outlier_select) == (8, "deviation")
+    with pytest.raises(ValueError, match="outlier_select"):
+        LowBitCache(None, outlier_select="magnitude")
 
 
 @pytest.mark.parametrize("dequantized_copy", [True, False])

@@ -107,3 +107,27 @@ def test_range_search_defaults_follow_the_cache_and_lower_the_value_error():
     assert float((searched.dequantize() - x).norm()) <= float((symmetric.dequantize() - x).norm())
     with pytest.raises(ValueError, match="clip_refine"):
         kv.quantize(x, "value", bits=2, clip_refine=-1)
+
+
+def test_width_defaults_int4_outliers_by_range():
+    # issue 23: at int4 the outlier slots go by range, at int3 / int2 by deviation (docs/kv-fidelity.md); the
+    # value range search stays on at every width in the cache (LowBitCache drops it at int4: its own test).
+    # Explicit settings win.
+    from moekv.config import CacheConfig
+    from moekv.kvcache.base import KVCacheSpec
+    from moekv.kvcache.formats.lowbit import quant_specs
+
+    x = torch.randn(256, 2, 64, generator=torch.Generator().manual_seed(6))
+    for bits, steps, select in ((4, 8, "range"), (3, 8, "deviation"), (2, 8, "deviation")):
+        config = CacheConfig(kv_cache_dtype=f"int{bits}")
+        assert (config.value_clip_steps, config.resolved_outlier_select) == (steps, select)
+        value = kv.quantize(x, "value", bits=bits)
+        assert (value.spec.clip_steps, value.spec.outlier_select) == (steps, select)
+        assert kv.quantize(x, "key", bits=bits).spec.outlier_select == select
+        key_spec, value_spec = quant_specs(KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, page_size=128,
+                                                       dtype=torch.float32), config)
+        assert (value_spec.clip_steps, value_spec.outlier_select, key_spec.outlier_select) == (steps, select, select)
+    config = CacheConfig(kv_cache_dtype="int4", outlier_select="deviation")
+    assert config.resolved_outlier_select == "deviation"
+    q = kv.quantize(x, "value", bits=4, clip_steps=0, outlier_select="deviation")
+    assert (q.spec.clip_steps, q.spec.outlier_select) == (0, "deviation")

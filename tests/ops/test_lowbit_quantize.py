@@ -152,3 +152,75 @@ def test_clip_steps_validated():
         QuantSpec(bits=3, axis="channel", head_dim=64, page_size=16, clip_steps=9)
     with pytest.raises(ValueError, match="clip_refine"):
         QuantSpec(bits=3, axis="channel", head_dim=64, page_size=16, clip_steps=2, clip_refine=3)
+
+
+@pytest.mark.parametrize("axis,group_size", [("channel", None), ("token", None), ("token", 16)])
+@pytest.mark.parametrize("kind,bits", [("normal", 4), ("outlier_channels", 4), ("spikes", 3), ("heavy_tail", 2),
+                                       ("constant", 4), ("near_max", 4)])
+def test_outliers_by_range_match_reference(device, bits, axis, group_size, kind):
+    # outlier_select "range" (greedy: the group end whose removal shrinks its squared range most; ties to the
+    # lowest index): same bits as the reference, with and without a range search afterwards
+    capacity = QuantSpec.capacity_for(0.02, 16, 64)
+    steps = 0 if bits == 4 else 8
+    spec = QuantSpec(bits=bits, axis=axis, head_dim=64, page_size=16, group_size=group_size,
+                     outlier_capacity=capacity, outlier_select="range", clip_steps=steps, clip_refine=min(steps, 2))
+    x = make_data((2, 2, 16, 64), torch.float32, kind, torch.Generator().manual_seed(40 + bits)).to(device)
+    compare(x, spec)
+
+
+def test_outliers_by_range_staged_kv_matches_reference(device):
+    # the decode step's one-launch quantizer, range-chosen outliers on both sides: same bits and counters
+    # (outliers stored = the greedy steps that removed a value, whatever tau says)
+    from moekv.ops.triton.lowbit import quantize as triton_quantize
+
+    key_spec = QuantSpec(bits=4, axis="channel", head_dim=64, page_size=16, outlier_capacity=6,
+                         outlier_select="range")
+    value_spec = QuantSpec(bits=4, axis="token", head_dim=64, page_size=16, group_size=32, outlier_capacity=5,
+                           outlier_select="range")
+    gen = torch.Generator().manual_seed(22)
+    staging_k = make_data((3, 16, 2, 64), torch.float32, "outlier_channels", gen).to(device)
+    staging_v = make_data((3, 16, 2, 64), torch.float32, "normal", gen).to(device)
+    slots = torch.tensor([2, 0, 1], device=device)
+    pages = torch.tensor([1, -1, 3], device=device)
+    outs = []
+    for module in (reference, triton_quantize):
+        k_out, v_out = (PackedPages.empty(s, 4, 2, device) for s in (key_spec, value_spec))
+        counters = torch.zeros(8, dtype=torch.int64, device=device)
+        module.quantize_staged_kv_counted(staging_k, staging_v, slots, pages, key_spec, value_spec, k_out, v_out,
+                                          counters, (0, 1, 2, 3), (4, 5, 6, -1))
+        outs.append((k_out, v_out, counters))
+    for want, got in zip(outs[0][:2], outs[1][:2]):
+        for name, tensor in want.tensors().items():
+            assert torch.equal(got.tensors()[name], tensor), name
+    assert torch.equal(outs[0][2], outs[1][2])
+    assert outs[0][2][1] == 2 * 2 * 6 and outs[0][2][5] == 2 * 2 * 5       # every slot used, 2 pages x 2 heads
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_outliers_by_range_take_the_extremes_that_widen_a_range(axis):
+    # a few values far outside their group: the greedy choice takes exactly them first (each removal shrinks
+    # its group's range the most), then fills the rest of the budget; the inlier error falls below the
+    # deviation choice's, which spends slots on mid-sized tail values of wide groups
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1, 128, 64, generator=gen)
+    spikes = [(3, 5, 40.0), (70, 17, -25.0), (100, 60, 30.0)]
+    for token, channel, value in spikes:
+        x[0, 0, token, channel] = value
+    group_size = 32 if axis == "token" else None
+    spec = QuantSpec(bits=4, axis=axis, head_dim=64, page_size=128, group_size=group_size, outlier_capacity=8,
+                     outlier_select="range")
+    packed, _ = reference.quantize_pages(x, spec)
+    kept = set((packed.outlier_idx[0, 0].long() & 0xFFFF).tolist())
+    assert {t * 64 + c for t, c, _ in spikes} <= kept and int(packed.outlier_count[0, 0]) == 8
+    errors = []
+    for select in ("deviation", "range"):
+        spec = QuantSpec(bits=4, axis=axis, head_dim=64, page_size=128, group_size=group_size, outlier_capacity=29,
+                         outlier_select=select, outlier_tau=2.0)
+        packed, _ = reference.quantize_pages(x, spec)
+        errors.append(float((reference.dequantize_pages(packed, spec) - x).square().sum()))
+    assert errors[1] < errors[0]
+
+
+def test_outlier_select_validated():
+    with pytest.raises(ValueError, match="outlier_select"):
+        QuantSpec(bits=4, axis="channel", head_dim=64, page_size=16, outlier_select="magnitude")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from moekv.config import OUTLIER_SELECTS  # how the budgeted outliers are chosen (docs/kv-format.md §4)
 from moekv.core.lowbit_pack import SUPPORTED_BITS, words_per_row
 
 AXES = ("channel", "token")
@@ -48,6 +49,8 @@ class QuantSpec:
     clip_steps: int = 0          # range search: candidates k = 0..clip_steps shrink each group's inlier range
                                  # [lo, hi] by k/16 about its centre; the one of least squared error wins
     clip_refine: int = 0         # range search, then each end of the best range alone moved by -R..R steps
+    outlier_select: str = "deviation"   # "deviation": the largest |x - mean| / std beyond tau; "range": greedily
+                                 # the values whose removal shrinks their group's squared range the most
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -70,6 +73,8 @@ class QuantSpec:
             raise ValueError(f"outlier_tau must be positive, got {self.outlier_tau}")
         if not isinstance(self.clip_steps, int) or not 0 <= self.clip_steps <= MAX_CLIP_STEPS:
             raise ValueError(f"clip_steps must be an integer in [0, {MAX_CLIP_STEPS}], got {self.clip_steps!r}")
+        if self.outlier_select not in OUTLIER_SELECTS:
+            raise ValueError(f"outlier_select must be one of {OUTLIER_SELECTS}, got {self.outlier_select!r}")
         if not isinstance(self.clip_refine, int) or not 0 <= self.clip_refine <= self.clip_steps:
             raise ValueError(f"clip_refine must be an integer in [0, clip_steps = {self.clip_steps}], "
                              f"got {self.clip_refine!r}")

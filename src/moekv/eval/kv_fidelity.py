@@ -45,6 +45,7 @@ class Variant:
     value_clip_steps: int | None = None
     key_clip_refine: int | None = None            # None: CacheConfig default
     value_clip_refine: int | None = None
+    outlier_select: str | None = None             # None: CacheConfig default (the width's)
     note: str = ""
 
     @property
@@ -73,7 +74,7 @@ class Variant:
                            key_clip_refine=defaults.key_clip_refine if self.key_clip_refine is None
                            else self.key_clip_refine,
                            value_clip_refine=defaults.value_clip_refine if self.value_clip_refine is None
-                           else self.value_clip_refine)
+                           else self.value_clip_refine, outlier_select=self.outlier_select)
 
 
 def default_variants(ablations: bool = False, full: bool = True) -> list[Variant]:
@@ -97,6 +98,8 @@ def default_variants(ablations: bool = False, full: bool = True) -> list[Variant
         for bits in ("int4", "int3", "int2"):     # the range search's share (docs/kv-fidelity.md)
             rows.append(Variant(bits, True, "channel", value_clip_steps=0, note="values min/max"))
             rows.append(Variant(bits, True, "channel", value_clip_refine=0, note="values symmetric search"))
+            other = "deviation" if bits == "int4" else "range"      # the width's other outlier choice
+            rows.append(Variant(bits, True, "channel", outlier_select=other, note=f"outliers by {other}"))
             rows.append(Variant(bits, True, "channel", key_clip_steps=8, note="+ key range search"))
     return rows
 

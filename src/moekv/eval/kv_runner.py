@@ -143,7 +143,7 @@ def tensor_errors(record: TensorRecord, variant, stride: int = 4) -> dict[str, f
             record.outputs[layer] = sampled_attention(query, key, value, positions, record.scale)
         if config.is_low_bit:
             common = dict(bits=config.bits, page_size=config.resolved_page_size, outlier_tau=config.outlier_tau,
-                          group_size=config.token_group_size)
+                          group_size=config.token_group_size, outlier_select=config.resolved_outlier_select)
             key_hat = kv.quantize(key, "key", outlier_fraction=config.key_outlier_fraction, axis=config.key_axis,
                                   clip_steps=config.key_clip_steps, clip_refine=config.key_clip_refine,
                                   **common).dequantize()

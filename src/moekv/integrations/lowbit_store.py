@@ -203,8 +203,9 @@ class LowBitKVStore:
         try:
             return kv.quantize(x, kind=kind, bits=s.bits, outlier_fraction=fraction, page_size=s.page_size,
                                outlier_tau=s.outlier_tau, group_size=group,
-                               clip_steps=s.key_clip_steps if kind == "key" else s.value_clip_steps,
-                               clip_refine=s.key_clip_refine if kind == "key" else s.value_clip_refine)
+                               clip_steps=s.key_clip_steps if kind == "key" else s.resolved_value_clip_steps,
+                               clip_refine=s.key_clip_refine if kind == "key" else s.value_clip_refine,
+                               outlier_select=s.resolved_outlier_select)
         except ValueError as error:
             raise ValueError(f"LowBitCache could not quantize {kind}s: {error}") from error
 

@@ -25,7 +25,11 @@ class LowBitCacheSettings:
     outlier_tau: a value may take a slot beyond tau standard deviations of its group; the largest deviations
         win. 2.0 lets the budget fill on typical models (at 3.0 only ~0.2% of values qualify).
     key_clip_steps, value_clip_steps: range search of each group's scale and zero point (moekv.config.CacheConfig,
-        docs/kv-format.md section 3): same stored bits, less error; keys default 0 (min/max wins on attention).
+        docs/kv-format.md section 3): same stored bits, less error; keys default 0 (min/max wins on attention);
+        values None: 0 (min/max) at int4, 8 at int3 / int2 (the search costs int4 KL: docs/kv-fidelity.md).
+    outlier_select: how the outlier slots are filled, "deviation" (the largest deviations beyond outlier_tau) or
+        "range" (greedily the values whose removal shrinks their group's squared range the most); None: "range" at
+        int4, "deviation" at int3 / int2 (docs/kv-fidelity.md, issue 23).
     key_clip_refine, value_clip_refine: then each end of the searched range moves alone by up to this many
         steps (capped at the clip steps); values default 2.
     dequantized_copy: keep a dequantized copy of the quantized part so each step only dequantizes new pages
@@ -45,9 +49,10 @@ class LowBitCacheSettings:
     value_group_size: int | None = None
     dequantized_copy: bool = True
     key_clip_steps: int = 0
-    value_clip_steps: int = 8
+    value_clip_steps: int | None = None
     key_clip_refine: int = 0
     value_clip_refine: int = 2
+    outlier_select: str | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -64,8 +69,12 @@ class LowBitCacheSettings:
                                                   or self.value_group_size < 1):
             raise ValueError(f"value_group_size must be a positive integer or None, got {self.value_group_size!r}")
         for name in ("key_clip_steps", "value_clip_steps", "key_clip_refine", "value_clip_refine"):
+            if name == "value_clip_steps" and self.value_clip_steps is None:
+                continue
             if not isinstance(getattr(self, name), int) or not 0 <= getattr(self, name) <= 8:
                 raise ValueError(f"{name} must be an integer in [0, 8], got {getattr(self, name)!r}")
+        if self.outlier_select not in (None, "deviation", "range"):
+            raise ValueError(f"outlier_select must be 'deviation', 'range' or None, got {self.outlier_select!r}")
         if not self.outlier_tau > 0:
             raise ValueError(f"outlier_tau must be positive, got {self.outlier_tau!r}")
 
@@ -73,6 +82,20 @@ class LowBitCacheSettings:
     def window(self) -> int:
         """The full-precision window is flushed into pages when it reaches this many tokens."""
         return max(self.residual_length, self.page_size)
+
+    @property
+    def resolved_value_clip_steps(self) -> int:
+        """value_clip_steps, or the width's default: 0 (min/max) at int4, 8 at int3 / int2."""
+        if self.value_clip_steps is not None:
+            return self.value_clip_steps
+        return 0 if self.bits == 4 else 8
+
+    @property
+    def resolved_outlier_select(self) -> str:
+        """outlier_select, or the width's default: "range" at int4, "deviation" at int3 / int2."""
+        if self.outlier_select is not None:
+            return self.outlier_select
+        return "range" if self.bits == 4 else "deviation"
 
     @property
     def resolved_value_outlier_fraction(self) -> float:

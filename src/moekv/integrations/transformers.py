@@ -154,15 +154,15 @@ class LowBitCache(Cache):
     def __init__(self, config: Any = None, bits: int = 3, *, residual_length: int = 128, page_size: int = 128,
                  value_group_size: int | None = None, outlier_fraction: float = 0.0035,
                  value_outlier_fraction: float | None = None, outlier_tau: float = 2.0,
-                 dequantized_copy: bool = True, key_clip_steps: int = 0, value_clip_steps: int = 8,
-                 key_clip_refine: int = 0, value_clip_refine: int = 2):
+                 dequantized_copy: bool = True, key_clip_steps: int = 0, value_clip_steps: int | None = None,
+                 key_clip_refine: int = 0, value_clip_refine: int = 2, outlier_select: str | None = None):
         self.settings = LowBitCacheSettings(bits=bits, residual_length=residual_length, page_size=page_size,
                                             outlier_fraction=outlier_fraction,
                                             value_outlier_fraction=value_outlier_fraction,
                                             outlier_tau=outlier_tau, value_group_size=value_group_size,
                                             dequantized_copy=dequantized_copy, key_clip_steps=key_clip_steps,
                                             value_clip_steps=value_clip_steps, key_clip_refine=key_clip_refine,
-                                            value_clip_refine=value_clip_refine)
+                                            value_clip_refine=value_clip_refine, outlier_select=outlier_select)
         if config is not None:
             layers = [LowBitLayer(self.settings) for _ in range(_num_attention_layers(config))]
             super().__init__(layers=layers)

@@ -71,7 +71,7 @@ class QuantizedKV:
 def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction: float | None = None, *,
              page_size: int | None = None, axis: str | None = None, outlier_tau: float | None = None,
              group_size: int | None = None, clip_steps: int | None = None,
-             clip_refine: int | None = None) -> QuantizedKV:
+             clip_refine: int | None = None, outlier_select: str | None = None) -> QuantizedKV:
     """Quantize keys or values x [tokens, kv_heads, head_dim] in moekv's low-bit page format.
 
     kind: "key" (default axis "channel": per-channel statistics over each page) or "value" (axis "token").
@@ -82,7 +82,9 @@ def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction
     per group (None: head_dim). clip_steps: range-search candidates (None: the cache default for the kind,
     CacheConfig.key_clip_steps / value_clip_steps). clip_refine: steps each end of the searched range then
     moves alone (None: the cache default, CacheConfig.key_clip_refine / value_clip_refine; at most clip_steps,
-    a larger value is capped). Non-finite input raises ValueError.
+    a larger value is capped). outlier_select: "deviation" (the largest |x - mean| / std beyond outlier_tau) or
+    "range" (greedily the values whose removal shrinks their group's squared range the most); None: the cache
+    default for the width (CacheConfig.resolved_outlier_select). Non-finite input raises ValueError.
     """
     from moekv.ops.reference.lowbit import quantize_pages
 
@@ -110,8 +112,10 @@ def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction
         clip_refine = defaults.key_clip_refine if kind == "key" else defaults.value_clip_refine
     if not isinstance(clip_refine, int) or clip_refine < 0:
         raise ValueError(f"clip_refine must be a non-negative integer, got {clip_refine!r}")
+    if outlier_select is None:
+        outlier_select = defaults.resolved_outlier_select
     tokens, heads, head_dim = x.shape
-    spec = QuantSpec(clip_steps=clip_steps, clip_refine=min(clip_refine, clip_steps) if isinstance(clip_steps, int) else 0,
+    spec = QuantSpec(outlier_select=outlier_select, clip_steps=clip_steps, clip_refine=min(clip_refine, clip_steps) if isinstance(clip_steps, int) else 0,
                      bits=bits, axis=axis, head_dim=head_dim, page_size=page_size, group_size=group_size,
                      outlier_capacity=QuantSpec.capacity_for(outlier_fraction, page_size, head_dim),
                      outlier_tau=outlier_tau if outlier_tau is not None else defaults.outlier_tau)

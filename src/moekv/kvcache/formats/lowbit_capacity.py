@@ -25,7 +25,8 @@ def quant_specs(spec: KVCacheSpec, config: CacheConfig) -> tuple[QuantSpec, Quan
         raise ConfigError("the low-bit KV format needs kv_cache_dtype int4, int3 or int2, "
                           f"got {config.kv_cache_dtype!r}")
     common = dict(bits=config.bits, head_dim=spec.head_dim, page_size=spec.page_size,
-                  group_size=config.token_group_size, outlier_tau=config.outlier_tau)
+                  group_size=config.token_group_size, outlier_tau=config.outlier_tau,
+                  outlier_select=config.resolved_outlier_select)
     try:
         key_spec = QuantSpec(axis=config.key_axis, **common, outlier_capacity=QuantSpec.capacity_for(
             config.key_outlier_fraction, spec.page_size, spec.head_dim), clip_steps=config.key_clip_steps,

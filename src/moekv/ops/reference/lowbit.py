@@ -54,6 +54,8 @@ def _select_outliers(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> tuple[
     Returns mask [N, H, P*D] bool, kept flat indices [N, H, C] (sorted, unused = P*D), qualifying [N, H] int32.
     """
     n, h = grouped.shape[:2]
+    if spec.outlier_select == "range":
+        return _select_outliers_by_range(grouped, dim, spec)
     mean = grouped.mean(dim, keepdim=True)
     std = grouped.std(dim, keepdim=True, correction=0)
     deviation = (grouped - mean).abs() / torch.where(std > 0, std, torch.ones_like(std))
@@ -69,6 +71,61 @@ def _select_outliers(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> tuple[
     kept = top_score > spec.outlier_tau
     mask.scatter_(-1, top_idx, kept)
     kept_idx = torch.where(kept, top_idx, torch.full_like(top_idx, size)).sort(-1).values
+    return mask, kept_idx, num_qualifying
+
+
+def _num_qualifying(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> torch.Tensor:
+    """Values beyond tau * std of their group, per (page, head) [N, H] int32 (the budget-hit statistic)."""
+    mean = grouped.mean(dim, keepdim=True)
+    std = grouped.std(dim, keepdim=True, correction=0)
+    deviation = (grouped - mean).abs() / torch.where(std > 0, std, torch.ones_like(std))
+    return (deviation > spec.outlier_tau).flatten(2).sum(-1, dtype=torch.int32)
+
+
+def _select_outliers_by_range(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                         torch.Tensor]:
+    """outlier_select = "range" (docs/kv-format.md §4): `outlier_capacity` greedy steps per (page, head); each
+    removes one value from the inliers, the group end (its largest or its smallest inlier) whose removal lowers
+    that group's squared range the most. Ranges as the quantizer sees them (token axis: widened to include 0);
+    a group keeps at least one inlier; ties go to the lowest flat index; a step whose best gain is negative
+    (no group has two inliers left) removes nothing. tau plays no part in the choice (num_qualifying is still
+    the count beyond tau * std, the budget-hit statistic). The Triton quantizer runs the same steps in the same
+    fp32 arithmetic (quantize_parts.select_by_range). Returns what _select_outliers does."""
+    n, h = grouped.shape[:2]
+    num_qualifying = _num_qualifying(grouped, dim, spec)
+    size = grouped[0, 0].numel()
+    flat = torch.arange(size, device=grouped.device).view(grouped.shape[2:]).expand_as(grouped)
+    big = torch.full_like(flat, size)
+    out = torch.zeros_like(grouped, dtype=torch.bool)
+    inf = torch.full_like(grouped, float("inf"))
+    token = spec.axis == "token"
+    for _ in range(spec.outlier_capacity):
+        inlier = ~out
+        count = inlier.sum(dim, keepdim=True)
+        hi1 = torch.where(inlier, grouped, -inf).amax(dim, keepdim=True)
+        lo1 = torch.where(inlier, grouped, inf).amin(dim, keepdim=True)
+        at_hi = torch.where(inlier & (grouped == hi1), flat, big).amin(dim, keepdim=True)
+        at_lo = torch.where(inlier & (grouped == lo1), flat, big).amin(dim, keepdim=True)
+        hi2 = torch.where(inlier & (flat != at_hi), grouped, -inf).amax(dim, keepdim=True)
+        lo2 = torch.where(inlier & (flat != at_lo), grouped, inf).amin(dim, keepdim=True)
+        if token:
+            hi1, hi2, lo1, lo2 = hi1.clamp(min=0.0), hi2.clamp(min=0.0), lo1.clamp(max=0.0), lo2.clamp(max=0.0)
+        span = hi1 - lo1
+        top_span, bottom_span = hi2 - lo1, hi1 - lo2
+        gain_top = span * span - top_span * top_span
+        gain_bottom = span * span - bottom_span * bottom_span
+        allowed = count > 1
+        gain_top = torch.where(allowed, gain_top, torch.full_like(gain_top, -1.0))
+        gain_bottom = torch.where(allowed, gain_bottom, torch.full_like(gain_bottom, -1.0))
+        best = torch.maximum(gain_top.flatten(2).amax(-1), gain_bottom.flatten(2).amax(-1))        # [N, H]
+        shape = (n, h) + (1,) * (grouped.dim() - 2)
+        best_b = best.view(shape)
+        pick = torch.minimum(torch.where(gain_top == best_b, at_hi, size).flatten(2).amin(-1),
+                             torch.where(gain_bottom == best_b, at_lo, size).flatten(2).amin(-1))   # [N, H]
+        pick = torch.where(best >= 0, pick, torch.full_like(pick, size))
+        out |= flat == pick.view(shape)
+    mask = out.reshape(n, h, -1)
+    kept_idx = torch.where(mask, flat.reshape(n, h, -1), size).sort(-1).values[..., :spec.outlier_capacity]
     return mask, kept_idx, num_qualifying
 
 

@@ -51,7 +51,7 @@ def _quantize_kernel(
     CNT_PAGES: tl.constexpr,
     STAGED: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
-    CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr,
+    CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr, OUTLIER_RANGE: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -68,7 +68,8 @@ def _quantize_kernel(
         codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
         qualifying_ptr, tau, counters_ptr, entry, head, page, source,
         COUNT, CNT_BUDGET, CNT_OUTLIERS, CNT_QUALIFYING, CNT_PAGES,
-        NUM_HEADS, P, D, G, BITS, AXIS_CHANNEL, GROUP_LEN, CAPACITY, BLOCK_C, WORDS, CLIP_STEPS, CLIP_REFINE)
+        NUM_HEADS, P, D, G, BITS, AXIS_CHANNEL, GROUP_LEN, CAPACITY, BLOCK_C, WORDS, CLIP_STEPS, CLIP_REFINE,
+        OUTLIER_RANGE)
 
 
 def supports(spec) -> bool:
@@ -180,4 +181,5 @@ def _launch(x: torch.Tensor, strides: tuple[int, int, int], out: PackedPages, qu
         BITS=spec.bits, AXIS_CHANNEL=spec.axis == "channel",
         GROUP_LEN=spec.page_size if spec.axis == "channel" else spec.group_size, CAPACITY=spec.outlier_capacity,
         BLOCK_C=min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))), WORDS=spec.words_per_row,
-        CLIP_STEPS=spec.clip_steps, CLIP_REFINE=spec.clip_refine, num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)
+        CLIP_STEPS=spec.clip_steps, CLIP_REFINE=spec.clip_refine,
+        OUTLIER_RANGE=spec.outlier_select == "range", num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)

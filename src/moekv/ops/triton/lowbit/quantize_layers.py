@@ -35,10 +35,10 @@ def _quantize_kv_staged_kernel(
     NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     K_G: tl.constexpr, K_BITS: tl.constexpr, K_AXIS_CHANNEL: tl.constexpr, K_GROUP_LEN: tl.constexpr,
     K_CAPACITY: tl.constexpr, K_BLOCK_C: tl.constexpr, K_WORDS: tl.constexpr, K_CLIP_STEPS: tl.constexpr,
-    K_CLIP_REFINE: tl.constexpr,
+    K_CLIP_REFINE: tl.constexpr, K_OUTLIER_RANGE: tl.constexpr,
     V_G: tl.constexpr, V_BITS: tl.constexpr, V_AXIS_CHANNEL: tl.constexpr, V_GROUP_LEN: tl.constexpr,
     V_CAPACITY: tl.constexpr, V_BLOCK_C: tl.constexpr, V_WORDS: tl.constexpr, V_CLIP_STEPS: tl.constexpr,
-    V_CLIP_REFINE: tl.constexpr,
+    V_CLIP_REFINE: tl.constexpr, V_OUTLIER_RANGE: tl.constexpr,
     K_CNT_BUDGET: tl.constexpr, K_CNT_OUTLIERS: tl.constexpr, K_CNT_QUALIFYING: tl.constexpr,
     K_CNT_PAGES: tl.constexpr, V_CNT_BUDGET: tl.constexpr, V_CNT_OUTLIERS: tl.constexpr,
     V_CNT_QUALIFYING: tl.constexpr, V_CNT_PAGES: tl.constexpr,
@@ -62,7 +62,7 @@ def _quantize_kv_staged_kernel(
                 counters_ptr, k_tau, counters_ptr, entry, head, page, source,
                 True, K_CNT_BUDGET, K_CNT_OUTLIERS, K_CNT_QUALIFYING, K_CNT_PAGES,
                 NUM_HEADS, P, D, K_G, K_BITS, K_AXIS_CHANNEL, K_GROUP_LEN, K_CAPACITY, K_BLOCK_C, K_WORDS,
-                K_CLIP_STEPS, K_CLIP_REFINE)
+                K_CLIP_STEPS, K_CLIP_REFINE, K_OUTLIER_RANGE)
         else:
             quantize_page_head(
                 vx_ptr + layer * stride_xl, stride_xn, stride_xh, stride_xp,
@@ -72,7 +72,7 @@ def _quantize_kv_staged_kernel(
                 counters_ptr, v_tau, counters_ptr, entry, head, page, source,
                 True, V_CNT_BUDGET, V_CNT_OUTLIERS, V_CNT_QUALIFYING, V_CNT_PAGES,
                 NUM_HEADS, P, D, V_G, V_BITS, V_AXIS_CHANNEL, V_GROUP_LEN, V_CAPACITY, V_BLOCK_C, V_WORDS,
-                V_CLIP_STEPS, V_CLIP_REFINE)
+                V_CLIP_STEPS, V_CLIP_REFINE, V_OUTLIER_RANGE)
 
 
 def quantize_staged_kv_counted(staging_keys: torch.Tensor, staging_values: torch.Tensor, slots: torch.Tensor,
@@ -138,7 +138,7 @@ def _launch_kv(staging_keys, staging_values, slots, pages, key_spec, value_spec,
                 f"{prefix}CAPACITY": spec.outlier_capacity,
                 f"{prefix}BLOCK_C": min(1024, triton.next_power_of_2(max(spec.outlier_capacity, 1))),
                 f"{prefix}WORDS": spec.words_per_row, f"{prefix}CLIP_STEPS": spec.clip_steps,
-                f"{prefix}CLIP_REFINE": spec.clip_refine}
+                f"{prefix}CLIP_REFINE": spec.clip_refine, f"{prefix}OUTLIER_RANGE": spec.outlier_select == "range"}
 
     def out_args(out: PackedPages) -> tuple:
         base = out.scale_base if out.scale_base is not None else out.scale

@@ -195,6 +195,70 @@ def choose_ranges(x, outlier, lo, hi, base, AXIS_CHANNEL: tl.constexpr, P: tl.co
 
 
 @triton.jit
+def group_broadcast(v, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """A per-group value ([D] channel axis, [P, G] token axis) broadcast to every element [P, D]."""
+    if AXIS_CHANNEL:
+        return tl.broadcast_to(v[None, :], (P, D))
+    else:
+        return tl.reshape(tl.broadcast_to(v[:, :, None], (P, G, D // G)), (P, D))
+
+
+@triton.jit
+def group_count(flags, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """Sum of int32 flags [P, D] over each group: [D] (channel axis) or [P, G] (token axis)."""
+    if AXIS_CHANNEL:
+        return tl.sum(flags, axis=0)
+    else:
+        return tl.sum(tl.reshape(flags, (P, G, D // G)), axis=2)
+
+
+@triton.jit
+def select_by_range(x, flat_index, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                    CAPACITY: tl.constexpr):
+    """The reference's _select_outliers_by_range (outlier_select "range"): CAPACITY greedy steps, each removing
+    the group end (largest or smallest inlier; among equal values the lowest flat index) whose removal lowers its
+    group's squared range (token axis: widened to include 0) the most; groups keep one inlier; ties between
+    candidates go to the lowest flat index; a step with no gain >= 0 removes nothing. Returns the mask [P, D].
+    One loop body (not unrolled): compiled once whatever the capacity."""
+    big: tl.constexpr = P * D
+    out = tl.zeros([P, D], tl.int32)
+    for _ in range(CAPACITY):
+        inlier = out == 0
+        count = group_count(inlier.to(tl.int32), AXIS_CHANNEL, P, D, G)
+        hi1 = group_extreme(tl.where(inlier, x, float("-inf")), True, AXIS_CHANNEL, P, D, G)
+        lo1 = group_extreme(tl.where(inlier, x, float("inf")), False, AXIS_CHANNEL, P, D, G)
+        at_hi = group_extreme(tl.where(inlier & (x == group_broadcast(hi1, AXIS_CHANNEL, P, D, G)), flat_index, big),
+                              False, AXIS_CHANNEL, P, D, G)
+        at_lo = group_extreme(tl.where(inlier & (x == group_broadcast(lo1, AXIS_CHANNEL, P, D, G)), flat_index, big),
+                              False, AXIS_CHANNEL, P, D, G)
+        hi2 = group_extreme(tl.where(inlier & (flat_index != group_broadcast(at_hi, AXIS_CHANNEL, P, D, G)), x,
+                                     float("-inf")), True, AXIS_CHANNEL, P, D, G)
+        lo2 = group_extreme(tl.where(inlier & (flat_index != group_broadcast(at_lo, AXIS_CHANNEL, P, D, G)), x,
+                                     float("inf")), False, AXIS_CHANNEL, P, D, G)
+        if not AXIS_CHANNEL:                                                       # the range includes 0
+            hi1 = tl.where(hi1 > 0.0, hi1, 0.0)
+            hi2 = tl.where(hi2 > 0.0, hi2, 0.0)
+            lo1 = tl.where(lo1 < 0.0, lo1, 0.0)
+            lo2 = tl.where(lo2 < 0.0, lo2, 0.0)
+        span = hi1 - lo1
+        top_span = hi2 - lo1
+        bottom_span = hi1 - lo2
+        gain_top = tl.where(count > 1, span * span - top_span * top_span, -1.0)
+        gain_bottom = tl.where(count > 1, span * span - bottom_span * bottom_span, -1.0)
+        if AXIS_CHANNEL:
+            best = tl.maximum(tl.max(gain_top, axis=0), tl.max(gain_bottom, axis=0))
+            pick = tl.minimum(tl.min(tl.where(gain_top == best, at_hi, big), axis=0),
+                              tl.min(tl.where(gain_bottom == best, at_lo, big), axis=0))
+        else:
+            best = tl.maximum(tl.max(tl.max(gain_top, axis=1), axis=0), tl.max(tl.max(gain_bottom, axis=1), axis=0))
+            pick = tl.minimum(tl.min(tl.min(tl.where(gain_top == best, at_hi, big), axis=1), axis=0),
+                              tl.min(tl.min(tl.where(gain_bottom == best, at_lo, big), axis=1), axis=0))
+        pick = tl.where(best >= 0.0, pick, big)
+        out = tl.where(flat_index == pick, 1, out)
+    return out != 0
+
+
+@triton.jit
 def quantize_page_head(
     x_ptr, stride_xn, stride_xh, stride_xp,
     codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
@@ -203,6 +267,7 @@ def quantize_page_head(
     CNT_PAGES: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr,
     BLOCK_C: tl.constexpr, WORDS: tl.constexpr, CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr,
+    OUTLIER_RANGE: tl.constexpr,
 ):
     """Quantize rows `source` of x (head `head`) into page `page` of the output: the body of every quantizer
     kernel (quantize.py's `_quantize_kernel`, quantize_layers.py's `_quantize_kv_staged_kernel`), so their
@@ -228,14 +293,17 @@ def quantize_page_head(
     if COUNT:       # statistics straight into the cache's int64 counters (no qualifying output)
         tl.atomic_add(counters_ptr + CNT_QUALIFYING, num_qualifying.to(tl.int64), sem="relaxed")
         tl.atomic_add(counters_ptr + CNT_BUDGET, (num_qualifying > CAPACITY).to(tl.int64), sem="relaxed")
-        tl.atomic_add(counters_ptr + CNT_OUTLIERS, tl.minimum(num_qualifying, CAPACITY).to(tl.int64),
-                      sem="relaxed")                          # outliers stored: min(qualifying, capacity)
+        if not OUTLIER_RANGE:
+            tl.atomic_add(counters_ptr + CNT_OUTLIERS, tl.minimum(num_qualifying, CAPACITY).to(tl.int64),
+                          sem="relaxed")                      # outliers stored: min(qualifying, capacity)
         if CNT_PAGES >= 0:
             tl.atomic_add(counters_ptr + CNT_PAGES, tl.full([], 1, tl.int64), sem="relaxed")
     else:
         tl.store(qualifying_ptr + entry * NUM_HEADS + head, num_qualifying)
     if CAPACITY == 0:
         outlier = flat_index < 0
+    elif OUTLIER_RANGE:
+        outlier = select_by_range(x, flat_index, AXIS_CHANNEL, P, D, G, CAPACITY)
     elif num_qualifying <= CAPACITY:
         outlier = qualifies
     else:
@@ -254,6 +322,10 @@ def quantize_page_head(
         room = CAPACITY - tl.sum(tl.sum(above.to(tl.int32), axis=1), axis=0)
         tie_rank = tl.reshape(tl.cumsum(tl.reshape(at_cut.to(tl.int32), (P * D,)), axis=0), (P, D))
         outlier = above | (at_cut & (tie_rank <= room))
+
+    if COUNT and OUTLIER_RANGE:     # outliers stored: the greedy steps that removed a value
+        stored = tl.sum(tl.sum(outlier.to(tl.int32), axis=1), axis=0)
+        tl.atomic_add(counters_ptr + CNT_OUTLIERS, stored.to(tl.int64), sem="relaxed")
 
     # ---- scale and zero point over the inliers ----
     lo_x = group_extreme(tl.where(outlier, float("inf"), x), False, AXIS_CHANNEL, P, D, G)
