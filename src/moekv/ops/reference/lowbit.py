@@ -6,6 +6,8 @@ Layout and formulas: core/lowbit_layout.py and docs/kv-format.md. All arithmetic
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moekv.core.attention_metadata import AttentionMetadata
@@ -93,7 +95,7 @@ def _select_outliers_by_range(grouped: torch.Tensor, dim: int, spec: QuantSpec) 
     fp32 arithmetic (quantize_parts.select_by_range). Returns what _select_outliers does."""
     n, h = grouped.shape[:2]
     num_qualifying = _num_qualifying(grouped, dim, spec)
-    size = grouped[0, 0].numel()
+    size = math.prod(grouped.shape[2:])                                             # P * D
     flat = torch.arange(size, device=grouped.device).view(grouped.shape[2:]).expand_as(grouped)
     big = torch.full_like(flat, size)
     out = torch.zeros_like(grouped, dtype=torch.bool)
@@ -124,8 +126,8 @@ def _select_outliers_by_range(grouped: torch.Tensor, dim: int, spec: QuantSpec) 
                              torch.where(gain_bottom == best_b, at_lo, size).flatten(2).amin(-1))   # [N, H]
         pick = torch.where(best >= 0, pick, torch.full_like(pick, size))
         out |= flat == pick.view(shape)
-    mask = out.reshape(n, h, -1)
-    kept_idx = torch.where(mask, flat.reshape(n, h, -1), size).sort(-1).values[..., :spec.outlier_capacity]
+    mask = out.reshape(n, h, size)
+    kept_idx = torch.where(mask, flat.reshape(n, h, size), size).sort(-1).values[..., :spec.outlier_capacity]
     return mask, kept_idx, num_qualifying
 
 
