@@ -52,3 +52,10 @@ def test_configs_are_frozen():
     config = CacheConfig()
     with pytest.raises(Exception):
         config.page_size = 3  # type: ignore[misc]
+
+
+def test_outlier_choices_agree_with_the_format():
+    """config spells the low-bit outlier choices itself (it shares a layer with core): they must stay the format's."""
+    from moekv.config import OUTLIER_SELECTS
+    from moekv.core.lowbit_layout import OUTLIER_SELECTS as FORMAT_CHOICES
+    assert OUTLIER_SELECTS == FORMAT_CHOICES

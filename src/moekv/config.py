@@ -29,7 +29,9 @@ MODEL_DTYPES = {
     "fp16": "fp16", "float16": "fp16", "half": "fp16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
 }
-OUTLIER_SELECTS = ("deviation", "range")  # low-bit outlier choice (docs/kv-format.md §4); QuantSpec.outlier_select
+# low-bit outlier choice (docs/kv-format.md §4): core.lowbit_layout.OUTLIER_SELECTS, spelled here because config
+# and core share a layer (neither imports the other); tests/test_config.py checks the two agree
+OUTLIER_SELECTS = ("deviation", "range")
 KEY_AXIS_MODES = ("channel", "token")  # "channel": per-channel keys (KIVI); "token": the brief's per-token scheme
 
 

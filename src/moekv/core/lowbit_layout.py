@@ -24,10 +24,10 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from moekv.config import OUTLIER_SELECTS  # how the budgeted outliers are chosen (docs/kv-format.md §4)
 from moekv.core.lowbit_pack import SUPPORTED_BITS, words_per_row
 
 AXES = ("channel", "token")
+OUTLIER_SELECTS = ("deviation", "range")  # how the budgeted outliers are chosen (docs/kv-format.md §4)
 SCALE_CODE_STEPS = 16          # token axis: scale codes step by 2 ** (1/16) (4.4%) below scale_base
 MAX_OUTLIER_INDEX = 1 << 16    # indices are 16-bit: page_size * head_dim must not exceed this
 MAX_OUTLIER_COUNT = (1 << 15) - 1   # outlier_count is int16: slots per (page, head) must fit

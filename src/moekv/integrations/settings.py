@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moekv.config import OUTLIER_SELECTS
+
 SUPPORTED_BITS = (2, 3, 4)
 DEFAULT_VALUE_GROUP = 32       # channels per value scale/zero when it divides head_dim
 
@@ -73,8 +75,8 @@ class LowBitCacheSettings:
                 continue
             if not isinstance(getattr(self, name), int) or not 0 <= getattr(self, name) <= 8:
                 raise ValueError(f"{name} must be an integer in [0, 8], got {getattr(self, name)!r}")
-        if self.outlier_select not in (None, "deviation", "range"):
-            raise ValueError(f"outlier_select must be 'deviation', 'range' or None, got {self.outlier_select!r}")
+        if self.outlier_select is not None and self.outlier_select not in OUTLIER_SELECTS:
+            raise ValueError(f"outlier_select must be one of {OUTLIER_SELECTS} or None, got {self.outlier_select!r}")
         if not self.outlier_tau > 0:
             raise ValueError(f"outlier_tau must be positive, got {self.outlier_tau!r}")
 
