@@ -89,8 +89,6 @@ def test_range_search_matches_reference(device, bits, axis, group_size, kind, re
 
 def test_range_search_staged_kv_matches_reference(device):
     # the decode step's one-launch key + value quantizer with different clip steps per side
-    from moekv.ops.triton.lowbit import quantize as triton_quantize
-
     key_spec = QuantSpec(bits=2, axis="channel", head_dim=64, page_size=16, clip_steps=3, clip_refine=1)
     value_spec = QuantSpec(bits=2, axis="token", head_dim=64, page_size=16, outlier_capacity=4, clip_steps=8,
                            clip_refine=2)
@@ -99,17 +97,7 @@ def test_range_search_staged_kv_matches_reference(device):
     staging_v = make_data((3, 16, 2, 64), torch.float32, "normal", gen).to(device)
     slots = torch.tensor([2, 0], device=device)
     pages = torch.tensor([1, 3], device=device)
-    outs = []
-    for module in (reference, triton_quantize):
-        k_out, v_out = (PackedPages.empty(s, 4, 2, device) for s in (key_spec, value_spec))
-        counters = torch.zeros(8, dtype=torch.int64, device=device)
-        module.quantize_staged_kv_counted(staging_k, staging_v, slots, pages, key_spec, value_spec, k_out, v_out,
-                                          counters, (0, 1, 2, 3), (4, 5, 6, -1))
-        outs.append((k_out, v_out, counters))
-    for want, got in zip(outs[0][:2], outs[1][:2]):
-        for name, tensor in want.tensors().items():
-            assert torch.equal(got.tensors()[name], tensor), name
-    assert torch.equal(outs[0][2], outs[1][2])
+    outs = _staged_both_ways(staging_k, staging_v, slots, pages, key_spec, value_spec, device)
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
@@ -171,8 +159,6 @@ def test_outliers_by_range_match_reference(device, bits, axis, group_size, kind)
 def test_outliers_by_range_staged_kv_matches_reference(device):
     # the decode step's one-launch quantizer, range-chosen outliers on both sides: same bits and counters
     # (outliers stored = the greedy steps that removed a value, whatever tau says)
-    from moekv.ops.triton.lowbit import quantize as triton_quantize
-
     key_spec = QuantSpec(bits=4, axis="channel", head_dim=64, page_size=16, outlier_capacity=6,
                          outlier_select="range")
     value_spec = QuantSpec(bits=4, axis="token", head_dim=64, page_size=16, group_size=32, outlier_capacity=5,
@@ -182,17 +168,7 @@ def test_outliers_by_range_staged_kv_matches_reference(device):
     staging_v = make_data((3, 16, 2, 64), torch.float32, "normal", gen).to(device)
     slots = torch.tensor([2, 0, 1], device=device)
     pages = torch.tensor([1, -1, 3], device=device)
-    outs = []
-    for module in (reference, triton_quantize):
-        k_out, v_out = (PackedPages.empty(s, 4, 2, device) for s in (key_spec, value_spec))
-        counters = torch.zeros(8, dtype=torch.int64, device=device)
-        module.quantize_staged_kv_counted(staging_k, staging_v, slots, pages, key_spec, value_spec, k_out, v_out,
-                                          counters, (0, 1, 2, 3), (4, 5, 6, -1))
-        outs.append((k_out, v_out, counters))
-    for want, got in zip(outs[0][:2], outs[1][:2]):
-        for name, tensor in want.tensors().items():
-            assert torch.equal(got.tensors()[name], tensor), name
-    assert torch.equal(outs[0][2], outs[1][2])
+    outs = _staged_both_ways(staging_k, staging_v, slots, pages, key_spec, value_spec, device)
     assert outs[0][2][1] == 2 * 2 * 6 and outs[0][2][5] == 2 * 2 * 5       # every slot used, 2 pages x 2 heads
 
 
@@ -224,3 +200,22 @@ def test_outliers_by_range_take_the_extremes_that_widen_a_range(axis):
 def test_outlier_select_validated():
     with pytest.raises(ValueError, match="outlier_select"):
         QuantSpec(bits=4, axis="channel", head_dim=64, page_size=16, outlier_select="magnitude")
+
+
+def _staged_both_ways(staging_k, staging_v, slots, pages, key_spec, value_spec, device):
+    """quantize_staged_kv_counted by the reference and by Triton into fresh 4-page, 2-head pools: every stored tensor
+    and the counters bit-equal; returns [(keys, values, counters)] of the reference, then of Triton."""
+    from moekv.ops.triton.lowbit import quantize as triton_quantize
+
+    outs = []
+    for module in (reference, triton_quantize):
+        k_out, v_out = (PackedPages.empty(s, 4, 2, device) for s in (key_spec, value_spec))
+        counters = torch.zeros(8, dtype=torch.int64, device=device)
+        module.quantize_staged_kv_counted(staging_k, staging_v, slots, pages, key_spec, value_spec, k_out, v_out,
+                                          counters, (0, 1, 2, 3), (4, 5, 6, -1))
+        outs.append((k_out, v_out, counters))
+    for want, got in zip(outs[0][:2], outs[1][:2]):
+        for name, tensor in want.tensors().items():
+            assert torch.equal(got.tensors()[name], tensor), name
+    assert torch.equal(outs[0][2], outs[1][2])
+    return outs
