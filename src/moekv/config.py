@@ -32,6 +32,14 @@ MODEL_DTYPES = {
 # low-bit outlier choice (docs/kv-format.md §4): core.lowbit_layout.OUTLIER_SELECTS, spelled here because config
 # and core share a layer (neither imports the other); tests/test_config.py checks the two agree
 OUTLIER_SELECTS = ("deviation", "range")
+
+
+def default_outlier_select(bits: int) -> str:
+    """The outlier choice a code width gets by default: "range" at int4, "deviation" at int3 / int2 (measured:
+    docs/kv-fidelity.md, issue 23)."""
+    return "range" if bits == 4 else "deviation"
+
+
 KEY_AXIS_MODES = ("channel", "token")  # "channel": per-channel keys (KIVI); "token": the brief's per-token scheme
 
 
@@ -193,9 +201,7 @@ class CacheConfig:
     @property
     def resolved_outlier_select(self) -> str:
         """outlier_select, or its default for the width: "range" at int4, else "deviation"."""
-        if self.outlier_select is not None:
-            return self.outlier_select
-        return "range" if self.bits == 4 else "deviation"
+        return self.outlier_select if self.outlier_select is not None else default_outlier_select(self.bits)
 
     @property
     def resolved_page_size(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moekv.config import OUTLIER_SELECTS
+from moekv.config import OUTLIER_SELECTS, default_outlier_select
 
 SUPPORTED_BITS = (2, 3, 4)
 DEFAULT_VALUE_GROUP = 32       # channels per value scale/zero when it divides head_dim
@@ -95,9 +95,7 @@ class LowBitCacheSettings:
     @property
     def resolved_outlier_select(self) -> str:
         """outlier_select, or the width's default: "range" at int4, "deviation" at int3 / int2."""
-        if self.outlier_select is not None:
-            return self.outlier_select
-        return "range" if self.bits == 4 else "deviation"
+        return self.outlier_select if self.outlier_select is not None else default_outlier_select(self.bits)
 
     @property
     def resolved_value_outlier_fraction(self) -> float:

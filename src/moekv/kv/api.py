@@ -115,8 +115,8 @@ def quantize(x: torch.Tensor, kind: str = "key", bits: int = 3, outlier_fraction
     if outlier_select is None:
         outlier_select = defaults.resolved_outlier_select
     tokens, heads, head_dim = x.shape
-    spec = QuantSpec(outlier_select=outlier_select, clip_steps=clip_steps, clip_refine=min(clip_refine, clip_steps) if isinstance(clip_steps, int) else 0,
-                     bits=bits, axis=axis, head_dim=head_dim, page_size=page_size, group_size=group_size,
+    spec = QuantSpec(outlier_select=outlier_select, clip_steps=clip_steps,
+                     clip_refine=min(clip_refine, clip_steps) if isinstance(clip_steps, int) else 0, bits=bits, axis=axis, head_dim=head_dim, page_size=page_size, group_size=group_size,
                      outlier_capacity=QuantSpec.capacity_for(outlier_fraction, page_size, head_dim),
                      outlier_tau=outlier_tau if outlier_tau is not None else defaults.outlier_tau)
     num_full, rest = divmod(tokens, page_size)

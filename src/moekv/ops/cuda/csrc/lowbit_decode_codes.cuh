@@ -35,27 +35,27 @@ template <> struct KeyWords<2> { uint32_t w[2]; };
 __device__ __forceinline__ void unpack16_2bit(uint32_t (&r)[8], uint32_t w) {
 #pragma unroll
   for (int k = 0; k < 5; ++k) r[k] = w & (0x00030003u << (2 * k));
-  const uint32_t v = shr<10>(w);
+  const uint32_t v = w >> 10;
 #pragma unroll
   for (int k = 5; k < 8; ++k) r[k] = v & (0x00030003u << (2 * (k - 5)));
 }
 // int3: one word of a triplet -> its five fields (per 16-bit half at bits 0, 3, 6, then 10, 13 after one shift)
 __device__ __forceinline__ void unpack5_3bit(uint32_t* r, uint32_t w) {
   r[0] = w & 0x00070007u; r[1] = w & 0x00380038u; r[2] = w & 0x01C001C0u;
-  const uint32_t v = shr<10>(w);
+  const uint32_t v = w >> 10;
   r[3] = v & 0x00070007u; r[4] = v & 0x00380038u;
 }
 // int3: the halves' sixteenth code, bit i at bit 9 of word i, gathered at offset 7
 __device__ __forceinline__ uint32_t spare_3bit(uint32_t w0, uint32_t w1, uint32_t w2) {
   const uint32_t r = w2 & 0x02000200u;
-  return lop_or_and(lop_or_and(r, shr<1>(w1), 0x01000100u), shr<2>(w0), 0x00800080u);
+  return lop_or_and(lop_or_and(r, w1 >> 1, 0x01000100u), w0 >> 2, 0x00800080u);
 }
 __device__ __forceinline__ void unpack16_3bit(uint32_t (&r)[16], uint32_t w0, uint32_t w1, uint32_t w2) {
   unpack5_3bit(r, w0); unpack5_3bit(r + 5, w1); unpack5_3bit(r + 10, w2);
   r[15] = spare_3bit(w0, w1, w2);
 }
 __device__ __forceinline__ void unpack8_4bit(uint32_t* r, uint32_t w) {
-  const uint32_t v = shr<8>(w);
+  const uint32_t v = w >> 8;
   r[0] = w & 0x000F000Fu; r[1] = w & 0x00F000F0u; r[2] = v & 0x000F000Fu; r[3] = v & 0x00F000F0u;
 }
 

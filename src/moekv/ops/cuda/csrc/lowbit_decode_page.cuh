@@ -184,7 +184,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
           float bacc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
           for (int s = 0; s < 8; ++s) mma16816(bacc, zp[2 * s], zp[2 * s], zp[2 * s + 1], zp[2 * s + 1], qp[2 * s], qp[2 * s + 1]);
-          sb0 = sa0 * (bacc[0] * 5.9604645e-8f); sb1 = sa1 * (bacc[1] * 5.9604645e-8f);   // qms * bacc
+          sb0 = sa0 * (bacc[0] * 0x1p-24f); sb1 = sa1 * (bacc[1] * 0x1p-24f);   // qms * bacc
           // each token's value scale / zero point
           const float base = __half2float(*reinterpret_cast<const __half*>(mt + L::V_BASE + ((ph * 2) & 15)));
 #pragma unroll

@@ -68,20 +68,6 @@ __device__ __forceinline__ uint32_t lop_or_and(uint32_t t, uint32_t h, uint32_t 
   asm("lop3.b32 %0, %1, %2, %3, 0xF8;\n" : "=r"(r) : "r"(t), "r"(h), "r"(m));
   return r;
 }
-// w >> N for the code unpack. MOEKV_SHR_IMAD (default off: 1.8% slower at B=32 int3, attention-ab-s25-v12a): as mul.hi by 2^(32 - N), which ptxas keeps as IMAD.HI on
-// the FMA pipe, so the unpack's shifts leave the ALU pipe (its masks, LOP3, have no other pipe); 0: a plain shift.
-#ifndef MOEKV_SHR_IMAD
-#define MOEKV_SHR_IMAD 0
-#endif
-template <int N> __device__ __forceinline__ uint32_t shr(uint32_t w) {
-#if MOEKV_SHR_IMAD
-  uint32_t r;
-  asm("mul.hi.u32 %0, %1, %2;\n" : "=r"(r) : "r"(w), "n"(1u << (32 - N)));
-  return r;
-#else
-  return w >> N;
-#endif
-}
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
