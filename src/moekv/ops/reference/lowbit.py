@@ -58,10 +58,7 @@ def _select_outliers(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> tuple[
     n, h = grouped.shape[:2]
     if spec.outlier_select == "range":
         return _select_outliers_by_range(grouped, dim, spec)
-    mean = grouped.mean(dim, keepdim=True)
-    std = grouped.std(dim, keepdim=True, correction=0)
-    deviation = (grouped - mean).abs() / torch.where(std > 0, std, torch.ones_like(std))
-    deviation = deviation.reshape(n, h, -1)                                        # [N, H, P*D]
+    deviation = _deviation(grouped, dim).reshape(n, h, -1)                        # [N, H, P*D]
     qualifies = deviation > spec.outlier_tau
     num_qualifying = qualifies.sum(-1, dtype=torch.int32)                           # [N, H]
     mask = torch.zeros_like(qualifies)
@@ -76,12 +73,16 @@ def _select_outliers(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> tuple[
     return mask, kept_idx, num_qualifying
 
 
-def _num_qualifying(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> torch.Tensor:
-    """Values beyond tau * std of their group, per (page, head) [N, H] int32 (the budget-hit statistic)."""
+def _deviation(grouped: torch.Tensor, dim: int) -> torch.Tensor:
+    """|x - mean| / std of each value within its group (std 0: 1), grouped's shape."""
     mean = grouped.mean(dim, keepdim=True)
     std = grouped.std(dim, keepdim=True, correction=0)
-    deviation = (grouped - mean).abs() / torch.where(std > 0, std, torch.ones_like(std))
-    return (deviation > spec.outlier_tau).flatten(2).sum(-1, dtype=torch.int32)
+    return (grouped - mean).abs() / torch.where(std > 0, std, torch.ones_like(std))
+
+
+def _num_qualifying(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> torch.Tensor:
+    """Values beyond tau * std of their group, per (page, head) [N, H] int32 (the budget-hit statistic)."""
+    return (_deviation(grouped, dim) > spec.outlier_tau).flatten(2).sum(-1, dtype=torch.int32)
 
 
 def _select_outliers_by_range(grouped: torch.Tensor, dim: int, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor,
