@@ -269,13 +269,14 @@ template <int B> __device__ __forceinline__ long long chunk_offset(long long ph,
   return ph * (P / CHUNK) * CB + chunk * CB;
 }
 
-// the chunk at byte offset `off` (chunk_offset) of the key (values = false) or value codes into ring buffer `buf`
+// the chunk at byte offset `off` (chunk_offset, plus this lane's 16 * lane) of the key (values = false) or value
+// codes into the ring buffer at shared-space address `buf`
 template <int B>
-__device__ __forceinline__ void issue_chunk(const Params& p, const CopyPlan<B>& cp, uint8_t* buf, long long off,
-                                            bool values, int lane) {
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(values ? p.v_codes : p.k_codes) + off + lane * 16;
+__device__ __forceinline__ void issue_chunk(const Params& p, const CopyPlan<B>& cp, uint32_t buf, long long off,
+                                            bool values) {
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(values ? p.v_codes : p.k_codes) + off;
 #pragma unroll
-  for (int k = 0; k < CopyPlan<B>::PER_LANE; ++k) cp_async16(buf + cp.dst(values, k), src + k * 512, 16);
+  for (int k = 0; k < CopyPlan<B>::PER_LANE; ++k) cp_async16_s(buf + cp.dst(values, k), src + k * 512, 16);
 }
 
 // piece q of a page's small arrays as a table entry: bits 0-7 its rank k within array a, 8-11 the array, 16-31 its

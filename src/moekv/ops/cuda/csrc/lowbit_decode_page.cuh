@@ -90,7 +90,12 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   const int g = lane >> 2, c = lane & 3, odd = g & 1;
   CopyPlan<B> copies;
   copies.init(lane);
-  auto buf = [&](int b) { return wb + plan.ring + b * plan.buf_bytes; };
+  // ring buffer b (the ring starts the warp's area: smem_plan's ring = 0; a buffer is Layout<B>::BUF_BYTES), as a
+  // generic pointer for the loads and as a shared-space address for the copies
+  auto buf = [&](int b) { return wb + b * Layout<B>::BUF_BYTES; };
+  const uint32_t ring_s = smem_addr(wb);
+  auto buf_s = [&](int b) { return ring_s + b * Layout<B>::BUF_BYTES; };
+  const int lane16 = lane * 16;
   auto meta = [&](int jj) { return wb + plan.meta + (jj & 1) * plan.meta_bytes; };
   auto page_of = [&](int jj) { return table[warp + W * jj]; };
   auto ph_of = [&](int page) { return (long long)page * p.num_kv_heads + kvh; };
@@ -102,9 +107,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   {
     const int page = page_of(0);
     issue_meta(p, ptab, meta(0), page, ph_of(page), lane);
-    issue_chunk<B>(p, copies, buf(0), chunk_offset<B>(ph_of(page), 0), false, lane);
+    issue_chunk<B>(p, copies, buf_s(0), chunk_offset<B>(ph_of(page), 0) + lane16, false);
     cp_commit();
-    issue_chunk<B>(p, copies, buf(1), chunk_offset<B>(ph_of(page), 0), true, lane);
+    issue_chunk<B>(p, copies, buf_s(1), chunk_offset<B>(ph_of(page), 0) + lane16, true);
     cp_commit();
   }
   int kb = 0;                                    // ring buffer of K_q (V_q: kb + 1, the next fill: kb + 2, mod 3)
@@ -127,7 +132,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
     const bool has_next = jj + 1 < my_n;
     const int next_page = has_next ? page_of(jj + 1) : page;
     // code offsets of this page-head's chunk 0 and the next page-head's: chunk q + 1's fills take one or the other
-    const long long page_off = chunk_offset<B>(ph, 0), next_off = chunk_offset<B>(ph_of(next_page), 0);
+    const long long page_off = chunk_offset<B>(ph, 0) + lane16, next_off = chunk_offset<B>(ph_of(next_page), 0) + lane16;
     int kcount = 0, vcount = 0;
     int* kbd = reinterpret_cast<int*>(prep + PREP_BOUNDS);
     int* vbd = kbd + CHUNKS + 1;
@@ -141,7 +146,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       cp_wait<1>();                              // K_q (and the page's small arrays) landed
       __syncwarp();
       {                                          // K_{q+1}; with the first chunk, the next page's small arrays
-        if (more) issue_chunk<B>(p, copies, buf(nbuf), noff, false, lane);
+        if (more) issue_chunk<B>(p, copies, buf_s(nbuf), noff, false);
         if (k == 0 && has_next) issue_meta(p, ptab, meta(jj + 1), next_page, ph_of(next_page), lane);
         cp_commit();
       }
@@ -204,7 +209,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       if (staged) {                              // keep the ring's fills and waits in step
         if (more) {
           __syncwarp();
-          issue_chunk<B>(p, copies, buf(kb), noff, true, lane);
+          issue_chunk<B>(p, copies, buf_s(kb), noff, true);
         }
         cp_commit();
         cp_wait<2>();
@@ -254,7 +259,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         }
       }
       __syncwarp();                              // every lane is done with K_q: V_{q+1} may overwrite it
-      if (more) issue_chunk<B>(p, copies, buf(kb), noff, true, lane);
+      if (more) issue_chunk<B>(p, copies, buf_s(kb), noff, true);
       cp_commit();
       cp_wait<2>();                              // V_q landed
       __syncwarp();
