@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from moekv.core import lowbit_order
 from moekv.core.lowbit_pack import SUPPORTED_BITS, words_per_row
 
 AXES = ("channel", "token")
@@ -109,6 +110,14 @@ class QuantSpec:
     @property
     def words_per_row(self) -> int:
         return words_per_row(self.bits, self.head_dim)
+
+    @property
+    def code_order(self) -> str | None:
+        """How a page-head's packed rows are stored: "key" / "value" fragment order (core.lowbit_order: int3,
+        head_dim 128, pages of a multiple of 32 tokens; by the axis), or None: rows in token order."""
+        if not lowbit_order.applies(self.bits, self.page_size, self.head_dim):
+            return None
+        return lowbit_order.kind_of(self.axis)
 
 
 LAYER_ALIGN = 16   # bytes: each layer's pages of stacked PackedPages start aligned (the v7 kernel's 16-byte copies)

@@ -13,6 +13,7 @@ import torch
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.ops.reference.attention import causal_attention_reference
 from moekv.core.lowbit_layout import CLIP_STEP, SCALE_CODE_STEPS, PackedPages, QuantSpec
+from moekv.core.lowbit_order import from_fragment_order, to_fragment_order
 from moekv.core.lowbit_pack import pack_codes, unpack_codes
 
 FP16_MAX = 65504.0
@@ -214,6 +215,20 @@ def _choose_ranges(grouped: torch.Tensor, dim: int, inlier: torch.Tensor, lo: to
     return scale, zero, stored_scale.squeeze(squeeze), stored_zero.squeeze(squeeze), scale_base, codes
 
 
+def pack_page_codes(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Codes [..., P, D] of page-heads -> their stored words [..., P, W] (rows packed, then in the spec's
+    code_order)."""
+    words = pack_codes(codes, spec.bits)
+    return words if spec.code_order is None else to_fragment_order(words, spec.code_order)
+
+
+def unpack_page_codes(words: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """The inverse of pack_page_codes: stored words [..., P, W] -> codes [..., P, D] as `dtype`."""
+    if spec.code_order is not None:
+        words = from_fragment_order(words, spec.code_order)
+    return unpack_codes(words, spec.bits, spec.head_dim, dtype)
+
+
 def quantize_pages(x: torch.Tensor, spec: QuantSpec) -> tuple[PackedPages, torch.Tensor]:
     """Quantize full pages: x [N, H, P, D] (any float dtype, finite) -> (PackedPages of N pages,
     num_qualifying [N, H] int32: values that passed tau; > spec.outlier_capacity means the budget bound).
@@ -238,7 +253,7 @@ def quantize_pages(x: torch.Tensor, spec: QuantSpec) -> tuple[PackedPages, torch
     residual = (grouped - dequantized).reshape(n, h, p * d).gather(-1, idx)        # [N, H, C]
     residual = torch.where(valid, residual.clamp(-FP16_MAX, FP16_MAX), torch.zeros_like(residual))
     packed = PackedPages(
-        codes=pack_codes(codes, spec.bits), scale=stored_scale, zero=stored_zero, scale_base=scale_base,
+        codes=pack_page_codes(codes, spec), scale=stored_scale, zero=stored_zero, scale_base=scale_base,
         outlier_vals=residual.to(torch.float16).reshape(n, h, capacity),
         outlier_idx=torch.where(idx >= 1 << 15, idx - (1 << 16), idx).to(torch.int16).reshape(n, h, capacity),
         outlier_count=valid.sum(-1).to(torch.int16))
@@ -269,7 +284,7 @@ def quantize_staged_pages(staging: torch.Tensor, slots: torch.Tensor, pages: tor
 
 def dequantize_pages(packed: PackedPages, spec: QuantSpec) -> torch.Tensor:
     """PackedPages of N pages -> [N, H, P, D] fp32: S * code + Z, plus each outlier's fp16 residual."""
-    codes = unpack_codes(packed.codes, spec.bits, spec.head_dim, torch.float32)   # [N, H, P, D]
+    codes = unpack_page_codes(packed.codes, spec, torch.float32)                # [N, H, P, D]
     n, h, p, d = codes.shape
     if spec.axis == "channel":
         x = codes * packed.scale.float().unsqueeze(2) + packed.zero.float().unsqueeze(2)

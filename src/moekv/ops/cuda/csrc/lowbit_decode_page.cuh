@@ -222,12 +222,19 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       {
         uint32_t bq[16];
         load_frag16(bq, prep + PREP_BFRAG, lane);
+        LaneWords klw;
+        if constexpr (B == 3) klw = lane_words(kst, lane16);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           const int row = 16 * m + tau<B>(g);
           uint32_t ka[16], kb2[16];
-          unpack_key_row<B>(ka, Loads<B>::key(kst, row, c));
-          unpack_key_row<B>(kb2, Loads<B>::key(kst, row + 8, c));
+          if constexpr (B == 3) {                // rows 2m and 2m + 1 of the lane: m-tile m's rows tau(g), + 8
+            unpack16_3bit(ka, klw.w[6 * m], klw.w[6 * m + 1], klw.w[6 * m + 2]);
+            unpack16_3bit(kb2, klw.w[6 * m + 3], klw.w[6 * m + 4], klw.w[6 * m + 5]);
+          } else {
+            unpack_key_row<B>(ka, Loads<B>::key(kst, row, c));
+            unpack_key_row<B>(kb2, Loads<B>::key(kst, row + 8, c));
+          }
           cs[m][0] = cs[m][1] = cs[m][2] = cs[m][3] = 0.f;
 #pragma unroll
           for (int s = 0; s < 8; ++s) mma16816(cs[m], ka[2 * s], kb2[2 * s], ka[2 * s + 1], kb2[2 * s + 1], bq[2 * s], bq[2 * s + 1]);
@@ -265,11 +272,16 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       __syncwarp();
       const uint8_t* vst = buf(vbuf);
       ValueWords<B> vw[2][4];
+      LaneWords vlw;                             // int3: the token pairs' words, merged in the layout
+      if constexpr (B == 3) {
+        vlw = lane_words(vst, lane16);
+      } else {
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const int t0 = 16 * m + tau<B>(2 * c), t1 = 16 * m + tau<B>(2 * c + 1);
-        vw[m][0] = Loads<B>::value(vst, t0, g); vw[m][1] = Loads<B>::value(vst, t1, g);
-        vw[m][2] = Loads<B>::value(vst, t0 + 8, g); vw[m][3] = Loads<B>::value(vst, t1 + 8, g);
+        for (int m = 0; m < 2; ++m) {
+          const int t0 = 16 * m + tau<B>(2 * c), t1 = 16 * m + tau<B>(2 * c + 1);
+          vw[m][0] = Loads<B>::value(vst, t0, g); vw[m][1] = Loads<B>::value(vst, t1, g);
+          vw[m][2] = Loads<B>::value(vst, t0 + 8, g); vw[m][3] = Loads<B>::value(vst, t1 + 8, g);
+        }
       }
       // ---- online softmax (base 2)
       constexpr int MT = 3 - STACK;                        // score tiles per lane
@@ -348,8 +360,13 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         uint32_t r01[16], r23[16];
-        unpack_value_pair<B>(r01, vw[m][0], vw[m][1], odd);
-        unpack_value_pair<B>(r23, vw[m][2], vw[m][3], odd);
+        if constexpr (B == 3) {
+          unpack16_3bit(r01, vlw.w[6 * m], vlw.w[6 * m + 1], vlw.w[6 * m + 2]);
+          unpack16_3bit(r23, vlw.w[6 * m + 3], vlw.w[6 * m + 4], vlw.w[6 * m + 5]);
+        } else {
+          unpack_value_pair<B>(r01, vw[m][0], vw[m][1], odd);
+          unpack_value_pair<B>(r23, vw[m][2], vw[m][3], odd);
+        }
 #pragma unroll
         for (int i2 = 0; i2 < 8; ++i2) mma16816(st.acc[i2], r01[2 * i2], r01[2 * i2 + 1], r23[2 * i2], r23[2 * i2 + 1], pb[m][0], pb[m][1]);
       }

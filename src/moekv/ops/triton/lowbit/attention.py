@@ -51,8 +51,9 @@ def _page_operand(codes_ptr, scale_ptr, zero_ptr, base_ptr, page_head, offs_n, n
                   UNPACK_MODE: tl.constexpr, GATHER: tl.constexpr):
     """Rows offs_n [BLOCK_N] of one page of one head as a [BLOCK_N, BLOCK_D] dot operand (codes,
     or for DEQUANT_TOKEN the dequantized values) and, token axis, per row S / scale_base, Z and scale_base."""
-    rows = codes_ptr + page_head * (PAGE_SIZE * WORDS) + offs_n * WORDS
-    codes = unpack_codes(rows, n_valid, BITS, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
+    ORDER: tl.constexpr = (BITS == 3) * (HEAD_DIM == 128) * (PAGE_SIZE % 32 == 0) * (2 - (MODE == 0))   # code_order
+    codes = unpack_codes(codes_ptr + page_head * (PAGE_SIZE * WORDS), offs_n, n_valid, BITS, WORDS, HEAD_DIM, BLOCK_N,
+                         BLOCK_D, GATHER, ORDER)
     relative = offs_n.to(tl.float32)                                     # placeholders (channel axis)
     zero = relative
     base = 1.0

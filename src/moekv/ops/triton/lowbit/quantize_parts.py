@@ -7,6 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moekv.ops.triton.lowbit.order import ORDER_ROWS, store_triplet_word
 from moekv.ops.triton.lowbit.unpack import field_shifts, triplet_field_bit
 
 
@@ -353,11 +354,17 @@ def quantize_page_head(
 
     # ---- codes ----
     codes = codes_f.to(tl.int32)
+    ORDER: tl.constexpr = (BITS == 3) * (D == 128) * (P % 32 == 0) * (2 - AXIS_CHANNEL)   # order.code_order
     rows = codes_ptr + page_head * (P * WORDS) + offs_p[:, None] * WORDS
     if BITS == 4:
         tl.store(rows + tl.arange(0, D // 8)[None, :], pack_plane(codes, P, D, 4))
     elif BITS == 2:
         tl.store(rows + tl.arange(0, D // 16)[None, :], pack_plane(codes, P, D, 2))
+    elif ORDER != ORDER_ROWS:                                                     # int3 in fragment order
+        page_codes = codes_ptr + page_head * (P * WORDS)
+        for i in tl.static_range(3):
+            store_triplet_word(page_codes, pack_triplet_word(codes, i, P, D), offs_p[:, None],
+                               tl.arange(0, D // 32)[None, :], i, ORDER)
     else:
         first = tl.join(pack_triplet_word(codes, 0, P, D), pack_triplet_word(codes, 1, P, D))   # [P, D // 32, 2]
         tl.store(rows + tl.arange(0, D // 16)[None, :], tl.reshape(first, (P, D // 16)))

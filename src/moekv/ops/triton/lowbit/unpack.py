@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moekv.ops.triton.lowbit.order import ORDER_ROWS, load_triplet_word
+
 # How codes become a dot operand (UNPACK_MODE).
 UNPACK_FP32 = 0          # int -> fp32 (exact path: fp32 / mixed dtypes)
 UNPACK_FP16_MAGIC = 1    # (code | 0x6400) read as fp16 = 1024 + code, minus 1024: no int->float convert
@@ -15,9 +17,10 @@ UNPACK_FP16_CVT = 2      # int -> fp16 by a plain convert (kept for comparison i
 
 
 @triton.jit
-def unpack_codes(row_ptrs, row_mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, GATHER: tl.constexpr):
-    """row_ptrs [BLOCK_N]: int32 pointers to packed rows -> codes [BLOCK_N, BLOCK_D] int32.
+def unpack_codes(page_ptr, offs_n, row_mask, BITS: tl.constexpr, WORDS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr, ORDER: tl.constexpr):
+    """Rows offs_n [BLOCK_N] of the page-head at int32 `page_ptr` (WORDS words a row) -> codes [BLOCK_N, BLOCK_D]
+    int32. ORDER (ops.triton.lowbit.order): rows in token order, or int3 in fragment order (core.lowbit_order).
 
     int4 / int2: one plane of k-bit fields, 32 // k per word, field j in word j // (32 // k) at bit
     (j % (32 // k)) * k. int3: triplets (core.lowbit_pack): group j = d // 32 owns words 2j, 2j + 1 and 2G + j;
@@ -27,8 +30,9 @@ def unpack_codes(row_ptrs, row_mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     reshape; GATHER=True loads, for every column, the word holding it (repeats hit L1) and shifts per column.
     int3 always gathers (three words per column).
     """
+    row_ptrs = page_ptr + offs_n * WORDS
     if BITS == 3:
-        codes = _triplets(row_ptrs, row_mask, HEAD_DIM, BLOCK_D)
+        codes = _triplets(page_ptr, offs_n, row_ptrs, row_mask, HEAD_DIM, BLOCK_D, ORDER)
     else:
         codes = _plane(row_ptrs, row_mask, 0, BITS, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
     return codes
@@ -43,17 +47,25 @@ def triplet_field_bit(m):
 
 
 @triton.jit
-def _triplets(row_ptrs, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _triplets(page_ptr, offs_n, row_ptrs, row_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              ORDER: tl.constexpr):
     """int3 codes of every column: [N, BLOCK_D] int32."""
     groups: tl.constexpr = (HEAD_DIM + 31) // 32
     offs_d = tl.arange(0, BLOCK_D)
     group = offs_d // 32
     m = offs_d % 16
-    base = 16 * ((offs_d // 16) % 2)
+    half = (offs_d // 16) % 2
+    base = 16 * half
     mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-    w0 = tl.load(row_ptrs[:, None] + (2 * group)[None, :], mask=mask, other=0)
-    w1 = tl.load(row_ptrs[:, None] + (2 * group + 1)[None, :], mask=mask, other=0)
-    w2 = tl.load(row_ptrs[:, None] + (2 * groups + group)[None, :], mask=mask, other=0)
+    if ORDER == ORDER_ROWS:
+        w0 = tl.load(row_ptrs[:, None] + (2 * group)[None, :], mask=mask, other=0)
+        w1 = tl.load(row_ptrs[:, None] + (2 * group + 1)[None, :], mask=mask, other=0)
+        w2 = tl.load(row_ptrs[:, None] + (2 * groups + group)[None, :], mask=mask, other=0)
+    else:
+        tokens = offs_n[:, None]
+        w0 = load_triplet_word(page_ptr, tokens, group[None, :], half[None, :], 0, mask, ORDER)
+        w1 = load_triplet_word(page_ptr, tokens, group[None, :], half[None, :], 1, mask, ORDER)
+        w2 = load_triplet_word(page_ptr, tokens, group[None, :], half[None, :], 2, mask, ORDER)
     word = m // 5
     held = tl.where((word == 0)[None, :], w0, tl.where((word == 1)[None, :], w1, w2))
     whole = (held >> (base + triplet_field_bit(m))[None, :]) & 7

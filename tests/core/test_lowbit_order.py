@@ -1,0 +1,74 @@
+"""int3 fragment order (core.lowbit_order): a bijection per chunk, its inverse, and what the CUDA kernel's lanes
+read from it, spelled from the kernel's side (lane (g, c) takes three 16-byte words per chunk)."""
+
+import pytest
+import torch
+
+from moekv.core import lowbit_order
+from moekv.core.lowbit_layout import QuantSpec
+
+
+def tau(r: int) -> int:
+    return r ^ ((r >> 2) & 1)
+
+
+def random_words(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31 - 1, shape, generator=g, dtype=torch.int64).to(torch.int32)
+
+
+def half(word: int, h: int) -> int:
+    return (word >> (16 * h)) & 0xFFFF
+
+
+@pytest.mark.parametrize("kind", lowbit_order.KINDS)
+def test_round_trip_and_bijection(kind):
+    assert sorted(lowbit_order.destinations(kind).tolist()) == list(range(lowbit_order.HALVES))
+    words = random_words((2, 3, 128, 12))
+    ordered = lowbit_order.to_fragment_order(words, kind)
+    assert not torch.equal(ordered, words)
+    assert torch.equal(lowbit_order.from_fragment_order(ordered, kind), words)
+
+
+def test_key_lanes_read_their_rows():
+    rows = random_words((32, 12), seed=1)
+    chunk = lowbit_order.to_fragment_order(rows, "key").flatten().tolist()
+    rows = rows.tolist()
+    for lane in range(32):
+        g, c = divmod(lane, 4)
+        lane_rows = [tau(g), tau(g) + 8, 16 + tau(g), 24 + tau(g)]
+        for s in range(12):
+            want = rows[lane_rows[s // 3]][[2 * c, 2 * c + 1, 8 + c][s % 3]]
+            assert chunk[(s // 4) * 128 + 4 * lane + s % 4] == want, (lane, s)
+
+
+def test_value_lanes_read_token_pairs():
+    rows = random_words((32, 12), seed=2)
+    chunk = lowbit_order.to_fragment_order(rows, "value").flatten().tolist()
+    rows = rows.tolist()
+    for lane in range(32):
+        g, c = divmod(lane, 4)
+        group, h = divmod(g, 2)
+        for s in range(12):
+            m, pair, i = s // 6, (s // 3) % 2, s % 3
+            t0, t1 = 16 * m + tau(2 * c) + 8 * pair, 16 * m + tau(2 * c + 1) + 8 * pair
+            w = [2 * group, 2 * group + 1, 8 + group][i]
+            got = chunk[(s // 4) * 128 + 4 * lane + s % 4]
+            assert half(got, 0) == half(rows[t0][w], h) and half(got, 1) == half(rows[t1][w], h), (lane, s)
+
+
+@pytest.mark.parametrize("bits,head_dim,page_size,order", [
+    (3, 128, 128, "key"), (3, 128, 32, "key"), (3, 128, 16, None), (3, 64, 128, None), (4, 128, 128, None),
+    (2, 128, 128, None)])
+def test_spec_code_order(bits, head_dim, page_size, order):
+    spec = QuantSpec(bits=bits, axis="channel", head_dim=head_dim, page_size=page_size)
+    assert spec.code_order == order
+    value = QuantSpec(bits=bits, axis="token", head_dim=head_dim, page_size=page_size)
+    assert value.code_order == (None if order is None else "value")
+
+
+def test_rejects_other_shapes():
+    with pytest.raises(ValueError, match="chunks of 32"):
+        lowbit_order.to_fragment_order(torch.zeros(16, 12, dtype=torch.int32), "key")
+    with pytest.raises(ValueError, match="kind"):
+        lowbit_order.to_fragment_order(torch.zeros(32, 12, dtype=torch.int32), "keys")
