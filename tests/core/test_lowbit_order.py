@@ -1,5 +1,6 @@
-"""int3 fragment order (core.lowbit_order): a bijection per chunk, its inverse, and what the CUDA kernel's lanes
-read from it, spelled from the kernel's side (lane (g, c) takes three 16-byte words per chunk)."""
+"""int3 / int2 fragment order (core.lowbit_order): a bijection per chunk, its inverse, and what the CUDA kernel's
+lanes read from it, spelled from the kernel's side (lane (g, c) takes three (int3) or two (int2) 16-byte words per
+chunk)."""
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ def half(word: int, h: int) -> int:
     return (word >> (16 * h)) & 0xFFFF
 
 
+@pytest.mark.parametrize("bits", [3, 2])
 @pytest.mark.parametrize("kind", lowbit_order.KINDS)
-def test_round_trip_and_bijection(kind):
-    assert sorted(lowbit_order.destinations(kind).tolist()) == list(range(lowbit_order.HALVES))
-    words = random_words((2, 3, 128, 12))
+def test_round_trip_and_bijection(bits, kind):
+    n = lowbit_order.WORDS[bits]
+    assert sorted(lowbit_order.destinations(bits, kind).tolist()) == list(range(32 * n * 2))
+    words = random_words((2, 3, 128, n))
     ordered = lowbit_order.to_fragment_order(words, kind)
     assert not torch.equal(ordered, words)
     assert torch.equal(lowbit_order.from_fragment_order(ordered, kind), words)
@@ -59,7 +62,7 @@ def test_value_lanes_read_token_pairs():
 
 @pytest.mark.parametrize("bits,head_dim,page_size,order", [
     (3, 128, 128, "key"), (3, 128, 32, "key"), (3, 128, 16, None), (3, 64, 128, None), (4, 128, 128, None),
-    (2, 128, 128, None)])
+    (2, 128, 128, "key"), (2, 128, 64, "key"), (2, 96, 128, None)])
 def test_spec_code_order(bits, head_dim, page_size, order):
     spec = QuantSpec(bits=bits, axis="channel", head_dim=head_dim, page_size=page_size)
     assert spec.code_order == order
@@ -67,8 +70,34 @@ def test_spec_code_order(bits, head_dim, page_size, order):
     assert value.code_order == (None if order is None else "value")
 
 
+def test_int2_key_lanes_read_their_rows():
+    rows = random_words((32, 8), seed=3)
+    chunk = lowbit_order.to_fragment_order(rows, "key").flatten().tolist()
+    rows = rows.tolist()
+    for lane in range(32):
+        g, c = divmod(lane, 4)
+        lane_rows = [tau(g), tau(g) + 8, 16 + tau(g), 24 + tau(g)]
+        for s in range(8):
+            assert chunk[(s // 4) * 128 + 4 * lane + s % 4] == rows[lane_rows[s // 2]][2 * c + s % 2], (lane, s)
+
+
+def test_int2_value_lanes_read_token_pairs():
+    rows = random_words((32, 8), seed=4)
+    chunk = lowbit_order.to_fragment_order(rows, "value").flatten().tolist()
+    rows = rows.tolist()
+    for lane in range(32):
+        g, c = divmod(lane, 4)
+        for s in range(8):
+            m, pair, i = s // 4, (s // 2) % 2, s % 2
+            t0, t1 = 16 * m + tau(2 * c) + 8 * pair, 16 * m + tau(2 * c + 1) + 8 * pair
+            got = chunk[(s // 4) * 128 + 4 * lane + s % 4]
+            assert half(got, 0) == half(rows[t0][g], i) and half(got, 1) == half(rows[t1][g], i), (lane, s)
+
+
 def test_rejects_other_shapes():
     with pytest.raises(ValueError, match="chunks of 32"):
         lowbit_order.to_fragment_order(torch.zeros(16, 12, dtype=torch.int32), "key")
+    with pytest.raises(ValueError, match="chunks of 32"):
+        lowbit_order.to_fragment_order(torch.zeros(32, 16, dtype=torch.int32), "key")   # int4 rows
     with pytest.raises(ValueError, match="kind"):
         lowbit_order.to_fragment_order(torch.zeros(32, 12, dtype=torch.int32), "keys")

@@ -125,9 +125,10 @@ def test_cache_end_to_end(device):
         assert_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("bits", [3, 2])
 @pytest.mark.parametrize("key_axis", ["channel", "token"])
-def test_decode_int3_fragment_order(device, key_axis):
-    # int3, head_dim 128, 32-token pages: codes in fragment order (core.lowbit_order), both kinds; contexts that
-    # end inside a chunk, on a chunk boundary and past a page
-    check(build_case([33, 64, 70], [1, 1, 1], 2, 4, 128, 3, 32, key_axis=key_axis, kind="outlier_channels", seed=9,
+def test_decode_fragment_order(device, bits, key_axis):
+    # int3 / int2, head_dim 128, 32-token pages: codes in fragment order (core.lowbit_order), both kinds; contexts
+    # that end inside a chunk, on a chunk boundary and past a page
+    check(build_case([33, 64, 70], [1, 1, 1], 2, 4, 128, bits, 32, key_axis=key_axis, kind="outlier_channels", seed=9,
                      device=device), torch.float32)

@@ -238,21 +238,25 @@ template <int B> struct Loads {
   }
 };
 
-// int3 in fragment order (docs/kv-format.md 2.1, core/lowbit_order.py): a chunk's 1536 bytes are copied as they
-// are, and lane l's 12 words of it are the 16-byte words at 16 l, 512 + 16 l and 1024 + 16 l (three conflict-free
-// warp-wide LDS.128). Keys: lane words 3 r + i = triplet word i of group c of the lane's row r (rows tau(g),
-// tau(g) + 8, 16 + tau(g), 24 + tau(g)). Values: lane words 6 m + 3 pair + i = triplet word i of group g / 2, half
-// g % 2, of the token pair (16 m + tau(2c) + 8 pair, 16 m + tau(2c + 1) + 8 pair), first token in the low half.
-struct LaneWords { uint32_t w[12]; };
-__device__ __forceinline__ LaneWords lane_words(const uint8_t* st, int lane16) {
-  LaneWords r;
+// int3 / int2 in fragment order (docs/kv-format.md 2.1, core/lowbit_order.py): a chunk's bytes are copied as they
+// are, and lane l's N words of it (N = 12 int3, 8 int2) are the 16-byte words at 512 j + 16 l (conflict-free
+// warp-wide LDS.128). The lane's rows r: tau(g), tau(g) + 8, 16 + tau(g), 24 + tau(g); its token pairs
+// (16 m + tau(2c) + 8 pair, 16 m + tau(2c + 1) + 8 pair), the first token in the low half.
+// int3 keys: lane words 3 r + i = triplet word i of group c of row r; values: 6 m + 3 pair + i = triplet word i
+// of group g / 2, half g % 2, of the pair. int2 keys: 2 r + i = row word 2c + i of row r; values: 4 m + 2 pair + i
+// = half i of row word g of the pair.
+template <int N> struct LaneWords { uint32_t w[N]; };
+template <int N> __device__ __forceinline__ LaneWords<N> lane_words(const uint8_t* st, int lane16) {
+  LaneWords<N> r;
 #pragma unroll
-  for (int j = 0; j < 3; ++j) {
+  for (int j = 0; j < N / 4; ++j) {
     const uint4 v = *reinterpret_cast<const uint4*>(st + 512 * j + lane16);
     r.w[4 * j] = v.x; r.w[4 * j + 1] = v.y; r.w[4 * j + 2] = v.z; r.w[4 * j + 3] = v.w;
   }
   return r;
 }
+template <int B> __host__ __device__ constexpr int lane_word_count() { return B == 3 ? 12 : 8; }
+template <int B> __host__ __device__ constexpr bool fragment_order() { return B == 3 || B == 2; }
 
 // Destinations of a lane's 16-byte pieces of one chunk's key / value codes in a ring buffer (the same for every
 // chunk). A chunk of a page-head is contiguous in global memory (CHUNK rows of WORDS words).
@@ -269,7 +273,7 @@ template <int B> struct CopyPlan {
     for (int k = 0; k < PER_LANE; ++k) {
       const int q = lane + k * 32, row = q / CPR, part = q % CPR;
       if constexpr (B == 3) {                     // fragment order: the chunk's bytes as they are (lane_words)
-        kdst[k] = 16 * q;
+        kdst[k] = 16 * q;                         // (int2's rows of 32 bytes give the same identity below)
       } else {
         kdst[k] = L::KC_LO + row * W::K_LO + part * 16;
         if constexpr (!SAME) vdst[k] = L::VC_LO + row * W::V_LO + part * 16;

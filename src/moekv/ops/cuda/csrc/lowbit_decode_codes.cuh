@@ -101,6 +101,14 @@ template <> __device__ __forceinline__ void unpack_value_pair<2>(uint32_t (&r)[1
 #pragma unroll
   for (int k = 0; k < 8; ++k) { r[k] = x[k]; r[8 + k] = y[k]; }
 }
+// int2 in fragment order: the pair's words already merged (lo: the low halves of both tokens' word, hi: the high)
+__device__ __forceinline__ void unpack_value_merged2(uint32_t (&r)[16], uint32_t lo, uint32_t hi) {
+  uint32_t x[8], y[8];
+  unpack16_2bit(x, lo);
+  unpack16_2bit(y, hi);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) { r[k] = x[k]; r[8 + k] = y[k]; }
+}
 template <> __device__ __forceinline__ void unpack_value_pair<3>(uint32_t (&r)[16], const ValueWords<3>& a,
                                                                  const ValueWords<3>& b, int odd) {
   const uint32_t sel = odd ? 0x7632 : 0x5410;              // our half of both tokens' words

@@ -222,8 +222,8 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       {
         uint32_t bq[16];
         load_frag16(bq, prep + PREP_BFRAG, lane);
-        LaneWords klw;
-        if constexpr (B == 3) klw = lane_words(kst, lane16);
+        LaneWords<lane_word_count<B>()> klw;
+        if constexpr (fragment_order<B>()) klw = lane_words<lane_word_count<B>()>(kst, lane16);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           const int row = 16 * m + tau<B>(g);
@@ -231,6 +231,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
           if constexpr (B == 3) {                // rows 2m and 2m + 1 of the lane: m-tile m's rows tau(g), + 8
             unpack16_3bit(ka, klw.w[6 * m], klw.w[6 * m + 1], klw.w[6 * m + 2]);
             unpack16_3bit(kb2, klw.w[6 * m + 3], klw.w[6 * m + 4], klw.w[6 * m + 5]);
+          } else if constexpr (B == 2) {
+            unpack_key_row<2>(ka, KeyWords<2>{{klw.w[4 * m], klw.w[4 * m + 1]}});
+            unpack_key_row<2>(kb2, KeyWords<2>{{klw.w[4 * m + 2], klw.w[4 * m + 3]}});
           } else {
             unpack_key_row<B>(ka, Loads<B>::key(kst, row, c));
             unpack_key_row<B>(kb2, Loads<B>::key(kst, row + 8, c));
@@ -272,9 +275,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       __syncwarp();
       const uint8_t* vst = buf(vbuf);
       ValueWords<B> vw[2][4];
-      LaneWords vlw;                             // int3: the token pairs' words, merged in the layout
-      if constexpr (B == 3) {
-        vlw = lane_words(vst, lane16);
+      LaneWords<lane_word_count<B>()> vlw;       // int3 / int2: the token pairs' words, merged in the layout
+      if constexpr (fragment_order<B>()) {
+        vlw = lane_words<lane_word_count<B>()>(vst, lane16);
       } else {
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
@@ -363,6 +366,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         if constexpr (B == 3) {
           unpack16_3bit(r01, vlw.w[6 * m], vlw.w[6 * m + 1], vlw.w[6 * m + 2]);
           unpack16_3bit(r23, vlw.w[6 * m + 3], vlw.w[6 * m + 4], vlw.w[6 * m + 5]);
+        } else if constexpr (B == 2) {
+          unpack_value_merged2(r01, vlw.w[4 * m], vlw.w[4 * m + 1]);
+          unpack_value_merged2(r23, vlw.w[4 * m + 2], vlw.w[4 * m + 3]);
         } else {
           unpack_value_pair<B>(r01, vw[m][0], vw[m][1], odd);
           unpack_value_pair<B>(r23, vw[m][2], vw[m][3], odd);

@@ -3,7 +3,7 @@ Triton quantizer's page store and the general attention kernel's code loads. The
 core.lowbit_order.destination, per element.
 
 A kernel computes its ORDER_* at compile time as
-    (BITS == 3) * (HEAD_DIM == 128) * (PAGE_SIZE % 32 == 0) * (2 - AXIS_CHANNEL)
+    ((BITS == 3) + (BITS == 2)) * (HEAD_DIM == 128) * (PAGE_SIZE % 32 == 0) * (2 - AXIS_CHANNEL)
 (core.lowbit_order.applies and kind_of; the quantizer tests compare the stored words with the reference's).
 """
 
@@ -18,7 +18,8 @@ from moekv.core import lowbit_order
 ORDER_ROWS = tl.constexpr(0)      # rows in token order (core.lowbit_pack)
 ORDER_KEY = tl.constexpr(1)       # fragment order, "key" (arrays quantized along the channel axis)
 ORDER_VALUE = tl.constexpr(2)     # fragment order, "value" (along the token axis)
-_CHUNK_WORDS = tl.constexpr(lowbit_order.CHUNK * lowbit_order.WORDS)
+_CHUNK_WORDS3 = tl.constexpr(lowbit_order.CHUNK * lowbit_order.WORDS[3])   # int3 words of a chunk
+_CHUNK_WORDS2 = tl.constexpr(lowbit_order.CHUNK * lowbit_order.WORDS[2])   # int2
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def key_word(token, group, i):
     t = token % 32
     u = t % 16
     lane = 4 * _tau(u % 8) + group
-    return (token // 32) * _CHUNK_WORDS + _chunk_word(lane, 3 * (2 * (t // 16) + u // 8) + i)
+    return (token // 32) * _CHUNK_WORDS3 + _chunk_word(lane, 3 * (2 * (t // 16) + u // 8) + i)
 
 
 @triton.jit
@@ -48,7 +49,52 @@ def value_half(token, group, i, half):
     u = t % 16
     q = _tau(u % 8)                      # 2c + e: the pair's column c; e = 1 for the pair's second token
     lane = 4 * (2 * group + half) + q // 2
-    return 2 * ((token // 32) * _CHUNK_WORDS + _chunk_word(lane, 6 * (t // 16) + 3 * (u // 8) + i)) + q % 2
+    return 2 * ((token // 32) * _CHUNK_WORDS3 + _chunk_word(lane, 6 * (t // 16) + 3 * (u // 8) + i)) + q % 2
+
+
+@triton.jit
+def key_word2(token, word):
+    """int2, key order: word of the page-head holding row word `word` of token `token`."""
+    t = token % 32
+    u = t % 16
+    lane = 4 * _tau(u % 8) + word // 2
+    return (token // 32) * _CHUNK_WORDS2 + _chunk_word(lane, 2 * (2 * (t // 16) + u // 8) + word % 2)
+
+
+@triton.jit
+def value_half2(token, word, half):
+    """int2, value order: 16-bit half of the page-head holding half `half` of row word `word` of token `token`."""
+    t = token % 32
+    u = t % 16
+    q = _tau(u % 8)
+    lane = 4 * word + q // 2
+    return 2 * ((token // 32) * _CHUNK_WORDS2 + _chunk_word(lane, 4 * (t // 16) + 2 * (u // 8) + half)) + q % 2
+
+
+@triton.jit
+def store_plane_words(page_ptr, words, tokens, offs_w, ORDER: tl.constexpr):
+    """int2: store row words [P, 8] int32 (tokens [P, 1], offs_w [1, 8]) of a page-head at int32 `page_ptr` in
+    fragment order ORDER_KEY or ORDER_VALUE."""
+    if ORDER == ORDER_KEY:
+        tl.store(page_ptr + key_word2(tokens, offs_w), words)
+    else:
+        halves = page_ptr.to(tl.pointer_type(tl.int16))
+        tl.store(halves + value_half2(tokens, offs_w, 0), (words & 0xFFFF).to(tl.int16))
+        tl.store(halves + value_half2(tokens, offs_w, 1), ((words >> 16) & 0xFFFF).to(tl.int16))
+
+
+@triton.jit
+def load_plane_word(page_ptr, tokens, offs_d, mask, ORDER: tl.constexpr):
+    """int2: the row word holding column offs_d (16 a word) of token `tokens` (broadcast shapes) from a page-head in
+    fragment order; ORDER_VALUE reads only the half holding the column, in its place, the other half 0."""
+    word = offs_d // 16
+    if ORDER == ORDER_KEY:
+        return tl.load(page_ptr + key_word2(tokens, word), mask=mask, other=0)
+    else:
+        half = (offs_d % 16) // 8
+        halves = page_ptr.to(tl.pointer_type(tl.int16))
+        h = tl.load(halves + value_half2(tokens, word, half), mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return h << (16 * half)
 
 
 @triton.jit

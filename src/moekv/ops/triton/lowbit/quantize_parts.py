@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.lowbit.order import ORDER_ROWS, store_triplet_word
+from moekv.ops.triton.lowbit.order import ORDER_ROWS, store_plane_words, store_triplet_word
 from moekv.ops.triton.lowbit.unpack import field_shifts, triplet_field_bit
 
 
@@ -354,10 +354,13 @@ def quantize_page_head(
 
     # ---- codes ----
     codes = codes_f.to(tl.int32)
-    ORDER: tl.constexpr = (BITS == 3) * (D == 128) * (P % 32 == 0) * (2 - AXIS_CHANNEL)   # order.code_order
+    ORDER: tl.constexpr = ((BITS == 3) + (BITS == 2)) * (D == 128) * (P % 32 == 0) * (2 - AXIS_CHANNEL)   # order.code_order
     rows = codes_ptr + page_head * (P * WORDS) + offs_p[:, None] * WORDS
     if BITS == 4:
         tl.store(rows + tl.arange(0, D // 8)[None, :], pack_plane(codes, P, D, 4))
+    elif BITS == 2 and ORDER != ORDER_ROWS:                                       # int2 in fragment order
+        store_plane_words(codes_ptr + page_head * (P * WORDS), pack_plane(codes, P, D, 2), offs_p[:, None],
+                          tl.arange(0, D // 16)[None, :], ORDER)
     elif BITS == 2:
         tl.store(rows + tl.arange(0, D // 16)[None, :], pack_plane(codes, P, D, 2))
     elif ORDER != ORDER_ROWS:                                                     # int3 in fragment order

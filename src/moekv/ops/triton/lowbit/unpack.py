@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.lowbit.order import ORDER_ROWS, load_triplet_word
+from moekv.ops.triton.lowbit.order import ORDER_ROWS, load_plane_word, load_triplet_word
 
 # How codes become a dot operand (UNPACK_MODE).
 UNPACK_FP32 = 0          # int -> fp32 (exact path: fp32 / mixed dtypes)
@@ -33,6 +33,11 @@ def unpack_codes(page_ptr, offs_n, row_mask, BITS: tl.constexpr, WORDS: tl.const
     row_ptrs = page_ptr + offs_n * WORDS
     if BITS == 3:
         codes = _triplets(page_ptr, offs_n, row_ptrs, row_mask, HEAD_DIM, BLOCK_D, ORDER)
+    elif ORDER != ORDER_ROWS:                   # int2 in fragment order: each column's word from its place
+        offs_d = tl.arange(0, BLOCK_D)
+        words = load_plane_word(page_ptr, offs_n[:, None], offs_d[None, :],
+                                row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), ORDER)
+        codes = (words >> ((offs_d % 16) * 2)[None, :]) & 3
     else:
         codes = _plane(row_ptrs, row_mask, 0, BITS, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
     return codes
