@@ -105,6 +105,8 @@ def test_fma_default_tiles_and_block_caps(device):
     assert decode_fma.default_part(4096, 2)["BLOCK_K"] == 2048
     assert decode_fma.default_part(2048, 1, 128) == {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4,
                                                      "num_stages": 1, "UNROLL": 1}
+    tuned = {"VARIANT": "fma", "gate_up": {"BLOCK_N": 2, "BLOCK_K": 64}}          # K tiles capped at 32: 2x rows
+    assert moe_decode._resolve_config(x, w_gate_up, tuned, w_down)["gate_up"]["BLOCK_N"] == 4
     _check(x, w_gate_up, w_down, ids, weights, {"VARIANT": "fma"}, BF16)
 
 

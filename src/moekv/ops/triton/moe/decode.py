@@ -268,7 +268,8 @@ def decode_config(hidden: torch.Tensor, num_experts: int, inter: int, w_gate_up=
     "dot") and holds the dot variant's parameters as "gate_up" / "down", the fma variant's under "fma" (default:
     decode_fma.default_part). "fma" falls back to "dot" where it does not apply (decode_fma.applies: T >
     FMA_MAX_TOKENS, weight rows not contiguous along K). config: "VARIANT" forces one; its "gate_up" / "down"
-    entries override the running variant's parameters (dropped when the variant they name falls back)."""
+    entries override the running variant's parameters (dropped when the variant they name falls back). FP8 scale
+    blocks narrower than K cap BLOCK_K (fp8_block_k); the fma variant then takes BLOCK_N up by the same factor."""
     num_tokens, hidden_size = hidden.shape
     cfg = get_config("decode", num_experts, hidden_size, inter, num_tokens, hidden.dtype, hidden.device,
                      weights=weight_format(w_gate_up))
@@ -282,9 +283,12 @@ def decode_config(hidden: torch.Tensor, num_experts: int, inter: int, w_gate_up=
                                                                  w_down, caps)
     overrides = config if config.get("VARIANT", variant) == variant else {}
     out = {"VARIANT": variant}
-    for part in ("gate_up", "down"):
+    for part, cap in caps.items():
         merged = dict(base[part], **overrides.get(part, {}))
-        out[part] = merged if caps[part] is None else dict(merged, BLOCK_K=min(merged["BLOCK_K"], caps[part]))
+        if cap is not None and merged["BLOCK_K"] > cap:      # fma: as many codes per program, in more rows
+            rows = merged["BLOCK_N"] * (merged["BLOCK_K"] // cap if variant == "fma" else 1)
+            merged.update(BLOCK_N=rows, BLOCK_K=cap)
+        out[part] = merged
     return out
 
 

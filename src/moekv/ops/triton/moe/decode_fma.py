@@ -213,14 +213,18 @@ def _pow2(n: int, floor: int) -> int:
 
 def default_part(reduced: int, elem_bytes: int, block_k_cap: int | None = None) -> dict:
     """Launch parameters of one fma launch reducing over `reduced` with weights of elem_bytes per element
-    (untuned, reasoned from layer.skinny_gemm's H200 sweep): each thread loads 16 bytes of a row per step,
-    BLOCK_K up to 32 lanes x 8 warps of them (4096 e4m3 codes, 2048 bf16) and one row per program; when a
-    narrower scale block caps BLOCK_K (block_k_cap), more rows per program keep >= 4 warps busy."""
+    (untuned, reasoned from layer.skinny_gemm's H200 sweep): each thread loads 16 bytes of a row per step;
+    BLOCK_K covers the reduced size, up to 32 lanes x 8 warps of such loads (4096 e4m3 codes, 2048 bf16), at
+    most the FP8 scale-block cap (block_k_cap), shrunk to the largest power of two dividing the reduced size
+    when that leaves no K tail and still >= 256; rows per program so that a program fills >= 4 warps."""
     per_warp = 32 * max(1, VECTOR_BYTES // elem_bytes)           # K elements one warp loads per row and step
-    block_k = min(8 * per_warp, _pow2(reduced, per_warp))
+    block_k = min(8 * per_warp, _pow2(reduced, 16))
     if block_k_cap is not None:
         block_k = min(block_k, block_k_cap)
-    block_n = max(1, 4 * per_warp // block_k) if block_k < 4 * per_warp and block_k < reduced else 1
+    even = reduced & -reduced                                      # largest power of two dividing reduced
+    if reduced % block_k and even >= 256:
+        block_k = min(block_k, even)
+    block_n = max(1, 4 * per_warp // block_k)
     warps = max(1, min(8, block_n * block_k // per_warp))
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": 1, "UNROLL": 1}
 
