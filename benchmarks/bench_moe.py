@@ -7,6 +7,8 @@ eager) on one layer of a named shape with random weights.
     PYTHONPATH=src:. python benchmarks/bench_moe.py --tiny      # CPU: the code paths under the interpreter
     PYTHONPATH=src:. python benchmarks/bench_moe.py --model mixtral-8x7b,qwen3-30b-a3b --quantization none,fp8
     PYTHONPATH=src:. python benchmarks/bench_moe.py --quantization fp8 --fp8-block 128x128   # checkpoints' blocks
+    PYTHONPATH=src:. python benchmarks/bench_moe.py --model mixtral-8x7b,qwen3-30b-a3b --quantization fp8,none \
+        --tokens 1,2,4 --variants dot,fma --fma-sweep --impl decode-dot,decode-fma,decode-fma-swept --out DIR
 
 Timing (CUDA): median of CUDA-graph replays with L2 flushed (a 256 MiB buffer zeroed) before every
 call, the flush timed alone and subtracted; a path that cannot be captured (the reference syncs with
@@ -20,6 +22,13 @@ nothing about speed. --quantization fp8: the same layer's experts quantized to F
 fp32 scales (counted in the bytes), the oracle is the fp32 reference on the dequantized weights; transformers'
 experts take 16-bit weights only. Several --model / --quantization values run one after the other, into one
 result file.
+
+--variants dot,fma adds the decode path's two kernel variants (ops.triton.moe.decode_config's "VARIANT"; "fma"
+at T <= 4) as rows decode-dot / decode-fma, with their resolved tiles and the share of the read bandwidth
+(benchmarks/timing.read_bandwidth); --fma-sweep first sweeps the fma tiles of each FP8 layer at one token
+(benchmarks/moe_variants.py: a few dozen launches) and adds decode-fma-swept, the best tiles, at every T <= 4.
+With either, the files are moe-bench-<model>-<weights>-<gpu>-variants.{json,md}; the markdown ends with the
+variant table, the sweep and the best tiles as the tuned file's "fma" entry.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ if "--tiny" in sys.argv:                     # the Triton paths on a CPU: the in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
-from benchmarks.timing import cuda_graph_ms  # noqa: E402
+from benchmarks import moe_variants  # noqa: E402
+from benchmarks.timing import cuda_graph_ms, read_bandwidth  # noqa: E402
 
 from moekv.core.fp8 import Fp8Weight, quantize_per_expert  # noqa: E402
 from moekv.models.registry import NAMED_SHAPES  # noqa: E402
@@ -183,8 +193,10 @@ def hf_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, implementation: st
     return experts.eval()
 
 
-def implementations(w_gate_up, w_down, num_tokens: int) -> dict:
-    """name -> fn(hidden, ids, weights) for every implementation that applies at this token count."""
+def implementations(w_gate_up, w_down, num_tokens: int, variants: list[str] | None = None,
+                    swept: dict | None = None) -> dict:
+    """name -> fn(hidden, ids, weights) for every implementation that applies at this token count (variants:
+    also the decode kernel variants, benchmarks/moe_variants.variant_fns)."""
     from moekv.ops.triton.moe import decode as moe_decode
     from moekv.ops.triton.moe import grouped as moe_grouped
 
@@ -194,6 +206,8 @@ def implementations(w_gate_up, w_down, num_tokens: int) -> dict:
     fns = {"moekv": moekv}
     if num_tokens <= moe_decode.MAX_DECODE_TOKENS:
         fns["moekv-decode"] = lambda h, i, w: moe_decode.moe_experts_decode(h, w_gate_up, w_down, i, w)
+    if variants:
+        fns.update(moe_variants.variant_fns(w_gate_up, w_down, num_tokens, variants, swept))
     fns["moekv-grouped"] = lambda h, i, w: moe_grouped.moe_experts_grouped(h, w_gate_up, w_down, i, w)
     fns["reference"] = lambda h, i, w: moe_experts_reference(h, w_gate_up, w_down, i, w)
     if isinstance(w_gate_up, Fp8Weight):         # transformers' experts take 16-bit tensors
@@ -208,10 +222,12 @@ def implementations(w_gate_up, w_down, num_tokens: int) -> dict:
 @torch.inference_mode()
 def bench_layer(shape: dict, token_counts: list[int], dtype: torch.dtype, device: torch.device, timer: Timer,
                 copy_tbps: float | None, tiny: bool = False, weights=None, only: set[str] | None = None,
-                quantization: str | None = None, fp8_block: tuple[int, int] | None = None) -> list[dict]:
+                quantization: str | None = None, fp8_block: tuple[int, int] | None = None,
+                variants: list[str] | None = None, swept: dict | None = None) -> list[dict]:
     """One row per (token count, implementation). `weights`: (w_gate_up, w_down, router) of a model layer
     to reuse (bench_decode passes its model's, FP8 ones as Fp8Weight); else random ones, quantized to FP8
-    when `quantization` is "fp8" (per output channel, or fp8_block scales)."""
+    when `quantization` is "fp8" (per output channel, or fp8_block scales). variants / swept: the decode kernel
+    variants' rows (moe_variants.variant_fns)."""
     w_gate_up, w_down, router = weights or random_layer(shape, dtype, device)
     if quantization == "fp8" and not isinstance(w_gate_up, Fp8Weight):
         w_gate_up, w_down = quantize_layer(w_gate_up, w_down, fp8_block)
@@ -223,7 +239,7 @@ def bench_layer(shape: dict, token_counts: list[int], dtype: torch.dtype, device
         hidden, ids, weights_ = routed_inputs(num_tokens, router, shape["top_k"], dtype)
         expected = moe_experts_reference(hidden.float(), *reference_weights, ids, weights_)
         moved = layer_bytes(w_gate_up, w_down, hidden, ids)
-        for name, fn in implementations(w_gate_up, w_down, num_tokens).items():
+        for name, fn in implementations(w_gate_up, w_down, num_tokens, variants, swept).items():
             if only and name not in only:
                 continue
             try:
@@ -235,7 +251,8 @@ def bench_layer(shape: dict, token_counts: list[int], dtype: torch.dtype, device
             tbps = moved / ms / 1e9
             rows.append({"impl": name, "weights": label, "tokens": num_tokens, "ms": ms, "bytes": moved, "tbps": tbps,
                          "pct_copy": None if copy_tbps is None else 100 * tbps / copy_tbps, "cuda_graph": graph,
-                         "experts_touched": int(torch.unique(ids).numel()), "max_rel_err": error})
+                         "experts_touched": int(torch.unique(ids).numel()), "max_rel_err": error,
+                         "config": moe_variants.variant_config(name, hidden, w_gate_up, w_down, swept)})
             print(f"  T={num_tokens:5d} {label:5s} {name:15s} {ms:9.4f} ms  {tbps:6.3f} TB/s  err {error:.1e}"
                   + ("" if graph or device.type != "cuda" else "  (eager timing)"))
     return rows
@@ -277,6 +294,8 @@ def write_results(out_dir: Path, stem: str, result: dict, title: str) -> tuple[P
              f"Measured copy bandwidth: {copy:.2f} TB/s." if copy else "No GPU: timings are the CPU interpreter's "
              "(meaningless as speed; this run checks the code paths).", ""]
     lines += layer_table(result["moe_layer"])
+    if result.get("variants") or result.get("fma_sweep"):
+        lines += moe_variants.tables(result)
     md_path.write_text("\n".join(lines) + "\n")
     return json_path, md_path
 
@@ -299,6 +318,9 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", help="comma-separated subset of implementations to run")
     parser.add_argument("--out", type=Path, help="result folder (default benchmarks/results; --tiny: a temp dir)")
     parser.add_argument("--tiny", action="store_true", help="tiny shape on the CPU (Triton interpreter)")
+    parser.add_argument("--variants", default="", help="decode kernel variants to time side by side: dot,fma")
+    parser.add_argument("--fma-sweep", action="store_true",
+                        help="sweep the fma variant's tiles of each FP8 layer at one token first (decode-fma-swept)")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.model.split(",") if m.strip()]
     unknown = [m for m in models if m not in NAMED_SHAPES]
@@ -308,6 +330,10 @@ def main(argv=None) -> int:
     if not quantizations or any(q not in ("none", "fp8") for q in quantizations):
         parser.error(f"--quantization takes none, fp8 or none,fp8; got {args.quantization!r}")
     fp8_block = parse_block(parser, args.fp8_block)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if any(v not in moe_variants.VARIANTS for v in variants) or (args.fma_sweep and "fma" not in variants):
+        parser.error(f"--variants takes {','.join(moe_variants.VARIANTS)} (--fma-sweep needs fma); "
+                     f"got {args.variants!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA device: use --tiny to check the code paths on the CPU")
@@ -317,28 +343,53 @@ def main(argv=None) -> int:
         dispatch.install(dataclasses.replace(dispatch.kernel_config(), backend="triton"))   # the kernels behind "moekv"
     env = environment(["benchmarks/bench_moe.py", *argv], device)
     copy_tbps = copy_bandwidth(device)
-    rows, shapes = [], {}
+    rows, shapes, sweeps = [], {}, {}
+    read_tbps = read_bandwidth(device) if variants else None
     for model in models:
         shape = tiny_shape() if args.tiny else NAMED_SHAPES[model]
         shapes[model] = {k: shape[k] for k in TINY_SHAPE}
+        layer16 = random_layer(shape, dtype, device)
         for quantization in quantizations:
             print(f"{env['gpu']}: copy bandwidth {copy_tbps or float('nan'):.2f} TB/s; {model}: E={shape['num_experts']} "
                   f"H={shape['hidden_size']} I={shape['expert_intermediate_size']} top-{shape['top_k']}, "
                   f"weights {args.dtype if quantization == 'none' else quantization}")
-            layer = bench_layer(shape, tokens, dtype, device, Timer(device), copy_tbps, tiny=args.tiny,
-                                only=set(args.impl.split(",")) if args.impl else None,
-                                quantization=None if quantization == "none" else quantization, fp8_block=fp8_block)
-            rows += [{**row, "model": model} for row in layer]
+            layer = layer16 if quantization == "none" else (*quantize_layer(*layer16[:2], fp8_block), layer16[2])
+            swept = None
+            if args.fma_sweep and quantization == "fp8":
+                key = f"{model} fp8" + ("" if fp8_block is None else f" {args.fp8_block}")
+                sweep_rows, swept = sweep_layer(layer, shape["top_k"], dtype, Timer(device))
+                sweeps[key] = {"rows": sweep_rows, "best": swept}
+            layer_rows = bench_layer(shape, tokens, dtype, device, Timer(device), copy_tbps, tiny=args.tiny,
+                                     weights=layer, only=set(args.impl.split(",")) if args.impl else None,
+                                     quantization=None if quantization == "none" else quantization,
+                                     fp8_block=fp8_block, variants=variants, swept=swept)
+            rows += [{**row, "model": model} for row in layer_rows]
+            del layer
+        del layer16
     name = "tiny" if args.tiny else "+".join(models)
     weights = "" if quantizations == ["none"] else "-" + "+".join(args.dtype if q == "none" else q for q in quantizations)
     gpu = env["gpu"].split(" (")[0].replace(" ", "_")
     result = {"env": env, "model": name, "shape": shapes, "dtype": args.dtype, "quantization": quantizations,
-              "fp8_block": args.fp8_block, "copy_bandwidth_tbps": copy_tbps, "moe_layer": rows}
+              "fp8_block": args.fp8_block, "copy_bandwidth_tbps": copy_tbps, "read_bandwidth_tbps": read_tbps,
+              "variants": variants, "fma_sweep": sweeps, "moe_layer": rows}
     out = args.out or (Path(tempfile.mkdtemp()) if args.tiny else Path("benchmarks/results"))
-    paths = write_results(out, f"moe-bench-{name}{weights}-{gpu}", result, f"MoE layer alone: {name}, {args.dtype}"
+    suffix = "-variants" if variants else ""
+    paths = write_results(out, f"moe-bench-{name}{weights}-{gpu}{suffix}", result,
+                          f"MoE layer alone: {name}, {args.dtype}"
                           + (f", weights {' and '.join(quantizations)}" if weights else ""))
     print("wrote", *paths)
     return 0
+
+
+@torch.inference_mode()
+def sweep_layer(layer, top_k: int, dtype: torch.dtype, timer: Timer) -> tuple[list[dict], dict]:
+    """moe_variants.fma_sweep of one layer at one token (its routed inputs as bench_layer builds them)."""
+    w_gate_up, w_down, router = layer
+    hidden, ids, weights = routed_inputs(1, router, top_k, dtype)
+    expected = moe_experts_reference(hidden.float(), _dequantized(w_gate_up), _dequantized(w_down), ids, weights)
+    print(f"  fma sweep, 1 token ({torch.unique(ids).numel()} experts)")
+    return moe_variants.fma_sweep((w_gate_up, w_down), (hidden, ids, weights), expected, timer,
+                                  layer_bytes(w_gate_up, w_down, hidden, ids))
 
 
 def parse_block(parser, text: str) -> tuple[int, int] | None:

@@ -5,9 +5,11 @@ Writes (merging with an existing file) src/moekv/ops/triton/moe/configs/
 E={E},H={H},I={I},dtype={dtype},device={GPU name}.json -- the table ops.triton.moe.configs reads.
 
 For every token count T of --tokens:
-  * decode path (T <= 64): coordinate descent -- the gate_up launch alone over (BLOCK_N, BLOCK_K) at
-    4 warps / 3 stages, then over (num_warps, num_stages); then the down launch (timed as the whole
-    decode call with the best gate_up) over (BLOCK_N, BLOCK_K, SPLIT_K), then (num_warps, num_stages).
+  * decode path (T <= 64), its "dot" kernels (an entry's "VARIANT" and "fma" tiles are kept as they are:
+    benchmarks/bench_moe.py --variants dot,fma --fma-sweep measures the fma variant): coordinate descent --
+    the gate_up launch alone over (BLOCK_N, BLOCK_K) at 4 warps / 3 stages, then over (num_warps,
+    num_stages); then the down launch (timed as the whole decode call with the best gate_up) over
+    (BLOCK_N, BLOCK_K, SPLIT_K), then (num_warps, num_stages).
   * grouped path: for each BLOCK_M, the same descent for gate_up (timed after a fixed align) and for
     down (timed as the whole grouped call: align + gate_up + down + combine); the fastest BLOCK_M wins.
   * every winner is checked against the reference (a fast wrong config is an error, not a result).
@@ -183,17 +185,17 @@ def tune_decode(problem: Problem, num_tokens: int, space: dict, rep_ms: int) -> 
                                 "BLOCK_K": [b for b in space_["BLOCK_K"] if b <= max(16, triton.next_power_of_2(k))]}
     gate_up_space = fit(space["decode_gate_up"], inter, hidden_size)
     gate_up, _ = descend(base, gate_up_space, space["decode_launch"],
-                         lambda cfg: measure(lambda: moe_decode.decode_activation(hidden, w_gate_up, ids,
-                                                                                  {"gate_up": cfg}), device, rep_ms),
+                         lambda cfg: measure(lambda: moe_decode.decode_activation(hidden, w_gate_up, ids, {
+                             "VARIANT": "dot", "gate_up": cfg}), device, rep_ms),
                          f"decode T={num_tokens} gate_up")
     down_space = {**fit(space["decode_down"], hidden_size, inter), "SPLIT_K": space["decode_down"]["SPLIT_K"]}
     down_space["SPLIT_K"] = [s for s in down_space["SPLIT_K"] if s == 1 or inter // s >= min(down_space["BLOCK_K"])]
     down, total = descend(base, down_space, space["decode_launch"],
                           lambda cfg: measure(lambda: moe_decode.moe_experts_decode(*inputs, config={
-                              "gate_up": gate_up, "down": cfg}), device, rep_ms),
+                              "VARIANT": "dot", "gate_up": gate_up, "down": cfg}), device, rep_ms),
                           f"decode T={num_tokens} total")
     entry = {"gate_up": gate_up, "down": down}
-    check(problem, num_tokens, lambda: moe_decode.moe_experts_decode(*inputs, config=entry))
+    check(problem, num_tokens, lambda: moe_decode.moe_experts_decode(*inputs, config=dict(entry, VARIANT="dot")))
     return entry, total
 
 
@@ -269,7 +271,9 @@ def main(argv=None) -> Path:
             break
         key = str(num_tokens)
         if num_tokens <= moe_decode.MAX_DECODE_TOKENS and (args.overwrite or key not in table["decode"]):
-            table["decode"][key], times["decode"][key] = tune_decode(problem, num_tokens, space, args.rep_ms)
+            entry, times["decode"][key] = tune_decode(problem, num_tokens, space, args.rep_ms)
+            kept = {k: v for k, v in table["decode"].get(key, {}).items() if k in ("VARIANT", "fma")}
+            table["decode"][key] = {**entry, **kept}      # the dot tiles re-tuned; the variant choice kept
         if args.overwrite or key not in table["grouped"]:
             table["grouped"][key], times["grouped"][key] = tune_grouped(problem, num_tokens, space, args.rep_ms)
         table["decode_max_tokens"] = crossover({int(k): v for k, v in times["decode"].items()},

@@ -69,6 +69,31 @@ def test_bench_moe_tiny_fp8_run(tmp_path, restore_kernels):
         bench_moe.main(["--tiny", "--fp8-block", "128"])
 
 
+def test_bench_moe_tiny_variants_and_fma_sweep(tmp_path, restore_kernels, monkeypatch):
+    """--variants dot,fma --fma-sweep: the sweep (cut to a few launches here) feeds decode-fma-swept; every row names
+    the configuration it ran; the markdown ends with the best tiles as a tuned entry's "fma"."""
+    from benchmarks import moe_variants
+
+    monkeypatch.setattr(moe_variants, "ROW_FACTORS", (1,))
+    monkeypatch.setattr(moe_variants, "BLOCK_KS", (64,))
+    assert bench_moe.main(["--tiny", "--quantization", "fp8", "--tokens", "1,5", "--variants", "dot,fma",
+                           "--fma-sweep", "--impl", "decode-dot,decode-fma,decode-fma-swept", "--out",
+                           str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("moe-bench-tiny-fp8-*-variants.json")).read_text())
+    runs = {(r["tokens"], r["impl"]): r for r in result["moe_layer"]}
+    assert set(runs) == {(1, "decode-dot"), (1, "decode-fma"), (1, "decode-fma-swept"), (5, "decode-dot")}
+    assert runs[(1, "decode-fma")]["config"]["VARIANT"] == "fma"
+    assert runs[(5, "decode-dot")]["config"]["VARIANT"] == "dot"
+    assert all(r["max_rel_err"] < 2e-2 for r in result["moe_layer"])
+    sweep = result["fma_sweep"]["mixtral-8x7b fp8"]
+    assert {r["part"] for r in sweep["rows"]} == {"gate_up", "down"}
+    assert sweep["best"]["down"]["SPLIT_K"] in (1, 2, 4, None)
+    assert runs[(1, "decode-fma-swept")]["config"]["gate_up"]["BLOCK_K"] == sweep["best"]["gate_up"]["BLOCK_K"]
+    assert '{"fma": {"gate_up"' in next(tmp_path.glob("*-variants.md")).read_text()
+    with pytest.raises(SystemExit):
+        bench_moe.main(["--tiny", "--variants", "dot", "--fma-sweep"])
+
+
 def test_bench_decode_tiny_fp8_run(tmp_path):
     assert bench_decode.main(["--tiny", "--model", "qwen3-30b-a3b", "--quantization", "fp8", "--no-hf",
                               "--scenarios", "1x32:bf16", "--moe-tokens", "", "--steps", "1", "--warmup", "0",

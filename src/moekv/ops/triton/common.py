@@ -34,6 +34,17 @@ def weight_dot(x, w, scale_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST: t
 
 
 @triton.jit
+def owned_expert(ids_ptr, slot, num_slots, SLOTS_PAD: tl.constexpr):
+    """(expert of token-slot `slot` in topk_ids, whether `slot` is the first slot routed to it): the MoE decode
+    kernels run an expert in the program of its first slot only, so each needed expert is read once per step."""
+    expert = tl.load(ids_ptr + slot)
+    offs = tl.arange(0, SLOTS_PAD)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    earlier = tl.sum(((ids == expert) & (offs < slot)).to(tl.int32), axis=0)
+    return expert, earlier == 0
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """fp32 x rounded to `dtype` (round to nearest even), returned in `dtype`. EMULATE_BF16: do the
     bf16 rounding on the bits (the CPU interpreter's fp32 -> bf16 cast truncates; a GPU's rounds)."""

@@ -25,6 +25,10 @@ FP8 weights (moekv.core.fp8.Fp8Weight, W8A16; FP8 constexpr): the e4m3 codes are
 widened to the activation dtype in registers (exact) for the dot, and each BLOCK_K step's fp32 product is
 multiplied by the scales of its columns, so a K tile must lie inside one scale block (the launch caps
 BLOCK_K at the block width: fp8_block_k).
+
+Two variants of launches 1 and 2 (the config's "VARIANT", decode_config): "dot", the kernels here, and "fma"
+(T <= 4), GEMVs on CUDA cores without tl.dot or shared memory (ops.triton.moe.decode_fma: its docstring says
+why; same grid, deduplication and outputs, so the combine and `moe_expert_partials` take either).
 """
 
 from __future__ import annotations
@@ -34,20 +38,12 @@ import triton
 import triton.language as tl
 
 from moekv.core.fp8 import Fp8Weight
-from moekv.ops.triton.common import check_launchable, round_to, weight_dot
+from moekv.ops.triton.common import check_launchable, owned_expert, round_to, weight_dot
+from moekv.ops.triton.moe import decode_fma
 from moekv.ops.triton.moe.configs import get_config
 
 MAX_DECODE_TOKENS = 64     # BLOCK_T = next power of two >= T; beyond this the grouped path is better
-
-
-@triton.jit
-def _owned_expert(ids_ptr, slot, num_slots, SLOTS_PAD: tl.constexpr):
-    """(expert of `slot`, whether `slot` is the first slot routed to it)."""
-    expert = tl.load(ids_ptr + slot)
-    offs = tl.arange(0, SLOTS_PAD)
-    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-    earlier = tl.sum(((ids == expert) & (offs < slot)).to(tl.int32), axis=0)
-    return expert, earlier == 0
+VARIANTS = ("dot", "fma")  # the kernels of the gate_up and down launches (decode_config)
 
 
 @triton.jit
@@ -89,7 +85,7 @@ def _decode_gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
 ):
     slot = tl.program_id(0)
-    expert, owner = _owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
+    expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
         tokens = tl.arange(0, BLOCK_T)
         t_mask = tokens < num_tokens
@@ -126,7 +122,7 @@ def _decode_down_kernel(
 ):
     slot = tl.program_id(0)
     split = tl.program_id(2)
-    expert, owner = _owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
+    expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
         tokens = tl.arange(0, BLOCK_T)
         t_mask = tokens < num_tokens
@@ -236,9 +232,15 @@ def weight_format(w: torch.Tensor | Fp8Weight) -> str | None:
 def fp8_block_k(part: dict, w: torch.Tensor | Fp8Weight, reduced: int) -> dict:
     """part's BLOCK_K, capped for FP8 weights so that a K tile never crosses a scale block (blocks narrower
     than the reduced size `reduced`); `supports` keeps blocks whose width is not a multiple of 16 away."""
+    cap = _block_k_cap(w, reduced)
+    return part if cap is None else dict(part, BLOCK_K=min(part["BLOCK_K"], cap))
+
+
+def _block_k_cap(w: torch.Tensor | Fp8Weight | None, reduced: int) -> int | None:
+    """The largest power of two dividing an FP8 weight's scale-block width narrower than `reduced`, else None."""
     if isinstance(w, Fp8Weight) and w.block[1] < reduced:
-        part = dict(part, BLOCK_K=min(part["BLOCK_K"], w.block[1] & -w.block[1]))   # largest power of 2 dividing
-    return part
+        return w.block[1] & -w.block[1]
+    return None
 
 
 def fp8_runs_on(device: torch.device) -> bool:
@@ -257,17 +259,42 @@ def supports(w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weig
     return isinstance(w_gate_up, Fp8Weight) == isinstance(w_down, Fp8Weight)
 
 
-def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, config: dict | None,
-                    w_down: torch.Tensor | Fp8Weight | None = None) -> dict:
-    num_experts, two_inter, hidden_size = w_gate_up.shape
-    cfg = get_config("decode", num_experts, hidden_size, two_inter // 2, hidden.shape[0], hidden.dtype, hidden.device,
+def decode_config(hidden: torch.Tensor, num_experts: int, inter: int, w_gate_up=None, w_down=None,
+                  config: dict | None = None) -> dict:
+    """A decode call's launch configuration {"VARIANT": "dot" | "fma", "gate_up": {...}, "down": {...}} for
+    hidden [T, H] over num_experts experts (the tuned table's shape) with these weights (None: 16-bit, not known).
+
+    The tuned entry (configs.get_config, keyed by the weights' format) names the variant ("VARIANT", default
+    "dot") and holds the dot variant's parameters as "gate_up" / "down", the fma variant's under "fma" (default:
+    decode_fma.default_part). "fma" falls back to "dot" where it does not apply (decode_fma.applies: T >
+    FMA_MAX_TOKENS, weight rows not contiguous along K). config: "VARIANT" forces one; its "gate_up" / "down"
+    entries override the running variant's parameters (dropped when the variant they name falls back). FP8 scale
+    blocks narrower than K cap BLOCK_K (fp8_block_k); the fma variant then takes BLOCK_N up by the same factor."""
+    num_tokens, hidden_size = hidden.shape
+    cfg = get_config("decode", num_experts, hidden_size, inter, num_tokens, hidden.dtype, hidden.device,
                      weights=weight_format(w_gate_up))
     config = config or {}
-    out = {part: dict(cfg[part], **config.get(part, {})) for part in ("gate_up", "down")}
-    out["gate_up"] = fp8_block_k(out["gate_up"], w_gate_up, hidden_size)
-    if w_down is not None:
-        out["down"] = fp8_block_k(out["down"], w_down, two_inter // 2)
+    wanted = config.get("VARIANT") or cfg.get("VARIANT") or "dot"
+    if wanted not in VARIANTS:
+        raise ValueError(f"moe decode: VARIANT must be one of {VARIANTS}, got {wanted!r}")
+    variant = "fma" if wanted == "fma" and decode_fma.applies(num_tokens, w_gate_up, w_down) else "dot"
+    caps = {"gate_up": _block_k_cap(w_gate_up, hidden_size), "down": _block_k_cap(w_down, inter)}
+    base = cfg if variant == "dot" else decode_fma.config_parts(cfg.get("fma") or {}, hidden, inter, w_gate_up,
+                                                                 w_down, caps)
+    overrides = config if config.get("VARIANT", variant) == variant else {}
+    out = {"VARIANT": variant}
+    for part, cap in caps.items():
+        merged = dict(base[part], **overrides.get(part, {}))
+        if cap is not None and merged["BLOCK_K"] > cap:      # fma: as many codes per program, in more rows
+            rows = merged["BLOCK_N"] * (merged["BLOCK_K"] // cap if variant == "fma" else 1)
+            merged.update(BLOCK_N=rows, BLOCK_K=cap)
+        out[part] = merged
     return out
+
+
+def _resolve_config(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, config: dict | None,
+                    w_down: torch.Tensor | Fp8Weight | None = None) -> dict:
+    return decode_config(hidden, w_gate_up.shape[0], w_gate_up.shape[1] // 2, w_gate_up, w_down, config)
 
 
 def _common(num_tokens: int, top_k: int, hidden: torch.Tensor) -> dict:
@@ -284,8 +311,8 @@ def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight,
     num_tokens, hidden_size = hidden.shape
     inter = w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
-    cfg = _resolve_config(hidden, w_gate_up, config)["gate_up"]
-    cfg.pop("SPLIT_K", None)
+    resolved = _resolve_config(hidden, w_gate_up, config)
+    cfg = {key: value for key, value in resolved["gate_up"].items() if key != "SPLIT_K"}
     act = torch.empty((num_tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)   # [T*k, I]
     if num_tokens == 0:
         return act
@@ -294,6 +321,8 @@ def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight,
     check_launchable(_decode_gate_up_kernel, hidden)
     ids = topk_ids.contiguous()
     weight, scale_args, quant = weight_args(w_gate_up)
+    if resolved["VARIANT"] == "fma":
+        return decode_fma.gate_up(hidden, weight, scale_args, quant, ids, act, cfg)
     grid = (num_tokens * top_k, triton.cdiv(inter, cfg["BLOCK_N"]))
     _decode_gate_up_kernel[grid](
         hidden, weight, ids, act, scale_args[0], num_tokens, hidden_size, inter,
@@ -320,8 +349,9 @@ def moe_experts_decode(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Same contract as ops.reference.moe.moe_experts_reference, for T <= MAX_DECODE_TOKENS.
 
-    config: {"gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages}, "down": {..., SPLIT_K}}, entries
-    overriding the tuned or default ones (moe_configs.get_config); SPLIT_K None: default_split_k.
+    config: {"VARIANT": "dot" | "fma", "gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages[, UNROLL]},
+    "down": {..., SPLIT_K}}, entries overriding the tuned or default ones (decode_config); SPLIT_K None:
+    default_split_k.
     Expert ids of a token are expected distinct (torch.topk's are); repeated ones still give the
     reference's result. out_dtype: the output's (None: hidden's; torch.float32: the sum unrounded).
     """
@@ -340,18 +370,37 @@ def moe_expert_partials(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weigh
     num_tokens, hidden_size, num_experts, inter, top_k = moe_shapes(hidden, w_gate_up, w_down, topk_ids)
     if num_tokens == 0:
         return torch.zeros((1, 0, hidden_size), dtype=torch.float32, device=hidden.device)
-    act = decode_activation(hidden, w_gate_up, topk_ids, config)                      # [T*k, I]
-    cfg = _resolve_config(hidden, w_gate_up, config, w_down)["down"]
-    split_k = cfg.pop("SPLIT_K", None) or default_split_k(
+    resolved = _resolve_config(hidden, w_gate_up, config, w_down)
+    act = decode_activation(hidden, w_gate_up, topk_ids, resolved)                    # [T*k, I]
+    cfg, split_k, k_per_split = down_splits(resolved["down"], num_tokens, top_k, num_experts, hidden_size, inter)
+    partial = torch.empty((split_k, num_tokens * top_k, hidden_size), dtype=torch.float32, device=hidden.device)
+    return down_partials(act, w_down, topk_ids, partial, k_per_split, cfg, resolved["VARIANT"], hidden)
+
+
+def down_splits(down: dict, num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
+                inter: int) -> tuple[dict, int, int]:
+    """(the down launch's parameters without SPLIT_K, splits S, k_per_split: a multiple of BLOCK_K) for the
+    config part `down` (SPLIT_K None or absent: default_split_k)."""
+    cfg = {key: value for key, value in down.items() if key != "SPLIT_K"}
+    split_k = down.get("SPLIT_K") or default_split_k(
         num_tokens, top_k, num_experts, hidden_size, inter, cfg["BLOCK_N"], cfg["BLOCK_K"])
     k_per_split = triton.cdiv(triton.cdiv(inter, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split_k = triton.cdiv(inter, k_per_split)
-    num_slots = num_tokens * top_k
-    partial = torch.empty((split_k, num_slots, hidden_size), dtype=torch.float32, device=hidden.device)
+    return cfg, triton.cdiv(inter, k_per_split), k_per_split
+
+
+def down_partials(act: torch.Tensor, w_down: torch.Tensor | Fp8Weight, topk_ids: torch.Tensor, partial: torch.Tensor,
+                  k_per_split: int, cfg: dict, variant: str, hidden: torch.Tensor) -> torch.Tensor:
+    """The down launch of `variant` into partial [S, T*k, H] fp32 (S = partial.shape[0] splits of k_per_split),
+    cfg its parameters without SPLIT_K (down_splits); hidden: the layer input (its dtype picks UPCAST)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden_size, inter = w_down.shape[1], w_down.shape[2]
     weight, scale_args, quant = weight_args(w_down)
-    grid = (num_slots, triton.cdiv(hidden_size, cfg["BLOCK_N"]), split_k)
+    ids = topk_ids.contiguous()
+    if variant == "fma":
+        return decode_fma.down(act, weight, scale_args, quant, ids, partial, k_per_split, cfg)
+    grid = (num_tokens * top_k, triton.cdiv(hidden_size, cfg["BLOCK_N"]), partial.shape[0])
     _decode_down_kernel[grid](
-        act, weight, topk_ids.contiguous(), partial, scale_args[0], num_tokens, hidden_size, inter, k_per_split,
+        act, weight, ids, partial, scale_args[0], num_tokens, hidden_size, inter, k_per_split,
         act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), partial.stride(0), partial.stride(1),
         *scale_args[1:], **_common(num_tokens, top_k, hidden), **cfg, **quant)
     return partial                                                                   # [S, T*k, H]

@@ -38,37 +38,26 @@ def _cap_block_k(config: dict, weights, hidden_size: int, inter: int) -> None:
 
 
 class DecodePasses:
-    """Decode path: act, down partials [split, T*k, H] fp32, one combine at the end."""
+    """Decode path: act, down partials [split, T*k, H] fp32, one combine at the end (either variant:
+    decode.decode_config)."""
 
     def __init__(self, hidden: torch.Tensor, top_k: int, num_experts: int, inter: int, weights=None):
         self.hidden, self.top_k, self.inter = hidden, top_k, inter
         num_tokens, hidden_size = hidden.shape
-        fmt, weights = _formats(weights)
-        cfg = get_config("decode", num_experts, hidden_size, inter, num_tokens, hidden.dtype, hidden.device,
-                         weights=fmt)
-        self.config = {part: dict(cfg[part]) for part in ("gate_up", "down")}
-        _cap_block_k(self.config, weights, hidden_size, inter)
-        down = self.config["down"]
-        split_k = down.get("SPLIT_K") or moe_decode.default_split_k(
-            num_tokens, top_k, num_experts, hidden_size, inter, down["BLOCK_N"], down["BLOCK_K"])
-        k_per_split = triton.cdiv(triton.cdiv(inter, split_k), down["BLOCK_K"]) * down["BLOCK_K"]
-        down["SPLIT_K"] = triton.cdiv(inter, k_per_split)
-        self.k_per_split = k_per_split
-        self.buffer = torch.empty((down["SPLIT_K"], num_tokens * top_k, hidden_size), dtype=torch.float32,
+        w_gate_up, w_down = weights if weights is not None else (None, None)
+        self.config = moe_decode.decode_config(hidden, num_experts, inter, w_gate_up, w_down)
+        down, split_k, self.k_per_split = moe_decode.down_splits(self.config["down"], num_tokens, top_k,
+                                                                 num_experts, hidden_size, inter)
+        self.config["down"] = dict(down, SPLIT_K=split_k)
+        self.buffer = torch.empty((split_k, num_tokens * top_k, hidden_size), dtype=torch.float32,
                                   device=hidden.device)                                 # [split, T*k, H]
 
     def run(self, w_gate_up, w_down, local_ids, slot_pool, partial) -> None:
         slot_ids = slot_pool[local_ids]                                                 # [T, k] pool slots
-        hidden = self.hidden
-        num_tokens, hidden_size = hidden.shape
-        act = moe_decode.decode_activation(hidden, w_gate_up, slot_ids, self.config)   # [T*k, I]
+        act = moe_decode.decode_activation(self.hidden, w_gate_up, slot_ids, self.config)   # [T*k, I]
         down = {k: v for k, v in self.config["down"].items() if k != "SPLIT_K"}
-        grid = (num_tokens * self.top_k, -(-hidden_size // down["BLOCK_N"]), partial.shape[0])
-        weight, scale_args, quant = moe_decode.weight_args(w_down)
-        moe_decode._decode_down_kernel[grid](
-            act, weight, slot_ids.contiguous(), partial, scale_args[0], num_tokens, hidden_size, self.inter,
-            self.k_per_split, act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), partial.stride(0),
-            partial.stride(1), *scale_args[1:], **moe_decode._common(num_tokens, self.top_k, hidden), **down, **quant)
+        moe_decode.down_partials(act, w_down, slot_ids, partial, self.k_per_split, down, self.config["VARIANT"],
+                                 self.hidden)
 
     def keep_rows(self, target, rows) -> None:
         self.buffer[:, rows] = target[:, rows]

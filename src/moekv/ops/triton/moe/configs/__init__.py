@@ -6,13 +6,19 @@ tools/tune_moe.py writes one JSON file per shape and GPU into this folder:
     {
       "decode_max_tokens": 16,                  # T <= this takes the decode path (measured crossover)
       "decode":  {"<T>": {"gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages},
-                          "down":    {BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages}}, ...},
+                          "down":    {BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages},
+                          "VARIANT": "dot" | "fma",   # optional, default "dot": which kernels run
+                          "fma": {"gate_up": {BLOCK_N, BLOCK_K, num_warps, num_stages, UNROLL},
+                                  "down":    {..., SPLIT_K}}}, ...},   # optional: the fma variant's tiles
       "grouped": {"<T>": {"BLOCK_M": .., "gate_up": {BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages},
                           "down":    {BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}}, ...},
       "meta": {...}                             # who tuned it, when, with what
     }
 
-A call with T tokens takes the entry whose key is nearest to T; a file may leave out a path's section (that path
+"gate_up" / "down" are the "dot" kernels' parameters (ops.triton.moe.decode), "fma" those of the GEMV variant
+(ops.triton.moe.decode_fma; absent: decode_fma.default_part); "VARIANT" picks one (ops.triton.moe.decode_config;
+"fma" only runs T <= 4 on K-contiguous weights, else "dot"). A call with T tokens takes the entry whose key is
+nearest to T; a file may leave out a path's section (that path
 then takes default_config). Shapes or GPUs without a file get
 `default_config` (sane, untuned). Files are read once per process. FP8 experts (W8A16) have their own files
 (`weights=fp8`, `tools/tune_moe.py --quantization fp8`); without one they take the 16-bit file's entries.
