@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from moekv.core.lowbit_pack import pack_codes, unpack_codes
+
 CHUNK = 32              # tokens per chunk
 ORDER_HEAD_DIM = 128    # the only head_dim in fragment order (the kernel's four lanes c of a row)
 WORDS = {3: 12, 2: 8}   # words of a 128-channel row, by code width
@@ -117,3 +119,17 @@ def to_fragment_order(words: torch.Tensor, kind: str) -> torch.Tensor:
 def from_fragment_order(words: torch.Tensor, kind: str) -> torch.Tensor:
     """The inverse of to_fragment_order."""
     return _words(_halves(words)[..., destinations(_bits(words), kind, words.device)], words.shape)
+
+
+def pack_page_codes(codes: torch.Tensor, spec) -> torch.Tensor:
+    """Codes [..., P, D] of page-heads -> their stored words [..., P, W] (rows packed, then in the spec's
+    code_order; spec: a core.lowbit_layout.QuantSpec)."""
+    words = pack_codes(codes, spec.bits)
+    return words if spec.code_order is None else to_fragment_order(words, spec.code_order)
+
+
+def unpack_page_codes(words: torch.Tensor, spec, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """The inverse of pack_page_codes: stored words [..., P, W] -> codes [..., P, D] as `dtype`."""
+    if spec.code_order is not None:
+        words = from_fragment_order(words, spec.code_order)
+    return unpack_codes(words, spec.bits, spec.head_dim, dtype)

@@ -13,8 +13,7 @@ import torch
 from moekv.core.attention_metadata import AttentionMetadata
 from moekv.ops.reference.attention import causal_attention_reference
 from moekv.core.lowbit_layout import CLIP_STEP, SCALE_CODE_STEPS, PackedPages, QuantSpec
-from moekv.core.lowbit_order import from_fragment_order, to_fragment_order
-from moekv.core.lowbit_pack import pack_codes, unpack_codes
+from moekv.core.lowbit_order import pack_page_codes, unpack_page_codes
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0 ** -24         # smallest positive fp16 (subnormal): the floor of a channel scale
@@ -213,20 +212,6 @@ def _choose_ranges(grouped: torch.Tensor, dim: int, inlier: torch.Tensor, lo: to
     scale, zero, stored_scale, stored_zero, codes = state["best"]
     squeeze = 2 if spec.axis == "channel" else -1
     return scale, zero, stored_scale.squeeze(squeeze), stored_zero.squeeze(squeeze), scale_base, codes
-
-
-def pack_page_codes(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Codes [..., P, D] of page-heads -> their stored words [..., P, W] (rows packed, then in the spec's
-    code_order)."""
-    words = pack_codes(codes, spec.bits)
-    return words if spec.code_order is None else to_fragment_order(words, spec.code_order)
-
-
-def unpack_page_codes(words: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """The inverse of pack_page_codes: stored words [..., P, W] -> codes [..., P, D] as `dtype`."""
-    if spec.code_order is not None:
-        words = from_fragment_order(words, spec.code_order)
-    return unpack_codes(words, spec.bits, spec.head_dim, dtype)
 
 
 def quantize_pages(x: torch.Tensor, spec: QuantSpec) -> tuple[PackedPages, torch.Tensor]:
