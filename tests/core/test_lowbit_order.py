@@ -33,31 +33,48 @@ def test_round_trip_and_bijection(bits, kind):
     assert torch.equal(lowbit_order.from_fragment_order(ordered, kind), words)
 
 
-def test_key_lanes_read_their_rows():
-    rows = random_words((32, 12), seed=1)
+def key_source(bits: int, g: int, c: int, s: int) -> tuple[int, int]:
+    """(row of the chunk, row word) of key lane (g, c)'s lane word s, as the kernel reads it."""
+    rows = [tau(g), tau(g) + 8, 16 + tau(g), 24 + tau(g)]
+    if bits == 3:
+        return rows[s // 3], [2 * c, 2 * c + 1, 8 + c][s % 3]
+    return rows[s // 2], 2 * c + s % 2
+
+
+def value_source(bits: int, g: int, c: int, s: int) -> tuple[int, int, int, int]:
+    """(token t0, token t1, row word, half) of value lane (g, c)'s lane word s: low 16 bits from t0, high from t1."""
+    per_m = 6 if bits == 3 else 4
+    m, pair, i = s // per_m, (s // (per_m // 2)) % 2, s % (per_m // 2)
+    t0, t1 = 16 * m + tau(2 * c) + 8 * pair, 16 * m + tau(2 * c + 1) + 8 * pair
+    if bits == 3:
+        group = g // 2
+        return t0, t1, [2 * group, 2 * group + 1, 8 + group][i], g % 2
+    return t0, t1, g, i
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_key_lanes_read_their_rows(bits):
+    n = lowbit_order.WORDS[bits]
+    rows = random_words((32, n), seed=bits)
     chunk = lowbit_order.to_fragment_order(rows, "key").flatten().tolist()
     rows = rows.tolist()
     for lane in range(32):
-        g, c = divmod(lane, 4)
-        lane_rows = [tau(g), tau(g) + 8, 16 + tau(g), 24 + tau(g)]
-        for s in range(12):
-            want = rows[lane_rows[s // 3]][[2 * c, 2 * c + 1, 8 + c][s % 3]]
-            assert chunk[(s // 4) * 128 + 4 * lane + s % 4] == want, (lane, s)
+        for s in range(n):
+            row, word = key_source(bits, lane // 4, lane % 4, s)
+            assert chunk[(s // 4) * 128 + 4 * lane + s % 4] == rows[row][word], (lane, s)
 
 
-def test_value_lanes_read_token_pairs():
-    rows = random_words((32, 12), seed=2)
+@pytest.mark.parametrize("bits", [3, 2])
+def test_value_lanes_read_token_pairs(bits):
+    n = lowbit_order.WORDS[bits]
+    rows = random_words((32, n), seed=10 + bits)
     chunk = lowbit_order.to_fragment_order(rows, "value").flatten().tolist()
     rows = rows.tolist()
     for lane in range(32):
-        g, c = divmod(lane, 4)
-        group, h = divmod(g, 2)
-        for s in range(12):
-            m, pair, i = s // 6, (s // 3) % 2, s % 3
-            t0, t1 = 16 * m + tau(2 * c) + 8 * pair, 16 * m + tau(2 * c + 1) + 8 * pair
-            w = [2 * group, 2 * group + 1, 8 + group][i]
+        for s in range(n):
+            t0, t1, word, h = value_source(bits, lane // 4, lane % 4, s)
             got = chunk[(s // 4) * 128 + 4 * lane + s % 4]
-            assert half(got, 0) == half(rows[t0][w], h) and half(got, 1) == half(rows[t1][w], h), (lane, s)
+            assert half(got, 0) == half(rows[t0][word], h) and half(got, 1) == half(rows[t1][word], h), (lane, s)
 
 
 @pytest.mark.parametrize("bits,head_dim,page_size,order", [
@@ -68,30 +85,6 @@ def test_spec_code_order(bits, head_dim, page_size, order):
     assert spec.code_order == order
     value = QuantSpec(bits=bits, axis="token", head_dim=head_dim, page_size=page_size)
     assert value.code_order == (None if order is None else "value")
-
-
-def test_int2_key_lanes_read_their_rows():
-    rows = random_words((32, 8), seed=3)
-    chunk = lowbit_order.to_fragment_order(rows, "key").flatten().tolist()
-    rows = rows.tolist()
-    for lane in range(32):
-        g, c = divmod(lane, 4)
-        lane_rows = [tau(g), tau(g) + 8, 16 + tau(g), 24 + tau(g)]
-        for s in range(8):
-            assert chunk[(s // 4) * 128 + 4 * lane + s % 4] == rows[lane_rows[s // 2]][2 * c + s % 2], (lane, s)
-
-
-def test_int2_value_lanes_read_token_pairs():
-    rows = random_words((32, 8), seed=4)
-    chunk = lowbit_order.to_fragment_order(rows, "value").flatten().tolist()
-    rows = rows.tolist()
-    for lane in range(32):
-        g, c = divmod(lane, 4)
-        for s in range(8):
-            m, pair, i = s // 4, (s // 2) % 2, s % 2
-            t0, t1 = 16 * m + tau(2 * c) + 8 * pair, 16 * m + tau(2 * c + 1) + 8 * pair
-            got = chunk[(s // 4) * 128 + 4 * lane + s % 4]
-            assert half(got, 0) == half(rows[t0][g], i) and half(got, 1) == half(rows[t1][g], i), (lane, s)
 
 
 def test_rejects_other_shapes():

@@ -45,6 +45,19 @@ def owned_expert(ids_ptr, slot, num_slots, SLOTS_PAD: tl.constexpr):
 
 
 @triton.jit
+def expert_sources(ids_ptr, expert, num_tokens, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """For each token t < num_tokens routed to `expert`: its token-slot t * TOP_K + j (the row of the gate_up
+    activations the down projection reads), else -1: [BLOCK_T] int32."""
+    tokens = tl.arange(0, BLOCK_T)
+    t_mask = tokens < num_tokens
+    source = tl.zeros([BLOCK_T], tl.int32) - 1
+    for j in tl.static_range(TOP_K):
+        hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
+        source = tl.where(hit, tokens * TOP_K + j, source)
+    return source
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """fp32 x rounded to `dtype` (round to nearest even), returned in `dtype`. EMULATE_BF16: do the
     bf16 rounding on the bits (the CPU interpreter's fp32 -> bf16 cast truncates; a GPU's rounds)."""

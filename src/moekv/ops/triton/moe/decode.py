@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from moekv.core.fp8 import Fp8Weight
-from moekv.ops.triton.common import check_launchable, owned_expert, round_to, weight_dot
+from moekv.ops.triton.common import check_launchable, expert_sources, owned_expert, round_to, weight_dot
 from moekv.ops.triton.moe import decode_fma
 from moekv.ops.triton.moe.configs import get_config
 
@@ -89,9 +89,7 @@ def _decode_gate_up_kernel(
     if owner:
         tokens = tl.arange(0, BLOCK_T)
         t_mask = tokens < num_tokens
-        routed = tokens < 0                               # all False
-        for j in tl.static_range(TOP_K):
-            routed = routed | (tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert)
+        routed = expert_sources(ids_ptr, expert, num_tokens, TOP_K, BLOCK_T) >= 0   # tokens routed to the expert
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] rows of W_gate
         n_mask = cols < inter
         w_gate = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn    # [1, BLOCK_N]
@@ -124,12 +122,9 @@ def _decode_down_kernel(
     split = tl.program_id(2)
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
+        source = expert_sources(ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)   # a slot of each routed token
         tokens = tl.arange(0, BLOCK_T)
         t_mask = tokens < num_tokens
-        source = tl.zeros([BLOCK_T], tl.int32) - 1        # a slot of each routed token (its act row)
-        for j in tl.static_range(TOP_K):
-            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
-            source = tl.where(hit, tokens * TOP_K + j, source)
         routed = source >= 0
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] output features
         n_mask = cols < hidden

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.common import owned_expert, round_to
+from moekv.ops.triton.common import expert_sources, owned_expert, round_to
 
 FMA_MAX_TOKENS = 4          # BLOCK_T * 16 fp32 accumulators per thread and weight row: beyond, "dot"
 VECTOR_BYTES = 16           # one vector load per thread and row per K step
@@ -100,9 +100,7 @@ def _fma_gate_up_kernel(
     if owner:
         tokens = tl.arange(0, BLOCK_T)
         t_mask = tokens < num_tokens
-        routed = tokens < 0                               # all False
-        for j in tl.static_range(TOP_K):
-            routed = routed | (tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert)
+        routed = expert_sources(ids_ptr, expert, num_tokens, TOP_K, BLOCK_T) >= 0   # tokens routed to the expert
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BN] rows of W_gate
         rows = tl.minimum(cols, inter - 1).to(tl.int64)[None, :, None]        # [1, BN, 1], clamped into range
         w_gate = w_ptr + expert.to(tl.int64) * stride_we + rows * stride_wn
@@ -159,12 +157,9 @@ def _fma_down_kernel(
     split = tl.program_id(2)
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
+        source = expert_sources(ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)   # a slot of each routed token
         tokens = tl.arange(0, BLOCK_T)
         t_mask = tokens < num_tokens
-        source = tl.zeros([BLOCK_T], tl.int32) - 1        # a slot of each routed token (its act row)
-        for j in tl.static_range(TOP_K):
-            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
-            source = tl.where(hit, tokens * TOP_K + j, source)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BN] output features
         rows = tl.minimum(cols, hidden - 1).to(tl.int64)[None, :, None]       # [1, BN, 1], clamped into range
         w_rows = w_ptr + expert.to(tl.int64) * stride_we + rows * stride_wn
