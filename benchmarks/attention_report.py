@@ -1,5 +1,7 @@
 """Outputs of benchmarks/bench_attention.py: provenance of a run and the markdown table and plot written beside
-attention-bench.json (also re-rendered from a saved JSON by --render)."""
+attention-bench.json (also re-rendered from a saved JSON by --render). A --runs table shows each cell's median
+with its run-to-run spread: "±" half the min-max range of the run values as a share of the median, the
+speed-up's [min-max] over the per-run ratios."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from benchmarks import attention_setup as setup
 from benchmarks.attention_setup import D, HKV, HQ
 from moekv.provenance import git_commit
 
+KERNELS = ["bf16_paged", "int4", "int3", "int2"]
+
 
 def environment(argv) -> dict:
     commit = git_commit() or "unknown"
@@ -21,7 +25,34 @@ def environment(argv) -> dict:
             "command": "PYTHONPATH=src:. python " + " ".join(argv)}
 
 
+def plus_minus(ms: float, spread: list[float] | None) -> str:
+    """" ±1.2%": half the [min, max] range as a share of the median ("" without a spread)."""
+    if not spread:
+        return ""
+    return f" ±{50 * (spread[1] - spread[0]) / ms:.1f}%"
+
+
+def kernel_cell(row: dict, name: str) -> str:
+    """"ms (x, TB/s)"; with runs "ms ±p% (x [min-max], TB/s)"."""
+    if name + "_ms" not in row:
+        return "-"
+    ratios = row.get(name + "_speedup_spread")
+    x_range = f" [{ratios[0]:.2f}-{ratios[1]:.2f}]" if ratios else ""
+    return (f"{row[name + '_ms']:.4f}{plus_minus(row[name + '_ms'], row.get(name + '_spread_ms'))} "
+            f"({row[name + '_speedup']:.2f}x{x_range}, {row[name + '_tbps']:.2f})")
+
+
+def runs_note(runs: int) -> list[str]:
+    return [f"{runs} runs of the table in one process, interleaved (run 1 of every cell, then run 2, ...): ms = the "
+            f"median of the {runs} runs' medians, ± half their min-max range (share of the median); speed-up = the "
+            f"median of the {runs} per-run ratios (SDPA / kernel of the same run), [min-max] of those ratios. "
+            "Per-run values in the JSON (`*_runs_ms`, `*_runs_speedup`).", ""]
+
+
 def write_markdown(path, env, result) -> None:
+    runs = result.get("runs", 1)
+    spread_head = " ±%" if runs > 1 else ""
+    x_head = "x [min-max]" if runs > 1 else "x"
     lines = [f"# Decode attention, Hq={HQ} Hkv={HKV} D={D}", "",
              f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton {env['triton']}",
              f"Command: `{env['command']}`", "", *([result["note"], ""] if result.get("note") else []),
@@ -32,13 +63,14 @@ def write_markdown(path, env, result) -> None:
              + "; floors at "
              f"{result['floor_bandwidth_tbps']:.2f} TB/s, the best read bandwidth seen in the run. Speed-up = SDPA "
              "time / kernel time; TB/s over the bytes each kernel reads; floor = those bytes at that bandwidth.", "",
-             "| B | L | SDPA bf16 ms | paged bf16 ms (x, TB/s) | int4 ms (x, TB/s) | int3 ms (x, TB/s) | int2 ms (x, TB/s) | int3 floor ms |",
+             *(runs_note(runs) if runs > 1 else []),
+             f"| B | L | SDPA bf16 ms{spread_head} | "
+             + " | ".join(f"{label} ms{spread_head} ({x_head}, TB/s)"
+                          for label in ["paged bf16", "int4", "int3", "int2"]) + " | int3 floor ms |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        cells = [str(r["batch"]), str(r["context"]), f"{r['sdpa_ms']:.4f}"]
-        for name in ["bf16_paged", "int4", "int3", "int2"]:
-            cells.append(f"{r[name + '_ms']:.4f} ({r[name + '_speedup']:.2f}x, {r[name + '_tbps']:.2f})"
-                         if name + "_ms" in r else "-")
+        cells = [str(r["batch"]), str(r["context"]), f"{r['sdpa_ms']:.4f}{plus_minus(r['sdpa_ms'], r.get('sdpa_spread_ms'))}"]
+        cells += [kernel_cell(r, name) for name in KERNELS]
         cells.append(f"{r['int3_floor_ms']:.4f}" if "int3_floor_ms" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Page quantization (one full page per sequence, K and V, all heads, Triton kernel) vs the int3 "
@@ -51,17 +83,18 @@ def write_markdown(path, env, result) -> None:
                          f"{100 * r['quantize_share_amortized']:.2f}% |")
     impl_names = sorted({n for r in result["rows"] for b in setup.BITS for n in r.get(f"int{b}_impl_ms", {})})
     if impl_names:
-        lines += ["", "Low-bit implementations side by side (best launch config of each; ms):", "",
+        lines += ["", f"Low-bit implementations side by side (best launch config of each; ms{spread_head}):", "",
                   "| B | L | width | " + " | ".join(impl_names) + " |", "|---|---|---|" + "---|" * len(impl_names)]
         for r in result["rows"]:
             for b in setup.BITS:
-                times = r.get(f"int{b}_impl_ms", {})
+                times, spreads = r.get(f"int{b}_impl_ms", {}), r.get(f"int{b}_impl_spread_ms", {})
                 if times:
                     lines.append(f"| {r['batch']} | {r['context']} | int{b} | " + " | ".join(
-                        f"{times[n]:.4f}" if n in times else "-" for n in impl_names) + " |")
+                        f"{times[n]:.4f}{plus_minus(times[n], spreads.get(n))}" if n in times else "-"
+                        for n in impl_names) + " |")
     lines += ["", "Launch configs chosen (swept at B=1 and B=32, L=16k):", ""]
     for r in result["rows"][:1]:
-        for name in ["bf16_paged", "int4", "int3", "int2"]:
+        for name in KERNELS:
             if name + "_config" in r:
                 lines.append(f"- {name}: `{r[name + '_config']}`")
     with open(path, "w") as f:
@@ -86,8 +119,7 @@ def write_plot(path, result) -> None:
     ax.legend(fontsize=7)
     ax = axes[1]
     shapes = [r for r in result["rows"] if (r["batch"], r["context"]) in setup.SHAPES]
-    names = ["bf16_paged", "int4", "int3", "int2"]
-    for i, name in enumerate(names):
+    for i, name in enumerate(KERNELS):
         ax.bar([j + 0.2 * i for j in range(len(shapes))], [r[name + "_speedup"] for r in shapes], width=0.2, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + 0.3 for j in range(len(shapes))], [f"B={r['batch']}\nL={r['context'] // 1024}k" for r in shapes])

@@ -56,6 +56,10 @@ class Timer:
     def _graph_ms(self, body) -> float:
         return cuda_graph_ms(body, self.reps, self.trials)
 
+    def remeasure_flush(self) -> None:
+        """Time the L2 flush again at its next use (each run of a --runs table subtracts its own)."""
+        self._flush_ms = None
+
     def __call__(self, fn) -> float:
         """Median milliseconds of one call of fn."""
         if DEVICE == "cpu":                                   # --dry: wall clock of one call

@@ -25,7 +25,7 @@ def run_lowbit_sweep(args, log=print) -> dict:
     timer = Timer(cold=not args.hot)
     gen = torch.Generator().manual_seed(0)
     impls = lowbit_impls(args.impls)
-    shapes = setup.DRY_SHAPES[:1] if args.dry else setup.SHAPES
+    shapes = setup.DRY_SHAPES[:1] if args.dry and not args.shapes else setup.SHAPES
     rows = []
     for batch, length in shapes:
         for bits in setup.BITS:

@@ -12,8 +12,14 @@ Achieved TB/s counts the bytes the kernel actually reads (codes, scales, zero po
 slots up to each page's count, staging tail pages, block tables). Writes attention-bench.{json,md,png}
 (or logs/attention-check.log with --check). Prints a table; asserts nothing about speed.
 
+--runs N (default 1) times the target table N times in this one process, interleaved (run 1 of every cell,
+then run 2, ...): each cell reports the median of its N run medians with their [min, max], and each speed-up
+the median of the N per-run ratios (SDPA time / kernel time of the same run). Launch-config sweeps, the
+correctness check at B=1 and the quantizer's cost happen in run 1 only; every shape's inputs stay allocated
+until the last run. For target tables: --no-sweep --runs 3.
+
 Pieces: attention_setup.py (shapes and settings, the timer, each cell's inputs and bytes read),
-attention_measure.py (the target table and its derived columns), attention_sweep.py (--lowbit-only),
+attention_measure.py (the target table, its runs and derived columns), attention_sweep.py (--lowbit-only),
 attention_check.py (--check), attention_report.py (provenance, markdown, plot).
 """
 
@@ -47,7 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hot", action="store_true", help="do not flush L2 between calls")
     parser.add_argument("--quick", action="store_true", help="one shape only")
     parser.add_argument("--no-sweep", action="store_true", help="default launch configs only")
-    parser.add_argument("--dry", action="store_true", help="plumbing test on a CPU (interpreter, tiny shapes)")
+    parser.add_argument("--dry", action="store_true", help="plumbing test on a CPU (interpreter; tiny shapes unless --shapes)")
     parser.add_argument("--shapes", help="BxL,BxL,... instead of the default shapes")
     parser.add_argument("--lowbit-configs", help="JSON object impl -> list of launch configs to sweep (int3)")
     parser.add_argument("--bits", help="comma-separated low-bit widths (default 4,3,2)")
@@ -60,7 +66,12 @@ def main(argv=None) -> int:
     parser.add_argument("--lowbit-only", action="store_true",
                         help="time only the low-bit configs (--lowbit-configs) at --shapes / --bits; writes "
                              "lowbit-sweep.json and lowbit-best.json (the best config per implementation over the swept cases)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="time the target table N times in this process, interleaved; each cell reports the "
+                             "median of the N runs and their spread, each speed-up the median of the per-run ratios")
     args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
     setup.OUTLIERS = args.outliers
     if args.shapes:
         setup.SHAPES = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
