@@ -5,6 +5,7 @@ last-token logits of one prompt (the parity check against transformers, layer_pr
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -19,6 +20,31 @@ from moekv.core.attention_metadata import AttentionMetadata
 from moekv.engine.engine import Engine
 from moekv.kvcache import KVCacheSpec, create_kv_cache
 from moekv.sampling import SamplingParams
+
+
+# every row's KV cache: none may outlive its row. Session 20's B=64 "overlap on" row ran out of memory allocating
+# one layer's int3 codes (394 MiB) beside the "off" row's whole cache (28.9 GiB), which a reference cycle kept
+# alive past the row (docs/decode-results.md, "Host work of a graph decode step, and overlapped steps").
+_ROW_CACHES: weakref.WeakSet = weakref.WeakSet()
+
+
+def check_rows_freed(device: torch.device) -> None:
+    """Raise if an earlier row's KV cache is still alive (after a collection): this row's cache would be allocated
+    beside it and fail for a reason of the bench's own, not of the row's configuration."""
+    if len(_ROW_CACHES):
+        free_memory(device)
+    alive = list(_ROW_CACHES)
+    if alive:
+        pages = sum(cache.num_pages for cache in alive)
+        raise RuntimeError(f"{len(alive)} earlier row's KV cache(s) ({pages} pages) still alive: an engine was not "
+                           f"freed, and this row's cache would be allocated beside it")
+
+
+def device_memory(device: torch.device, after_build: int | None = None) -> dict | None:
+    """CUDA: bytes allocated once the row's engine was built, and the peak over the row (None on other devices)."""
+    if device.type != "cuda":
+        return None
+    return {"allocated_after_build": after_build, "peak_allocated": torch.cuda.max_memory_allocated(device)}
 
 
 def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args, graphs: bool = True,
@@ -49,7 +75,12 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
     synthetic = args.synthetic_kv
     if synthetic:
         new_tokens = args.warmup + args.steps + args.profile_steps + 4
+    check_rows_freed(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     engine = make_engine(model, batch, context, kv, new_tokens, args, graphs, switches)
+    _ROW_CACHES.add(engine.kv_cache)
+    built = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     installed = installed_settings(engine)                          # what the engine installed for its ops
     prefill_s = None
     if synthetic:                      # context counted as cached over synthetic pages: no prefill
@@ -85,15 +116,15 @@ def run_moekv(model, batch: int, context: int, kv: str, args, device: torch.devi
            "outside_graph_ms": timed["outside_graph_ms"], "graph_replays": timed["graph_replays"],
            "step_ms_median": timed["step_ms_median"], "steps_by_kind": timed["by_kind"],
            "graph_fallback": runner.graph_fallback_reason, "kernel_breakdown": breakdown, "layer_profile": layers,
-           **installed}
+           "device_memory": device_memory(device, built), **installed}
     if engine.overlap is not None:
         row["overlap_stats"] = dict(engine.overlap.stats)
     for request_id in list(engine.requests):
         engine.abort(request_id)
     engine.routing.remove_hooks()      # the model outlives the engine: its next row's engine must not run this hook
     del engine, runner                 # every reference, so that free_memory's collection frees the KV cache and the
-    free_memory(device)                # graphs before the next row allocates (session 20: B=64 overlap=on ran OOM)
-    return row
+    free_memory(device)                # graphs before the next row allocates (session 20: B=64 overlap=on ran OOM;
+    return row                         # the next row checks: check_rows_freed)
 
 
 @torch.inference_mode()

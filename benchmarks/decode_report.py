@@ -103,6 +103,18 @@ def markdown(result: dict) -> list[str]:
                 lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {switch_cells(r)}{r['kv']} "
                              f"| {kind} | {k['steps']} | {k['wall_ms']:.3f} | {k['wall_ms_median']:.3f} "
                              f"| {ms_cell(k['replay_ms'])} |")
+    memory = [r for r in result["decode"] if r.get("device_memory")]
+    if memory:
+        gib = 1 << 30
+        lines += ["", "## Device memory per row (torch.cuda allocated, GiB: once the row's engine was built, and the "
+                  "row's peak; overlapped decode adds only its token feed, 16 bytes per sequence: compare on / off)",
+                  "",
+                  f"| B | context | system | {switch_header()}KV | after build | peak |",
+                  "|---|---|---|" + "---|" * len(SWITCHES) + "---|---|---|"]
+        for r in memory:
+            m = r["device_memory"]
+            lines.append(f"| {r['batch']} | {r['context']} | {r['system']} | {switch_cells(r)}{r['kv']} "
+                         f"| {m['allocated_after_build'] / gib:.3f} | {m['peak_allocated'] / gib:.3f} |")
     if any("kv_bits_at_context" in r for r in result["decode"]):
         lines += ["", "KV bits per value (docs/kv-format.md §8): *held* = all-in at the lengths the engine held "
                   "when measured (the table's column); *at context* = all-in at exactly the nominal context (a "

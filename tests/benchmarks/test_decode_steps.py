@@ -78,3 +78,20 @@ def test_bench_decode_overlap_rows(tmp_path):
     assert "| off (no graph steps) |" in md and "| off |" in md and "overlap |" in md
     with pytest.raises(SystemExit):
         bench_decode.main(["--tiny", "--overlap", "yes"])
+
+
+def test_a_row_refuses_to_start_beside_an_earlier_rows_cache():
+    """bench_decode rows: a KV cache still alive from an earlier row (session 20: the "off" row's 28.9 GiB beside the
+    B=64 "on" row's, an out-of-memory blamed on overlap) stops the next row with a clear error; once it is gone the
+    row starts."""
+    from benchmarks import decode_moekv
+
+    class Cache:
+        num_pages = 8385
+
+    cache = Cache()
+    decode_moekv._ROW_CACHES.add(cache)
+    with pytest.raises(RuntimeError, match=r"earlier row's KV cache\(s\) \(8385 pages\) still alive"):
+        decode_moekv.check_rows_freed(torch.device("cpu"))
+    del cache
+    decode_moekv.check_rows_freed(torch.device("cpu"))

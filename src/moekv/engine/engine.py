@@ -20,7 +20,7 @@ from moekv.config import EngineConfig, torch_dtype
 from moekv.core.request import Request, RequestOutput
 from moekv.engine.cpu_threads import CpuThreads
 from moekv.engine.batch import GenerationOutput, run_batch
-from moekv.engine.graph_buckets import graph_buckets, graph_pool_bytes
+from moekv.engine.memory_budget import device_memory_budget, kv_page_count
 from moekv.engine.model_runner import ModelRunner
 from moekv.engine.outputs import TokenOutputs
 from moekv.engine.overlap import OverlappedSteps
@@ -35,8 +35,6 @@ from moekv.scheduler.scheduler import Scheduler
 from moekv.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("moekv.engine")
-
-_CUDA_ACTIVATION_RESERVE = 2 << 30   # bytes kept free for activations when sizing the KV pool
 
 
 class Engine(TokenOutputs):
@@ -191,27 +189,28 @@ class Engine(TokenOutputs):
         return ids
 
     def _num_pages(self, spec: KVCacheSpec) -> int:
+        """The KV pool's pages: `CacheConfig.num_pages`, else what the memory budget leaves (engine/memory_budget.py:
+        on CUDA every other share of the device is set aside first, overlapped decode's buffers included)."""
         config = self.cache_config
         if config.num_pages is not None:
             return config.num_pages
         format_class = kv_cache_class(config.kv_cache_dtype)
-        page_bytes = format_class.bytes_per_page(spec, config)
-        wanted = self.config.scheduler.max_num_seqs * -(-self.max_model_len // spec.page_size) + 1
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        wanted = max_num_seqs * -(-self.max_model_len // spec.page_size) + 1
         if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = int(total * config.memory_fraction) - torch.cuda.memory_allocated(self.device) \
-                - _CUDA_ACTIVATION_RESERVE
-            if self._wants_cuda_graphs():     # the shared graph pool: every bucket's logits + intermediates
-                max_num_seqs = self.config.scheduler.max_num_seqs
-                workspace = format_class.graph_workspace_bytes(spec, config, self.arch.num_heads,
-                                                               graph_buckets(max_num_seqs)[-1], self.max_model_len)
-                budget -= graph_pool_bytes(self.arch, max_num_seqs, self.model_dtype, workspace)
+            graphs = self._wants_cuda_graphs()
+            plan = device_memory_budget(torch.cuda.get_device_properties(self.device).total_memory,
+                                        config.memory_fraction, torch.cuda.memory_allocated(self.device), self.arch,
+                                        self.model_dtype, format_class, spec, config, max_num_seqs,
+                                        self.max_model_len, graphs, self.config.device.overlap_decode)
+            logger.info("KV budget: %s", plan.describe())
+            budget = plan.kv_bytes
         else:
             budget = config.cpu_cache_bytes
-        num_pages = min(wanted, (budget - format_class.fixed_bytes(spec, config)) // page_bytes)
+        num_pages = kv_page_count(budget, format_class, spec, config, wanted)
         if num_pages < 1:
             raise ConfigError("no memory is left for the KV cache; lower the model size or raise memory_fraction")
-        return int(num_pages)
+        return num_pages
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,

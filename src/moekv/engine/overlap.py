@@ -34,6 +34,7 @@ step n+1 is queued behind it (`stats`: "idle_waits" counts reads made with no la
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from moekv.core.request import Request, RequestOutput
@@ -56,7 +57,9 @@ class OverlappedSteps:
     """The engine's step loop with overlapped decode steps (see the module docstring)."""
 
     def __init__(self, engine):
-        self.engine = engine
+        # the engine owns this object: a weak proxy back, so no engine <-> steps cycle keeps a dropped engine (its
+        # KV pool, graphs and buckets) alive until the next cyclic collection
+        self.engine = weakref.proxy(engine)
         self.runner = engine.runner
         self.in_flight: LaunchedStep | None = None    # the last step launched, not read yet
         self._reading: LaunchedStep | None = None     # the step being read back now

@@ -12,6 +12,7 @@ evicts it; only then is the format told (`on_pages_freed`). Pages with holders a
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 from moekv.kvcache.block_pool import BlockPool
@@ -20,6 +21,17 @@ from moekv.kvcache.prefix_cache import CachedPage, PrefixCache, TokenSlice
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
+
+
+def _weak_callback(method: Callable[[list[int]], None]) -> Callable[[list[int]], None]:
+    """`method` called through a weak reference to its object (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(pages: list[int]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(pages)
+    return call
 
 
 class KVCacheManager:
@@ -33,7 +45,9 @@ class KVCacheManager:
             raise ValueError(f"the prefix cache names pages of {prefix_cache.page_size} tokens, the manager "
                              f"holds pages of {page_size}")
         self.page_size = page_size
-        self.pool = BlockPool(num_pages, on_evict=self._evicted)
+        # the pool calls back through a weak reference: no manager <-> pool cycle, so a dropped engine's cache
+        # (which the manager's on_pages_freed holds) is freed at once, not at the next cyclic collection
+        self.pool = BlockPool(num_pages, on_evict=_weak_callback(self._evicted))
         self.prefix_cache = prefix_cache
         self._tables: dict[str, list[int]] = {}
         self._on_pages_freed = on_pages_freed
