@@ -6,6 +6,12 @@ a bf16 projection), widens them in registers for the dot (exact) and scales each
 columns' scales (common.weight_dot; BLOCK_K is capped so a tile never crosses a scale block). Bias in fp32,
 one rounding to x.dtype (EMULATE_BF16 under the CPU interpreter, whose bf16 cast truncates). No host reads:
 CUDA-graph safe. Launch shapes: default_config (decode sizes measured, larger ones reasoned).
+
+Two variants, picked by the config's "VARIANT" (default_config's, or a caller's config entry):
+  "dot"  this kernel, any M (the default);
+  "fma"  1 to 4 rows: layer.fp8_gemv, a GEMV streaming the codes without tl.dot or shared memory (as the MoE
+         experts' moe.decode_fma). Not measured on a GPU yet; benchmarks/bench_fp8_linear.py times both. Where
+         it does not apply (more rows, codes not contiguous along K) "dot" runs with its own default tiles.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import triton.language as tl
 
 from moekv.core.fp8 import Fp8Weight
 from moekv.ops.triton.common import check_launchable, weight_dot
+from moekv.ops.triton.layer import fp8_gemv
 from moekv.ops.triton.layer.norm import round_to
 from moekv.ops.triton.moe.decode import fp8_runs_on
 
@@ -66,15 +73,44 @@ def supports(x: torch.Tensor, weight: Fp8Weight) -> bool:
 def default_config(num_rows: int) -> dict:
     """Decode sizes (<= 16 rows): narrow column tiles and long K tiles, so a projection spreads over ~130-190
     programs (H200, session 25 sweep on Mixtral's qkv / o shapes at 1 and 8 rows, benchmarks/results/
-    fp8-linear-sweep-h200.md: 0.034 -> 0.014 ms, the old 64 x 64 tiles gave 64-96 programs); else 64 x 64."""
+    fp8-linear-sweep-h200.md: 0.034 -> 0.014 ms, the old 64 x 64 tiles gave 64-96 programs); else 64 x 64.
+    VARIANT "dot" everywhere until a GPU sweep (benchmarks/bench_fp8_linear.py --sweep) shows "fma" faster: to
+    switch 1 (to 4) rows over, return {"VARIANT": "fma", ...its tiles} for them (fp8_gemv.default_config
+    fills the tiles left out)."""
+    return dict(VARIANT="dot", **dot_config(num_rows))
+
+
+def dot_config(num_rows: int) -> dict:
+    """The dot kernel's launch shape (default_config's history above)."""
     if num_rows <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4)
 
 
+def resolve_config(x: torch.Tensor, weight: Fp8Weight, config: dict | None) -> tuple[str, dict]:
+    """(variant, its launch entries): config's "VARIANT", else default_config's. Entries: default_config's
+    own where it chose that variant (else dot_config's for "dot", none for "fma": fp8_gemv.default_config fills
+    them), overridden by config's. "fma" where it does not apply runs "dot" with dot_config alone (config's
+    entries were fma tiles)."""
+    num_rows = x.shape[0]
+    base = default_config(num_rows)
+    base_variant = base.pop("VARIANT")
+    user = dict(config or {})
+    variant = user.pop("VARIANT", base_variant)
+    assert variant in ("dot", "fma"), variant
+
+    def own(v: str) -> dict:
+        return base if v == base_variant else ({} if v == "fma" else dot_config(num_rows))
+
+    if variant == "fma" and fp8_gemv.applies(x, weight):
+        return "fma", {**own("fma"), **user}
+    return "dot", own("dot") if variant == "fma" else {**own("dot"), **user}
+
+
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
-    """Same contract as ops.reference.fp8_linear.fp8_linear; config overrides default_config's entries."""
+    """Same contract as ops.reference.fp8_linear.fp8_linear; config overrides default_config's entries
+    ("VARIANT": "dot" / "fma", and the chosen variant's launch entries: resolve_config)."""
     num_rows, _ = x.shape
     out_features, in_features = weight.shape
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)                 # [M, N]
@@ -83,9 +119,12 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     if x.stride(-1) != 1:
         x = x.contiguous()
     check_launchable(_fp8_linear_kernel, x)
-    cfg = {**default_config(num_rows), **(config or {})}
-    if weight.block[1] < in_features:             # a K tile must not cross a scale block
-        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], weight.block[1] & -weight.block[1])
+    variant, cfg = resolve_config(x, weight, config)
+    if variant == "fma":
+        return fp8_gemv.fp8_gemv(x, weight, bias, out, cfg)
+    cap = fp8_gemv.block_k_cap(weight)           # a K tile must not cross a scale block
+    if cap is not None:
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], cap)
     codes, scale = weight.codes, weight.scale
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
     _fp8_linear_kernel[grid](

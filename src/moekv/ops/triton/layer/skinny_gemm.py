@@ -189,11 +189,34 @@ def default_config(M: int, N: int, K: int, device: torch.device, variant: str = 
     else:
         block_k = min(2048, _pow2(K, floor=256))
         cfg = {"BLOCK_N": 2, "BLOCK_K": block_k, "UNROLL": 1, "num_warps": block_k // 256, "num_stages": 1}
-    programs = triton.cdiv(N, cfg["BLOCK_N"])
-    split_k = 1
-    if programs < sms:
-        split_k = max(1, min(triton.cdiv(2 * sms, programs), K // (2 * cfg["BLOCK_K"])))
-    return dict(cfg, SPLIT_K=split_k)
+    return dict(cfg, SPLIT_K=default_split(triton.cdiv(N, cfg["BLOCK_N"]), sms, K, cfg["BLOCK_K"]))
+
+
+def default_split(programs: int, sms: int, K: int, block_k: int) -> int:
+    """SPLIT_K for a launch of `programs` column tiles: 1 when they fill the SMs, else up to ~2 programs per
+    SM, each split at least 2 BLOCK_K steps."""
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), K // (2 * block_k)))
+
+
+def split_plan(K: int, block_k: int, split_k) -> tuple[int, int]:
+    """(splits, k_per_split) for a requested SPLIT_K: each split a whole number of BLOCK_K steps, none empty."""
+    split_k = max(1, min(int(split_k or 1), triton.cdiv(K, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
+def reduce_splits(partials: torch.Tensor, bias_arg: torch.Tensor, out: torch.Tensor, has_bias: bool,
+                  emulate_bf16: bool) -> torch.Tensor:
+    """out [M, N] = sum over splits of partials [S, M, N] fp32, in a fixed order (deterministic), + bias, one
+    rounding to out's dtype (the second launch of a split-K GEMM)."""
+    M, N = out.shape
+    reduce_n = min(1024, triton.next_power_of_2(N))
+    _splitk_reduce_kernel[(M, triton.cdiv(N, reduce_n))](
+        partials, bias_arg, out, N, partials.shape[0], partials.stride(0), partials.stride(1), out.stride(0),
+        HAS_BIAS=has_bias, BLOCK_N=reduce_n, EMULATE_BF16=emulate_bf16)
+    return out
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -243,9 +266,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         variant = "dot"
     cfg = dict(default_config(M, N, K, x.device, variant), **(config or {}))
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    split_k = max(1, min(int(cfg.pop("SPLIT_K") or 1), triton.cdiv(K, block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)
+    split_k, k_per_split = split_plan(K, block_k, cfg.pop("SPLIT_K"))
     split = split_k > 1
     has_bias = bias is not None
     b_arg = bias if has_bias else out                     # never read without HAS_BIAS
@@ -263,8 +284,5 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                  N, stride_ps, BLOCK_M=MAX_ROWS, UPCAST=upcast,
                                  **flags, **cfg)
     if split:
-        reduce_n = min(1024, triton.next_power_of_2(N))
-        _splitk_reduce_kernel[(M, triton.cdiv(N, reduce_n))](
-            target, b_arg, out, N, split_k, target.stride(0), target.stride(1), out.stride(0),
-            HAS_BIAS=has_bias, BLOCK_N=reduce_n, EMULATE_BF16=emulate)
+        reduce_splits(target, b_arg, out, has_bias, emulate)
     return out

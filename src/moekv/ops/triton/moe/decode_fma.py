@@ -42,44 +42,10 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton.common import expert_sources, owned_expert, round_to
+from moekv.ops.triton.fma_tiles import activation_tile, fma_rows, row_scales, weight_tile
 
 FMA_MAX_TOKENS = 4          # BLOCK_T * 16 fp32 accumulators per thread and weight row: beyond, "dot"
 VECTOR_BYTES = 16           # one vector load per thread and row per K step
-
-
-@triton.jit
-def _weight_tile(w_rows, s_rows, ks, k_mask, k0, stride_sk, scale_block_k, BLOCK_T: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, ROW_SCALES: tl.constexpr,
-                 MASK_K: tl.constexpr):
-    """The weight rows w_rows [1, BN, 1] at columns ks [1, 1, BK] as fp32 [BT, BN, BK] (FP8: codes widened and,
-    with block scales, times the scales of K block k0 // scale_block_k at s_rows [1, BN, 1])."""
-    ptrs = tl.broadcast_to(w_rows + ks, [BLOCK_T, BLOCK_N, BLOCK_K])
-    if MASK_K:
-        w = tl.load(ptrs, mask=tl.broadcast_to(k_mask, [BLOCK_T, BLOCK_N, BLOCK_K]), other=0.0).to(tl.float32)
-    else:
-        w = tl.load(ptrs).to(tl.float32)
-    if FP8 and not ROW_SCALES:
-        scale = tl.load(tl.broadcast_to(s_rows + (k0 // scale_block_k) * stride_sk, [BLOCK_T, BLOCK_N, 1]))
-        w = w * scale
-    return w
-
-
-@triton.jit
-def _activation_tile(x_rows, x_mask, ks, k_mask, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr):
-    """Activation rows x_rows [BT, 1, 1] (rows outside x_mask read as 0) at columns ks as fp32 [BT, BN, BK]."""
-    ptrs = tl.broadcast_to(x_rows + ks, [BLOCK_T, BLOCK_N, BLOCK_K])
-    mask = x_mask & k_mask if MASK_K else x_mask
-    return tl.load(ptrs, mask=tl.broadcast_to(mask, [BLOCK_T, BLOCK_N, BLOCK_K]), other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _row_scales(s_rows, FP8: tl.constexpr, ROW_SCALES: tl.constexpr):
-    """[1, BN] scales of the reduced rows (one K block: ROW_SCALES), else 1."""
-    if FP8 and ROW_SCALES:
-        return tl.sum(tl.load(s_rows), axis=2)
-    else:
-        return 1.0
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -115,22 +81,22 @@ def _fma_gate_up_kernel(
         for i in tl.range(0, hidden // BLOCK_K, loop_unroll_factor=UNROLL):   # full tiles: no K masks
             k0 = i * BLOCK_K
             ks = k0 + offs_k
-            x = _activation_tile(x_rows, x_mask, ks, ks < hidden, BLOCK_T, BLOCK_N, BLOCK_K, False)
-            acc_gate += _weight_tile(w_gate, s_gate, ks, ks < hidden, k0, stride_sk, scale_block_k, BLOCK_T,
-                                     BLOCK_N, BLOCK_K, FP8, ROW_SCALES, False) * x
-            acc_up += _weight_tile(w_up, s_up, ks, ks < hidden, k0, stride_sk, scale_block_k, BLOCK_T, BLOCK_N,
-                                   BLOCK_K, FP8, ROW_SCALES, False) * x
+            x = activation_tile(x_rows, x_mask, ks, ks < hidden, BLOCK_T, BLOCK_N, BLOCK_K, False)
+            acc_gate += weight_tile(w_gate, s_gate, ks, ks < hidden, k0, stride_sk, scale_block_k, BLOCK_T,
+                                    BLOCK_N, BLOCK_K, FP8, ROW_SCALES, False) * x
+            acc_up += weight_tile(w_up, s_up, ks, ks < hidden, k0, stride_sk, scale_block_k, BLOCK_T, BLOCK_N,
+                                  BLOCK_K, FP8, ROW_SCALES, False) * x
         if not EVEN_K:                                                          # the K tail
             k0 = (hidden // BLOCK_K) * BLOCK_K
             ks = k0 + offs_k
             k_mask = ks < hidden
-            x = _activation_tile(x_rows, x_mask, ks, k_mask, BLOCK_T, BLOCK_N, BLOCK_K, True)
-            acc_gate += _weight_tile(w_gate, s_gate, ks, k_mask, k0, stride_sk, scale_block_k, BLOCK_T, BLOCK_N,
-                                     BLOCK_K, FP8, ROW_SCALES, True) * x
-            acc_up += _weight_tile(w_up, s_up, ks, k_mask, k0, stride_sk, scale_block_k, BLOCK_T, BLOCK_N,
-                                   BLOCK_K, FP8, ROW_SCALES, True) * x
-        gate = tl.sum(acc_gate, axis=2) * _row_scales(s_gate, FP8, ROW_SCALES)   # [BT, BN]
-        up = tl.sum(acc_up, axis=2) * _row_scales(s_up, FP8, ROW_SCALES)
+            x = activation_tile(x_rows, x_mask, ks, k_mask, BLOCK_T, BLOCK_N, BLOCK_K, True)
+            acc_gate += weight_tile(w_gate, s_gate, ks, k_mask, k0, stride_sk, scale_block_k, BLOCK_T, BLOCK_N,
+                                    BLOCK_K, FP8, ROW_SCALES, True) * x
+            acc_up += weight_tile(w_up, s_up, ks, k_mask, k0, stride_sk, scale_block_k, BLOCK_T, BLOCK_N,
+                                  BLOCK_K, FP8, ROW_SCALES, True) * x
+        gate = tl.sum(acc_gate, axis=2) * row_scales(s_gate, FP8, ROW_SCALES)   # [BT, BN]
+        up = tl.sum(acc_up, axis=2) * row_scales(s_up, FP8, ROW_SCALES)
         act = round_to(gate * tl.sigmoid(gate) * up, act_ptr.dtype.element_ty, EMULATE_BF16)
         n_mask = cols < inter
         for j in tl.static_range(TOP_K):
@@ -166,25 +132,9 @@ def _fma_down_kernel(
         s_rows = s_ptr + expert.to(tl.int64) * stride_se + (rows // SCALE_BN) * stride_sn
         a_rows = act_ptr + source.to(tl.int64)[:, None, None] * stride_at      # [BT, 1, 1]
         a_mask = (source >= 0)[:, None, None]
-        offs_k = tl.arange(0, BLOCK_K)[None, None, :]
         k_begin = split * k_per_split
-        k_len = tl.minimum(k_per_split, inter - k_begin)
-        acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], tl.float32)
-        for i in tl.range(0, k_len // BLOCK_K, loop_unroll_factor=UNROLL):    # full tiles: no K masks
-            k0 = k_begin + i * BLOCK_K
-            ks = k0 + offs_k
-            a = _activation_tile(a_rows, a_mask, ks, ks < inter, BLOCK_T, BLOCK_N, BLOCK_K, False)
-            acc += _weight_tile(w_rows, s_rows, ks, ks < inter, k0, stride_sk, scale_block_k, BLOCK_T, BLOCK_N,
-                                BLOCK_K, FP8, ROW_SCALES, False) * a
-        if not EVEN_K:                                    # the K tail (of the last split)
-            if k_len % BLOCK_K != 0:
-                k0 = k_begin + (k_len // BLOCK_K) * BLOCK_K
-                ks = k0 + offs_k
-                k_mask = ks < k_begin + k_len
-                a = _activation_tile(a_rows, a_mask, ks, k_mask, BLOCK_T, BLOCK_N, BLOCK_K, True)
-                acc += _weight_tile(w_rows, s_rows, ks, k_mask, k0, stride_sk, scale_block_k, BLOCK_T, BLOCK_N,
-                                    BLOCK_K, FP8, ROW_SCALES, True) * a
-        y = tl.sum(acc, axis=2) * _row_scales(s_rows, FP8, ROW_SCALES)      # [BT, BN]
+        y = fma_rows(w_rows, s_rows, a_rows, a_mask, k_begin, tl.minimum(k_per_split, inter - k_begin), stride_sk,
+                     scale_block_k, BLOCK_T, BLOCK_N, BLOCK_K, FP8, ROW_SCALES, EVEN_K, UNROLL)   # [BT, BN]
         n_mask = cols < hidden
         out = partial_ptr + split.to(tl.int64) * stride_ps
         for j in tl.static_range(TOP_K):
