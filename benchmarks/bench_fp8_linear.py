@@ -30,7 +30,7 @@ if "--dry" in sys.argv:                      # the Triton kernels on a CPU: the 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.bench_gemv import MIN_STREAM_BYTES, cpu_ms, environment, graph_ms  # noqa: E402
+from benchmarks.bench_gemv import MIN_STREAM_BYTES, cpu_ms, environment, graph_ms, write_json  # noqa: E402
 from moekv.core.fp8 import quantize_fp8  # noqa: E402
 from moekv.ops.reference.fp8_linear import fp8_linear as reference  # noqa: E402
 
@@ -94,10 +94,7 @@ def bench_shape(name: str, K: int, N: int, rows: list[int], block, device: torch
 
 def write_results(out_dir: Path, result: dict) -> tuple[Path, Path]:
     env = result["env"]
-    gpu = env["gpu"].split(" (")[0].replace(" ", "_")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / f"fp8-linear-fma-{gpu}.json", out_dir / f"fp8-linear-fma-{gpu}.md"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    json_path, md_path = write_json(out_dir, "fp8-linear-fma", result)
     read = result["read_bandwidth_tbps"]
     lines = [f"# fp8_linear \"dot\" vs \"fma\" (GEMV) on Mixtral-8x7B's qkv / o, FP8 {result['scales']} scales, x bf16",
              "", f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton {env['triton']}",

@@ -183,12 +183,18 @@ def per_token(rows: list[dict], shapes: dict) -> list[dict]:
     return out
 
 
+def write_json(out_dir: Path, stem: str, result: dict) -> tuple[Path, Path]:
+    """Writes out_dir/<stem>-<gpu>.json; returns it and the markdown path beside it."""
+    gpu = result["env"]["gpu"].split(" (")[0].replace(" ", "_")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}-{gpu}.json", out_dir / f"{stem}-{gpu}.md"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    return json_path, md_path
+
+
 def write_results(out_dir: Path, result: dict) -> tuple[Path, Path]:
     env = result["env"]
-    gpu = env["gpu"].split(" (")[0].replace(" ", "_")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / f"gemv-bench-{gpu}.json", out_dir / f"gemv-bench-{gpu}.md"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    json_path, md_path = write_json(out_dir, "gemv-bench", result)
     read, copy = result["read_bandwidth_tbps"], result["copy_bandwidth_tbps"]
     lines = ["# Skinny GEMM (decode projections) vs torch F.linear: Mixtral-8x7B shapes, " + result["dtype"], "",
              f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton {env['triton']}",
