@@ -58,6 +58,19 @@ def expert_sources(ids_ptr, expert, num_tokens, TOP_K: tl.constexpr, BLOCK_T: tl
 
 
 @triton.jit
+def store_slot_rows(out_ptr, stride_row, cols, n_mask, values, ids_ptr, expert, num_tokens, TOP_K: tl.constexpr,
+                    BLOCK_T: tl.constexpr):
+    """values [BLOCK_T, BN] (a row per token) into out rows t * TOP_K + j of every slot j of token t routed to
+    `expert`, at columns cols [BN] (n_mask): the MoE decode kernels' act / partial rows of each token-slot."""
+    tokens = tl.arange(0, BLOCK_T)
+    t_mask = tokens < num_tokens
+    for j in tl.static_range(TOP_K):
+        hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
+        rows = (tokens * TOP_K + j).to(tl.int64)
+        tl.store(out_ptr + rows[:, None] * stride_row + cols[None, :], values, mask=hit[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def round_to(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """fp32 x rounded to `dtype` (round to nearest even), returned in `dtype`. EMULATE_BF16: do the
     bf16 rounding on the bits (the CPU interpreter's fp32 -> bf16 cast truncates; a GPU's rounds)."""

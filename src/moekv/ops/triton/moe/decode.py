@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from moekv.core.fp8 import Fp8Weight
-from moekv.ops.triton.common import check_launchable, expert_sources, owned_expert, round_to, weight_dot
+from moekv.ops.triton.common import (check_launchable, expert_sources, owned_expert, round_to, store_slot_rows,
+                                     weight_dot)
 from moekv.ops.triton.moe import decode_fma
 from moekv.ops.triton.moe.configs import get_config
 
@@ -88,7 +89,6 @@ def _decode_gate_up_kernel(
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
         tokens = tl.arange(0, BLOCK_T)
-        t_mask = tokens < num_tokens
         routed = expert_sources(ids_ptr, expert, num_tokens, TOP_K, BLOCK_T) >= 0   # tokens routed to the expert
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] rows of W_gate
         n_mask = cols < inter
@@ -99,10 +99,7 @@ def _decode_gate_up_kernel(
         s_up = s_ptr + expert.to(tl.int64) * stride_se + ((cols + inter) // SCALE_BN) * stride_sn
         act = gate_up_tile(x_rows, routed, w_gate, w_up, hidden, n_mask, stride_wk, s_gate, s_up, stride_sk,
                            scale_block_k, BLOCK_T, BLOCK_N, BLOCK_K, UPCAST, FP8).to(act_ptr.dtype.element_ty)
-        for j in tl.static_range(TOP_K):
-            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
-            rows = (tokens * TOP_K + j).to(tl.int64)
-            tl.store(act_ptr + rows[:, None] * stride_at + cols[None, :], act, mask=hit[:, None] & n_mask[None, :])
+        store_slot_rows(act_ptr, stride_at, cols, n_mask, act, ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -123,8 +120,6 @@ def _decode_down_kernel(
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
         source = expert_sources(ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)   # a slot of each routed token
-        tokens = tl.arange(0, BLOCK_T)
-        t_mask = tokens < num_tokens
         routed = source >= 0
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BLOCK_N] output features
         n_mask = cols < hidden
@@ -142,10 +137,7 @@ def _decode_down_kernel(
             w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc += weight_dot(a, w, s_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST, FP8)   # [BT, BN]
         out = partial_ptr + split.to(tl.int64) * stride_ps
-        for j in tl.static_range(TOP_K):
-            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
-            rows = (tokens * TOP_K + j).to(tl.int64)
-            tl.store(out + rows[:, None] * stride_pt + cols[None, :], acc, mask=hit[:, None] & n_mask[None, :])
+        store_slot_rows(out, stride_pt, cols, n_mask, acc, ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)
 
 
 @triton.jit

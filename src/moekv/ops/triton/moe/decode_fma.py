@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.ops.triton.common import expert_sources, owned_expert, round_to
+from moekv.ops.triton.common import expert_sources, owned_expert, round_to, store_slot_rows
 from moekv.ops.triton.fma_tiles import activation_tile, fma_rows, row_scales, weight_tile
 
 FMA_MAX_TOKENS = 4          # BLOCK_T * 16 fp32 accumulators per thread and weight row: beyond, "dot"
@@ -65,7 +65,6 @@ def _fma_gate_up_kernel(
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
         tokens = tl.arange(0, BLOCK_T)
-        t_mask = tokens < num_tokens
         routed = expert_sources(ids_ptr, expert, num_tokens, TOP_K, BLOCK_T) >= 0   # tokens routed to the expert
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BN] rows of W_gate
         rows = tl.minimum(cols, inter - 1).to(tl.int64)[None, :, None]        # [1, BN, 1], clamped into range
@@ -99,11 +98,7 @@ def _fma_gate_up_kernel(
         up = tl.sum(acc_up, axis=2) * row_scales(s_up, FP8, ROW_SCALES)
         act = round_to(gate * tl.sigmoid(gate) * up, act_ptr.dtype.element_ty, EMULATE_BF16)
         n_mask = cols < inter
-        for j in tl.static_range(TOP_K):
-            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
-            out_rows = (tokens * TOP_K + j).to(tl.int64)
-            tl.store(act_ptr + out_rows[:, None] * stride_at + cols[None, :], act,
-                     mask=hit[:, None] & n_mask[None, :])
+        store_slot_rows(act_ptr, stride_at, cols, n_mask, act, ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -124,8 +119,6 @@ def _fma_down_kernel(
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
         source = expert_sources(ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)   # a slot of each routed token
-        tokens = tl.arange(0, BLOCK_T)
-        t_mask = tokens < num_tokens
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)              # [BN] output features
         rows = tl.minimum(cols, hidden - 1).to(tl.int64)[None, :, None]       # [1, BN, 1], clamped into range
         w_rows = w_ptr + expert.to(tl.int64) * stride_we + rows * stride_wn
@@ -137,10 +130,7 @@ def _fma_down_kernel(
                      scale_block_k, BLOCK_T, BLOCK_N, BLOCK_K, FP8, ROW_SCALES, EVEN_K, UNROLL)   # [BT, BN]
         n_mask = cols < hidden
         out = partial_ptr + split.to(tl.int64) * stride_ps
-        for j in tl.static_range(TOP_K):
-            hit = tl.load(ids_ptr + tokens * TOP_K + j, mask=t_mask, other=-1) == expert
-            out_rows = (tokens * TOP_K + j).to(tl.int64)
-            tl.store(out + out_rows[:, None] * stride_pt + cols[None, :], y, mask=hit[:, None] & n_mask[None, :])
+        store_slot_rows(out, stride_pt, cols, n_mask, y, ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)
 
 
 # ---------------------------------------------------------------------------------------- host side
