@@ -88,23 +88,19 @@ def dot_config(num_rows: int) -> dict:
 
 
 def resolve_config(x: torch.Tensor, weight: Fp8Weight, config: dict | None) -> tuple[str, dict]:
-    """(variant, its launch entries): config's "VARIANT", else default_config's. Entries: default_config's
-    own where it chose that variant (else dot_config's for "dot", none for "fma": fp8_gemv.default_config fills
-    them), overridden by config's. "fma" where it does not apply runs "dot" with dot_config alone (config's
-    entries were fma tiles)."""
+    """(variant, its launch entries): config's "VARIANT", else default_config's. "fma" (where it applies) takes
+    default_config's entries if that chose "fma" (fp8_gemv.default_config fills the rest), then config's; "dot"
+    takes dot_config's, then config's unless config asked for an "fma" that does not apply (its entries were fma
+    tiles)."""
     num_rows = x.shape[0]
     base = default_config(num_rows)
     base_variant = base.pop("VARIANT")
     user = dict(config or {})
     variant = user.pop("VARIANT", base_variant)
     assert variant in ("dot", "fma"), variant
-
-    def own(v: str) -> dict:
-        return base if v == base_variant else ({} if v == "fma" else dot_config(num_rows))
-
     if variant == "fma" and fp8_gemv.applies(x, weight):
-        return "fma", {**own("fma"), **user}
-    return "dot", own("dot") if variant == "fma" else {**own("dot"), **user}
+        return "fma", {**(base if base_variant == "fma" else {}), **user}
+    return "dot", {**dot_config(num_rows), **(user if variant == "dot" else {})}
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
