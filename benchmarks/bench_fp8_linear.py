@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.bench_gemv import MIN_STREAM_BYTES, cpu_ms, environment, graph_ms, write_json  # noqa: E402
-from moekv.core.fp8 import quantize_fp8  # noqa: E402
+from moekv.core.fp8 import k_tile_cap, quantize_fp8  # noqa: E402
 from moekv.ops.reference.fp8_linear import fp8_linear as reference  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096)}                   # name -> (K, N)
@@ -61,7 +61,7 @@ def bench_shape(name: str, K: int, N: int, rows: list[int], block, device: torch
     for M in rows:
         x = torch.empty((M, K), device=device).normal_(0.0, 1.0, generator=gen).bfloat16()
         ref = reference(x, weights[0])
-        fma_default = fp8_gemv.default_config(N, K, fp8_gemv.block_k_cap(one), device)
+        fma_default = fp8_gemv.default_config(N, K, k_tile_cap(one), device)
         impls = [("bf16 F.linear", None), ("dot (default)", {"VARIANT": "dot"}),
                  ("fma (default tiles)", {"VARIANT": "fma"})]
         impls += [("fma sweep", {"VARIANT": "fma", **cfg}) for cfg in sweep_cfgs]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import triton
 
+from moekv.core.fp8 import k_tile_cap
 from moekv.ops.triton.moe import decode as moe_decode
 from moekv.ops.triton.moe import decode_fma
 
@@ -112,10 +113,10 @@ def fma_sweep(layer: tuple, inputs: tuple, expected, timer, moved: int, log=prin
     def refine(index, reduced):
         return lambda best: _refinements(best, reduced)[index]
 
-    cap = moe_decode._block_k_cap(w_gate_up, hidden_size)
+    cap = k_tile_cap(w_gate_up, hidden_size)
     gate_up, _ = descend("gate_up", [_tiles(hidden_size, w_gate_up, cap), refine(0, hidden_size),
                                      refine(1, hidden_size)], run_gate_up, False)
-    cap = moe_decode._block_k_cap(w_down, inter)
+    cap = k_tile_cap(w_down, inter)
     down_tiles = [dict(t, SPLIT_K=None) for t in _tiles(inter, w_down, cap)]
     down, best_ms = descend("down", [down_tiles, refine(0, inter), refine(1, inter),
                                      lambda best: [dict(best, SPLIT_K=s) for s in (1, 2, 4)]],

@@ -75,6 +75,16 @@ class Fp8Weight:
         return (self.codes.float() * expand_scale(self.scale, self.block, rows, cols)).to(dtype)   # [..., N, K]
 
 
+def k_tile_cap(weight, reduced: int | None = None) -> int | None:
+    """The largest power of two dividing the scale-block width of an Fp8Weight (anything else: None) whose
+    blocks are narrower than the reduced size (default: its last dimension), else None: the widest K tile of a
+    kernel that never crosses a scale block."""
+    if not isinstance(weight, Fp8Weight):
+        return None
+    width = weight.block[1]
+    return width & -width if width < (weight.shape[-1] if reduced is None else reduced) else None
+
+
 def expand_scale(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
     """Block scales [..., ceil(N/bn), ceil(K/bk)] -> one scale per element [..., N, K]."""
     full = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]

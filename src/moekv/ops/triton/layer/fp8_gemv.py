@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.core.fp8 import Fp8Weight
+from moekv.core.fp8 import Fp8Weight, k_tile_cap
 from moekv.ops.triton.fma_tiles import fma_rows
 from moekv.ops.triton.layer.skinny_gemm import _store_tile, default_split, num_sms, reduce_splits, split_plan
 from moekv.ops.triton.moe.decode_fma import FMA_MAX_TOKENS, check_part, default_part
@@ -70,12 +70,6 @@ def applies(x: torch.Tensor, weight: Fp8Weight) -> bool:
     return 1 <= x.shape[0] <= FMA_MAX_ROWS and weight.codes.stride(-1) == 1
 
 
-def block_k_cap(weight: Fp8Weight) -> int | None:
-    """The largest BLOCK_K whose tiles never cross a scale block (None: one block spans K)."""
-    width = weight.block[1]
-    return None if width >= weight.shape[1] else width & -width
-
-
 def default_config(N: int, K: int, cap: int | None, device: torch.device) -> dict:
     """Reasoned, not measured: decode_fma.default_part for one-byte weights (16 codes per thread and row per
     step; Mixtral's K = 4096: BLOCK_N 1, BLOCK_K 4096, 8 warps; 128-wide scale blocks: BLOCK_N 16, BLOCK_K 128,
@@ -92,7 +86,7 @@ def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, out:
     assert applies(x, weight) and x.stride(-1) == 1, (tuple(x.shape), x.stride(), weight.codes.stride())
     M, K = x.shape
     N = weight.shape[0]
-    cap = block_k_cap(weight)
+    cap = k_tile_cap(weight)
     cfg = {**default_config(N, K, cap, x.device), **(config or {})}
     if cap is not None:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], cap)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.core.fp8 import Fp8Weight
+from moekv.core.fp8 import Fp8Weight, k_tile_cap
 from moekv.ops.triton.common import check_launchable, weight_dot
 from moekv.ops.triton.layer import fp8_gemv
 from moekv.ops.triton.layer.norm import round_to
@@ -118,7 +118,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     variant, cfg = resolve_config(x, weight, config)
     if variant == "fma":
         return fp8_gemv.fp8_gemv(x, weight, bias, out, cfg)
-    cap = fp8_gemv.block_k_cap(weight)           # a K tile must not cross a scale block
+    cap = k_tile_cap(weight)                     # a K tile must not cross a scale block
     if cap is not None:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], cap)
     codes, scale = weight.codes, weight.scale

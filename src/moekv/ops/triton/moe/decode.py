@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.core.fp8 import Fp8Weight
+from moekv.core.fp8 import Fp8Weight, k_tile_cap
 from moekv.ops.triton.common import (check_launchable, expert_sources, owned_expert, round_to, store_slot_rows,
                                      weight_dot)
 from moekv.ops.triton.moe import decode_fma
@@ -219,15 +219,8 @@ def weight_format(w: torch.Tensor | Fp8Weight) -> str | None:
 def fp8_block_k(part: dict, w: torch.Tensor | Fp8Weight, reduced: int) -> dict:
     """part's BLOCK_K, capped for FP8 weights so that a K tile never crosses a scale block (blocks narrower
     than the reduced size `reduced`); `supports` keeps blocks whose width is not a multiple of 16 away."""
-    cap = _block_k_cap(w, reduced)
+    cap = k_tile_cap(w, reduced)
     return part if cap is None else dict(part, BLOCK_K=min(part["BLOCK_K"], cap))
-
-
-def _block_k_cap(w: torch.Tensor | Fp8Weight | None, reduced: int) -> int | None:
-    """The largest power of two dividing an FP8 weight's scale-block width narrower than `reduced`, else None."""
-    if isinstance(w, Fp8Weight) and w.block[1] < reduced:
-        return w.block[1] & -w.block[1]
-    return None
 
 
 def fp8_runs_on(device: torch.device) -> bool:
@@ -265,7 +258,7 @@ def decode_config(hidden: torch.Tensor, num_experts: int, inter: int, w_gate_up=
     if wanted not in VARIANTS:
         raise ValueError(f"moe decode: VARIANT must be one of {VARIANTS}, got {wanted!r}")
     variant = "fma" if wanted == "fma" and decode_fma.applies(num_tokens, w_gate_up, w_down) else "dot"
-    caps = {"gate_up": _block_k_cap(w_gate_up, hidden_size), "down": _block_k_cap(w_down, inter)}
+    caps = {"gate_up": k_tile_cap(w_gate_up, hidden_size), "down": k_tile_cap(w_down, inter)}
     base = cfg if variant == "dot" else decode_fma.config_parts(cfg.get("fma") or {}, hidden, inter, w_gate_up,
                                                                  w_down, caps)
     overrides = config if config.get("VARIANT", variant) == variant else {}
