@@ -50,18 +50,18 @@ constexpr int PTAB = 96;          // pieces of a page's small arrays the CTA tab
 template <int B> struct Bits;
 template <> struct Bits<4> {
   static constexpr int WORDS = 16;                 // words per row
-  static constexpr int K_LO = 64, K_HI = 0;        // smem bytes per row: main words, int3's third words (keys)
-  static constexpr int V_LO = 80, V_HI = 0;        // values: main words padded (bank-conflict free pair loads)
+  static constexpr int K_ROW = 64;                 // smem bytes per row of a chunk's key codes
+  static constexpr int V_ROW = 80;                 // values: rows padded (bank-conflict free pair loads)
 };
-template <> struct Bits<3> {
+template <> struct Bits<3> {                       // int3 / int2: the chunk as stored (fragment order, lane_words)
   static constexpr int WORDS = 12;
-  static constexpr int K_LO = 32, K_HI = 16;
-  static constexpr int V_LO = 32, V_HI = 16;
+  static constexpr int K_ROW = 48;
+  static constexpr int V_ROW = 48;
 };
 template <> struct Bits<2> {
   static constexpr int WORDS = 8;
-  static constexpr int K_LO = 32, K_HI = 0;
-  static constexpr int V_LO = 32, V_HI = 0;
+  static constexpr int K_ROW = 32;
+  static constexpr int V_ROW = 32;
 };
 // Token order inside a 16-token MMA tile: QK row r holds token tau(r). For 8-word rows (int3 / int2) the value
 // loads of the four token pairs (tau(2c), tau(2c + 1)) then hit four different bank groups, and the key loads
@@ -113,13 +113,9 @@ constexpr int RING_BUFS = 3;
 constexpr int META_STAGES = 2;
 template <int B> struct Layout {
   using W = Bits<B>;
-  // one ring buffer: a chunk's key codes (KC_*) or value codes (VC_*)
-  static constexpr int KC_LO = 0;
-  static constexpr int KC_HI = KC_LO + CHUNK * W::K_LO;
-  static constexpr int K_BYTES = KC_HI + CHUNK * W::K_HI;
-  static constexpr int VC_LO = 0;
-  static constexpr int VC_HI = VC_LO + CHUNK * W::V_LO;
-  static constexpr int V_BYTES = VC_HI + CHUNK * W::V_HI;
+  // one ring buffer: a chunk's key codes or value codes
+  static constexpr int K_BYTES = CHUNK * W::K_ROW;
+  static constexpr int V_BYTES = CHUNK * W::V_ROW;
   static constexpr int BUF_BYTES = K_BYTES > V_BYTES ? K_BYTES : V_BYTES;
   // meta stage: scales, zeros, counts, slot, then the outliers (runtime capacity)
   static constexpr int K_SCALE = 0;
@@ -202,38 +198,21 @@ __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
 
 namespace moekv_v7 {
 
+// int4's loads (int3 / int2 read their chunks in fragment order: lane_words below)
 template <int B> struct Loads {
-  using L = Layout<B>;
-  using W = Bits<B>;
+  static_assert(B == 4, "int3 / int2 chunks are read by lane_words");
   // key words of token row `row` for thread c
   static __device__ __forceinline__ KeyWords<B> key(const uint8_t* st, int row, int c) {
+    const uint4 v = *reinterpret_cast<const uint4*>(st + row * Bits<B>::K_ROW + c * 16);
     KeyWords<B> kw;
-    if constexpr (B == 4) {
-      const uint4 v = *reinterpret_cast<const uint4*>(st + L::KC_LO + row * 64 + c * 16);
-      kw.w[0] = v.x; kw.w[1] = v.y; kw.w[2] = v.z; kw.w[3] = v.w;
-    } else if constexpr (B == 2) {
-      const uint2 v = *reinterpret_cast<const uint2*>(st + L::KC_LO + row * 32 + c * 8);
-      kw.w[0] = v.x; kw.w[1] = v.y;
-    } else {
-      const uint2 v = *reinterpret_cast<const uint2*>(st + L::KC_LO + row * 32 + c * 8);
-      kw.w[0] = v.x; kw.w[1] = v.y;
-      kw.w[2] = *reinterpret_cast<const uint32_t*>(st + L::KC_HI + row * 16 + c * 4);
-    }
+    kw.w[0] = v.x; kw.w[1] = v.y; kw.w[2] = v.z; kw.w[3] = v.w;
     return kw;
   }
   // value words of token row `row` for thread g
   static __device__ __forceinline__ ValueWords<B> value(const uint8_t* st, int row, int g) {
+    const uint2 v = *reinterpret_cast<const uint2*>(st + row * Bits<B>::V_ROW + g * 8);
     ValueWords<B> vw;
-    if constexpr (B == 4) {
-      const uint2 v = *reinterpret_cast<const uint2*>(st + L::VC_LO + row * W::V_LO + g * 8);
-      vw.w[0] = v.x; vw.w[1] = v.y;
-    } else if constexpr (B == 2) {
-      vw.w = *reinterpret_cast<const uint32_t*>(st + L::VC_LO + row * W::V_LO + g * 4);
-    } else {
-      const uint2 v = *reinterpret_cast<const uint2*>(st + L::VC_LO + row * W::V_LO + (g >> 1) * 8);
-      vw.w[0] = v.x; vw.w[1] = v.y;
-      vw.w[2] = *reinterpret_cast<const uint32_t*>(st + L::VC_HI + row * 16 + (g >> 1) * 4);
-    }
+    vw.w[0] = v.x; vw.w[1] = v.y;
     return vw;
   }
 };
@@ -263,21 +242,17 @@ template <int B> __host__ __device__ constexpr bool fragment_order() { return B 
 template <int B> struct CopyPlan {
   static constexpr int CPR = Bits<B>::WORDS / 4;            // 16-byte pieces per code row
   static constexpr int PER_LANE = CHUNK * CPR / 32;
-  static constexpr bool SAME = Bits<B>::K_LO == Bits<B>::V_LO && Bits<B>::K_HI == Bits<B>::V_HI;
+  static constexpr bool SAME = Bits<B>::K_ROW == Bits<B>::V_ROW;
   int kdst[PER_LANE], vdst[SAME ? 1 : PER_LANE];
   __device__ __forceinline__ int dst(bool values, int k) const { return (values && !SAME) ? vdst[SAME ? 0 : k] : kdst[k]; }
   __device__ __forceinline__ void init(int lane) {
-    using L = Layout<B>;
-    using W = Bits<B>;
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
       const int q = lane + k * 32, row = q / CPR, part = q % CPR;
-      if constexpr (B == 3) {                     // fragment order: the chunk's bytes as they are (lane_words)
-        kdst[k] = 16 * q;                         // (int2's rows of 32 bytes give the same identity below)
-      } else {
-        kdst[k] = L::KC_LO + row * W::K_LO + part * 16;
-        if constexpr (!SAME) vdst[k] = L::VC_LO + row * W::V_LO + part * 16;
-      }
+      // rows as stored (int3 / int2): the identity, 16 q; int3 spelled so (its 48-byte rows as row * 48 + part * 16
+      // compile to a different register allocation with more spills)
+      kdst[k] = B == 3 ? 16 * q : row * Bits<B>::K_ROW + part * 16;
+      if constexpr (!SAME) vdst[k] = row * Bits<B>::V_ROW + part * 16;
     }
   }
 };

@@ -26,11 +26,10 @@ template <int B> __host__ __device__ __forceinline__ int field_off(int k) {   //
 template <int B> __device__ __forceinline__ int key_off(int j) { return field_off<B>(j); }
 
 // Unpack one token row's 32 channels of thread c into 16 fp16x2 registers (A operand values).
-// kw: the row's words of this thread, already in registers (int3: the triplet's words 0, 1, 2).
+// int4: kw, the row's four words of this thread, already in registers (int3: unpack16_3bit of a triplet, int2:
+// unpack32_2bit of two words, from the chunk in fragment order).
 template <int B> struct KeyWords;
 template <> struct KeyWords<4> { uint32_t w[4]; };
-template <> struct KeyWords<3> { uint32_t w[3]; };      // the block's triplet: words 0, 1, 2
-template <> struct KeyWords<2> { uint32_t w[2]; };
 
 __device__ __forceinline__ void unpack16_2bit(uint32_t (&r)[8], uint32_t w) {
 #pragma unroll
@@ -64,55 +63,29 @@ template <> __device__ __forceinline__ void unpack_key_row<4>(uint32_t (&r)[16],
 #pragma unroll
   for (int i = 0; i < 4; ++i) unpack8_4bit(r + 4 * i, kw.w[i]);
 }
-template <> __device__ __forceinline__ void unpack_key_row<2>(uint32_t (&r)[16], const KeyWords<2>& kw) {
+// int2: two words -> 16 registers (a key row's two words; a value token pair's merged low / high halves)
+__device__ __forceinline__ void unpack32_2bit(uint32_t (&r)[16], uint32_t w0, uint32_t w1) {
   uint32_t a[8], b[8];
-  unpack16_2bit(a, kw.w[0]); unpack16_2bit(b, kw.w[1]);
+  unpack16_2bit(a, w0); unpack16_2bit(b, w1);
 #pragma unroll
   for (int k = 0; k < 8; ++k) { r[k] = a[k]; r[8 + k] = b[k]; }
-}
-template <> __device__ __forceinline__ void unpack_key_row<3>(uint32_t (&r)[16], const KeyWords<3>& kw) {
-  unpack16_3bit(r, kw.w[0], kw.w[1], kw.w[2]);
 }
 
 // Values: thread g (lane / 4) owns physical channels [16g, 16g + 16); register vj (0..15) of a token pair holds
 // channel 16g + vj for both tokens (low half: the first). MMA row g of m-tile i is vj = 2i, row g + 8 is 2i + 1.
 template <int B> __device__ __forceinline__ int value_off(int vj) { return field_off<B>(vj); }
 
-template <int B> struct ValueWords;
+template <int B> struct ValueWords {};                       // int3 / int2: read in fragment order (lane_words)
 template <> struct ValueWords<4> { uint32_t w[2]; };          // channels 0..7, 8..15 of the thread's block
-template <> struct ValueWords<3> { uint32_t w[3]; };         // the triplet holding our 16 channels (one half)
-template <> struct ValueWords<2> { uint32_t w; };
 
 template <int B> __device__ __forceinline__ void unpack_value_pair(uint32_t (&r)[16], const ValueWords<B>& a,
-                                                                   const ValueWords<B>& b, int odd);
+                                                                   const ValueWords<B>& b);
 template <> __device__ __forceinline__ void unpack_value_pair<4>(uint32_t (&r)[16], const ValueWords<4>& a,
-                                                                 const ValueWords<4>& b, int) {
+                                                                 const ValueWords<4>& b) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     unpack8_4bit(r + 8 * i, prmt(a.w[i], b.w[i], 0x5410));      // nibbles 0..3 of both tokens
     unpack8_4bit(r + 8 * i + 4, prmt(a.w[i], b.w[i], 0x7632));  // nibbles 4..7
   }
 }
-template <> __device__ __forceinline__ void unpack_value_pair<2>(uint32_t (&r)[16], const ValueWords<2>& a,
-                                                                 const ValueWords<2>& b, int) {
-  uint32_t x[8], y[8];
-  unpack16_2bit(x, prmt(a.w, b.w, 0x5410));
-  unpack16_2bit(y, prmt(a.w, b.w, 0x7632));
-#pragma unroll
-  for (int k = 0; k < 8; ++k) { r[k] = x[k]; r[8 + k] = y[k]; }
-}
-// int2 in fragment order: the pair's words already merged (lo: the low halves of both tokens' word, hi: the high)
-__device__ __forceinline__ void unpack_value_merged2(uint32_t (&r)[16], uint32_t lo, uint32_t hi) {
-  uint32_t x[8], y[8];
-  unpack16_2bit(x, lo);
-  unpack16_2bit(y, hi);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) { r[k] = x[k]; r[8 + k] = y[k]; }
-}
-template <> __device__ __forceinline__ void unpack_value_pair<3>(uint32_t (&r)[16], const ValueWords<3>& a,
-                                                                 const ValueWords<3>& b, int odd) {
-  const uint32_t sel = odd ? 0x7632 : 0x5410;              // our half of both tokens' words
-  unpack16_3bit(r, prmt(a.w[0], b.w[0], sel), prmt(a.w[1], b.w[1], sel), prmt(a.w[2], b.w[2], sel));
-}
-
 }  // namespace moekv_v7

@@ -19,7 +19,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
                                            int warp, int lane, int my_n, int ocK, int ocV, float qms0, float qms1,
                                            WarpState& st) {
   using L = Layout<B>;
-  const int g = lane >> 2, c = lane & 3, odd = g & 1;
+  const int g = lane >> 2, c = lane & 3;
   CopyPlan<B> copies;
   copies.init(lane);
   // ring buffer b (the ring starts the warp's area: smem_plan's ring = 0; a buffer is Layout<B>::BUF_BYTES), as a
@@ -164,8 +164,8 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
             unpack16_3bit(ka, klw.w[6 * m], klw.w[6 * m + 1], klw.w[6 * m + 2]);
             unpack16_3bit(kb2, klw.w[6 * m + 3], klw.w[6 * m + 4], klw.w[6 * m + 5]);
           } else if constexpr (B == 2) {
-            unpack_key_row<2>(ka, KeyWords<2>{{klw.w[4 * m], klw.w[4 * m + 1]}});
-            unpack_key_row<2>(kb2, KeyWords<2>{{klw.w[4 * m + 2], klw.w[4 * m + 3]}});
+            unpack32_2bit(ka, klw.w[4 * m], klw.w[4 * m + 1]);
+            unpack32_2bit(kb2, klw.w[4 * m + 2], klw.w[4 * m + 3]);
           } else {
             unpack_key_row<B>(ka, Loads<B>::key(kst, row, c));
             unpack_key_row<B>(kb2, Loads<B>::key(kst, row + 8, c));
@@ -299,11 +299,11 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
           unpack16_3bit(r01, vlw.w[6 * m], vlw.w[6 * m + 1], vlw.w[6 * m + 2]);
           unpack16_3bit(r23, vlw.w[6 * m + 3], vlw.w[6 * m + 4], vlw.w[6 * m + 5]);
         } else if constexpr (B == 2) {
-          unpack_value_merged2(r01, vlw.w[4 * m], vlw.w[4 * m + 1]);
-          unpack_value_merged2(r23, vlw.w[4 * m + 2], vlw.w[4 * m + 3]);
+          unpack32_2bit(r01, vlw.w[4 * m], vlw.w[4 * m + 1]);
+          unpack32_2bit(r23, vlw.w[4 * m + 2], vlw.w[4 * m + 3]);
         } else {
-          unpack_value_pair<B>(r01, vw[m][0], vw[m][1], odd);
-          unpack_value_pair<B>(r23, vw[m][2], vw[m][3], odd);
+          unpack_value_pair<B>(r01, vw[m][0], vw[m][1]);
+          unpack_value_pair<B>(r23, vw[m][2], vw[m][3]);
         }
 #pragma unroll
         for (int i2 = 0; i2 < 8; ++i2) mma16816(st.acc[i2], r01[2 * i2], r01[2 * i2 + 1], r23[2 * i2], r23[2 * i2 + 1], pb[m][0], pb[m][1]);
