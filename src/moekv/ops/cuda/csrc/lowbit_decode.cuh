@@ -237,6 +237,21 @@ template <int N> __device__ __forceinline__ LaneWords<N> lane_words(const uint8_
 template <int B> __host__ __device__ constexpr int lane_word_count() { return B == 3 ? 12 : 8; }
 template <int B> __host__ __device__ constexpr bool fragment_order() { return B == 3 || B == 2; }
 
+// m-tile m's two operand halves from a lane's words: its keys' rows 2m and 2m + 1, or its values' token pairs
+// 2m and 2m + 1 (the lane words of both kinds are laid out alike: lane_word_count / 4 words a row or pair)
+template <int B>
+__device__ __forceinline__ void unpack_lane_pair(uint32_t (&a)[16], uint32_t (&b)[16],
+                                                 const LaneWords<lane_word_count<B>()>& lw, int m) {
+  constexpr int N = lane_word_count<B>() / 4;          // words per row (keys) or token pair (values)
+  if constexpr (B == 3) {
+    unpack16_3bit(a, lw.w[2 * N * m], lw.w[2 * N * m + 1], lw.w[2 * N * m + 2]);
+    unpack16_3bit(b, lw.w[2 * N * m + N], lw.w[2 * N * m + N + 1], lw.w[2 * N * m + N + 2]);
+  } else {
+    unpack32_2bit(a, lw.w[2 * N * m], lw.w[2 * N * m + 1]);
+    unpack32_2bit(b, lw.w[2 * N * m + N], lw.w[2 * N * m + N + 1]);
+  }
+}
+
 // Destinations of a lane's 16-byte pieces of one chunk's key / value codes in a ring buffer (the same for every
 // chunk). A chunk of a page-head is contiguous in global memory (CHUNK rows of WORDS words).
 template <int B> struct CopyPlan {

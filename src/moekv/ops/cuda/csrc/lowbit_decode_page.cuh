@@ -160,12 +160,8 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         for (int m = 0; m < 2; ++m) {
           const int row = 16 * m + tau<B>(g);
           uint32_t ka[16], kb2[16];
-          if constexpr (B == 3) {                // rows 2m and 2m + 1 of the lane: m-tile m's rows tau(g), + 8
-            unpack16_3bit(ka, klw.w[6 * m], klw.w[6 * m + 1], klw.w[6 * m + 2]);
-            unpack16_3bit(kb2, klw.w[6 * m + 3], klw.w[6 * m + 4], klw.w[6 * m + 5]);
-          } else if constexpr (B == 2) {
-            unpack32_2bit(ka, klw.w[4 * m], klw.w[4 * m + 1]);
-            unpack32_2bit(kb2, klw.w[4 * m + 2], klw.w[4 * m + 3]);
+          if constexpr (fragment_order<B>()) {   // rows 2m and 2m + 1 of the lane: m-tile m's rows tau(g), + 8
+            unpack_lane_pair<B>(ka, kb2, klw, m);
           } else {
             unpack_key_row<B>(ka, Loads<B>::key(kst, row, c));
             unpack_key_row<B>(kb2, Loads<B>::key(kst, row + 8, c));
@@ -295,12 +291,8 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         uint32_t r01[16], r23[16];
-        if constexpr (B == 3) {
-          unpack16_3bit(r01, vlw.w[6 * m], vlw.w[6 * m + 1], vlw.w[6 * m + 2]);
-          unpack16_3bit(r23, vlw.w[6 * m + 3], vlw.w[6 * m + 4], vlw.w[6 * m + 5]);
-        } else if constexpr (B == 2) {
-          unpack32_2bit(r01, vlw.w[4 * m], vlw.w[4 * m + 1]);
-          unpack32_2bit(r23, vlw.w[4 * m + 2], vlw.w[4 * m + 3]);
+        if constexpr (fragment_order<B>()) {     // token pairs (t0, t1) and (t0 + 8, t1 + 8) of m-tile m
+          unpack_lane_pair<B>(r01, r23, vlw, m);
         } else {
           unpack_value_pair<B>(r01, vw[m][0], vw[m][1]);
           unpack_value_pair<B>(r23, vw[m][2], vw[m][3]);
