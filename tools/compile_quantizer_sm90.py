@@ -10,7 +10,8 @@ TRITON_INTERPRET=1 and failed on the H200). Run it with the device's triton vers
 values (range search 8 + ends 2, outliers by deviation), int3 keys (min/max), then int4's defaults (issue 23):
 values with the same search and outliers chosen by range (OUTLIER_RANGE: one runtime loop body), and keys with
 outliers by range (a key outlier budget is not the cache's default). `... compile_quantizer_sm90.py 2` compiles
-case 2 alone; cases 4-6 (int3 values, int2 values and keys, without the search: seconds) check the fragment-order stores alone.
+case 2 alone; cases 4-7 (int3 values, int2 values and keys, int4 values, without the search: seconds) check the fragment-order
+stores alone.
 """
 import time, triton
 from triton.compiler import ASTSource
@@ -22,7 +23,8 @@ ptr = {"x_ptr": "*bf16", "codes_ptr": "*i32", "scale_ptr": "*u8", "zero_ptr": "*
        "outlier_vals_ptr": "*fp16", "outlier_idx_ptr": "*i16", "outlier_count_ptr": "*i16", "qualifying_ptr": "*i32",
        "pages_ptr": "*i32", "slots_ptr": "*i32", "counters_ptr": "*i32"}
 CASES = ((3, False, 8, 2, 1, False), (3, True, 0, 0, 1, False), (4, False, 8, 2, 1, True), (4, True, 0, 0, 1, True),
-         (3, False, 0, 0, 1, False), (2, False, 0, 0, 1, False), (2, True, 0, 0, 1, False))
+         (3, False, 0, 0, 1, False), (2, False, 0, 0, 1, False), (2, True, 0, 0, 1, False),
+         (4, False, 0, 0, 1, False))
 only = [int(a) for a in __import__("sys").argv[1:]]       # optional: case numbers to compile
 for case, (bits, axis_channel, clip, refine, G, by_range) in enumerate(CASES):
     if only and case not in only:

@@ -22,19 +22,22 @@ def half(word: int, h: int) -> int:
     return (word >> (16 * h)) & 0xFFFF
 
 
-@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("kind", lowbit_order.KINDS)
 def test_round_trip_and_bijection(bits, kind):
     n = lowbit_order.WORDS[bits]
     assert sorted(lowbit_order.destinations(bits, kind).tolist()) == list(range(32 * n * 2))
     words = random_words((2, 3, 128, n))
     ordered = lowbit_order.to_fragment_order(words, kind)
-    assert not torch.equal(ordered, words)
+    # int4 keys: the fragment order is the row order (a lane's 4 row words are one 16-byte word already)
+    assert torch.equal(ordered, words) == (bits == 4 and kind == "key")
     assert torch.equal(lowbit_order.from_fragment_order(ordered, kind), words)
 
 
 def key_source(bits: int, g: int, c: int, s: int) -> tuple[int, int]:
     """(row of the chunk, row word) of key lane (g, c)'s lane word s, as the kernel reads it."""
+    if bits == 4:                                  # int4's tile token order is the identity
+        return [g, g + 8, 16 + g, 24 + g][s // 4], 4 * c + s % 4
     rows = [tau(g), tau(g) + 8, 16 + tau(g), 24 + tau(g)]
     if bits == 3:
         return rows[s // 3], [2 * c, 2 * c + 1, 8 + c][s % 3]
@@ -43,6 +46,9 @@ def key_source(bits: int, g: int, c: int, s: int) -> tuple[int, int]:
 
 def value_source(bits: int, g: int, c: int, s: int) -> tuple[int, int, int, int]:
     """(token t0, token t1, row word, half) of value lane (g, c)'s lane word s: low 16 bits from t0, high from t1."""
+    if bits == 4:                                  # identity token order; lane word 8m + 4 pair + 2i + h
+        m, pair, i, h = s // 8, (s // 4) % 2, (s // 2) % 2, s % 2
+        return 16 * m + 2 * c + 8 * pair, 16 * m + 2 * c + 1 + 8 * pair, 2 * g + i, h
     per_m = 6 if bits == 3 else 4
     m, pair, i = s // per_m, (s // (per_m // 2)) % 2, s % (per_m // 2)
     t0, t1 = 16 * m + tau(2 * c) + 8 * pair, 16 * m + tau(2 * c + 1) + 8 * pair
@@ -52,7 +58,7 @@ def value_source(bits: int, g: int, c: int, s: int) -> tuple[int, int, int, int]
     return t0, t1, g, i
 
 
-@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 def test_key_lanes_read_their_rows(bits):
     n = lowbit_order.WORDS[bits]
     rows = random_words((32, n), seed=bits)
@@ -64,7 +70,7 @@ def test_key_lanes_read_their_rows(bits):
             assert chunk[(s // 4) * 128 + 4 * lane + s % 4] == rows[row][word], (lane, s)
 
 
-@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 def test_value_lanes_read_token_pairs(bits):
     n = lowbit_order.WORDS[bits]
     rows = random_words((32, n), seed=10 + bits)
@@ -78,7 +84,7 @@ def test_value_lanes_read_token_pairs(bits):
 
 
 @pytest.mark.parametrize("bits,head_dim,page_size,order", [
-    (3, 128, 128, "key"), (3, 128, 32, "key"), (3, 128, 16, None), (3, 64, 128, None), (4, 128, 128, None),
+    (3, 128, 128, "key"), (3, 128, 32, "key"), (3, 128, 16, None), (3, 64, 128, None), (4, 128, 128, "key"), (4, 64, 128, None),
     (2, 128, 128, "key"), (2, 128, 64, "key"), (2, 96, 128, None)])
 def test_spec_code_order(bits, head_dim, page_size, order):
     spec = QuantSpec(bits=bits, axis="channel", head_dim=head_dim, page_size=page_size)
@@ -91,6 +97,6 @@ def test_rejects_other_shapes():
     with pytest.raises(ValueError, match="chunks of 32"):
         lowbit_order.to_fragment_order(torch.zeros(16, 12, dtype=torch.int32), "key")
     with pytest.raises(ValueError, match="chunks of 32"):
-        lowbit_order.to_fragment_order(torch.zeros(32, 16, dtype=torch.int32), "key")   # int4 rows
+        lowbit_order.to_fragment_order(torch.zeros(32, 20, dtype=torch.int32), "key")   # no width has 20 words
     with pytest.raises(ValueError, match="kind"):
         lowbit_order.to_fragment_order(torch.zeros(32, 12, dtype=torch.int32), "keys")

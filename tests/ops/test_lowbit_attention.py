@@ -125,7 +125,7 @@ def test_cache_end_to_end(device):
         assert_close(got, want, torch.float32)
 
 
-@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("key_axis", ["channel", "token"])
 def test_decode_fragment_order(device, bits, key_axis):
     # int3 / int2, head_dim 128, 32-token pages: codes in fragment order (core.lowbit_order), both kinds; contexts

@@ -221,10 +221,10 @@ def _staged_both_ways(staging_k, staging_v, slots, pages, key_spec, value_spec, 
     return outs
 
 
-@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 @pytest.mark.parametrize("axis", ["channel", "token"])
 def test_quantize_fragment_order(device, bits, axis):
-    # int3 / int2 pages of head_dim 128 and 32-token chunks are stored in fragment order (core.lowbit_order): the
+    # int4 / int3 / int2 pages of head_dim 128 and 32-token chunks are stored in fragment order (core.lowbit_order): the
     # Triton store's addresses against the reference's permutation, key order (channel axis) and value order (token)
     spec = QuantSpec(bits=bits, axis=axis, head_dim=128, page_size=64, outlier_capacity=12)
     assert spec.code_order == ("key" if axis == "channel" else "value")

@@ -1,8 +1,9 @@
-"""int3 and int2 pages in fragment order (docs/kv-format.md, section 2.1): the packed words of a page-head permuted
-within each 32-token chunk so that the CUDA decode kernel's lane reads its codes of a chunk as 16-byte words.
+"""Low-bit pages in fragment order (docs/kv-format.md, section 2.1): the packed words of a page-head permuted within
+each 32-token chunk so that the CUDA decode kernel's lane reads its codes of a chunk as 16-byte words.
 
-Applies to int3 and int2 pages of head_dim 128 whose page size is a multiple of 32 (`applies`); other pages keep the
-row order of core.lowbit_pack. A chunk of a page-head holds 32 rows x n words (n = 12 int3, 8 int2), stored as
+Applies to int4, int3 and int2 pages of head_dim 128 whose page size is a multiple of 32 (`applies`); other pages
+keep the row order of core.lowbit_pack. A chunk of a page-head holds 32 rows x n words (n = 16 int4, 12 int3, 8
+int2), stored as
 [n / 4 pieces j][32 lanes][4 words], lane = 4g + c (g = lane // 4, c = lane % 4): lane word s (0..n-1) sits at
 word (s // 4) * 128 + 4 * lane + s % 4 of the chunk. tau(r) = r ^ ((r >> 2) & 1) is the kernel's token order
 inside a 16-token MMA tile (an involution). The lane's rows are r0 = tau(g), r1 = r0 + 8, r2 = 16 + r0,
@@ -16,6 +17,10 @@ int3 (row words, core.lowbit_pack: group G's triplet word i is row word 2G + i f
 int2 (one plane, 16 codes a word: the kernel's lane c owns row words 2c, 2c + 1, lane g row word g):
 - "key": lane word s = 2r + i is row word 2c + i of row r.
 - "value": lane word s = 4m + 2 pair + i holds half i of row word g of token t0 (low 16 bits) and of t1 (high).
+int4 (one plane, 8 codes a word; its tile token order is the identity, tau(r) = r: rows g, g + 8, 16 + g, 24 + g,
+pairs (16m + 2c + 8 pair, 16m + 2c + 1 + 8 pair); lane c owns row words 4c..4c + 3, lane g row words 2g, 2g + 1):
+- "key": lane word s = 4r + i is row word 4c + i of row r.
+- "value": lane word s = 8m + 4 pair + 2i + h holds half h of row word 2g + i of t0 (low 16 bits) and of t1 (high).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from moekv.core.lowbit_pack import pack_codes, unpack_codes
 
 CHUNK = 32              # tokens per chunk
 ORDER_HEAD_DIM = 128    # the only head_dim in fragment order (the kernel's four lanes c of a row)
-WORDS = {3: 12, 2: 8}   # words of a 128-channel row, by code width
+WORDS = {4: 16, 3: 12, 2: 8}   # words of a 128-channel row, by code width
 KINDS = ("key", "value")
 
 
@@ -61,6 +66,10 @@ def destination(bits: int, kind: str, token: int, word: int, half: int) -> int:
     `token` (0..31) in row order."""
     m, u = token // 16, token % 16
     row = 2 * m + u // 8                        # key order: the lane's row r
+    if bits == 4:                               # int4's token order inside a tile is the identity
+        if kind == "key":
+            return 2 * _position(4 * (u % 8) + word // 4, 4 * row + word % 4) + half
+        return 2 * _position(4 * (word // 2) + (u % 8) // 2, 8 * m + 4 * (u // 8) + 2 * (word % 2) + half) + u % 2
     q = _tau(u % 8)                             # value order: 2c + e, the pair's column c, e = 1 for its token t1
     if bits == 2:
         if kind == "key":
@@ -80,11 +89,11 @@ def _table(bits: int, kind: str) -> tuple[int, ...]:
 
 
 def _bits(words: torch.Tensor) -> int:
-    """The code width of rows of this many words (12: int3, 8: int2)."""
+    """The code width of rows of this many words (16: int4, 12: int3, 8: int2)."""
     for bits, count in WORDS.items():
         if words.shape[-1] == count and words.dim() >= 2 and words.shape[-2] % CHUNK == 0:
             return bits
-    raise ValueError(f"fragment order takes rows of {sorted(WORDS.values())} words (int2 / int3, head_dim "
+    raise ValueError(f"fragment order takes rows of {sorted(WORDS.values())} words (int2 / int3 / int4, head_dim "
                      f"{ORDER_HEAD_DIM}) in chunks of {CHUNK} tokens, got shape {tuple(words.shape)}")
 
 

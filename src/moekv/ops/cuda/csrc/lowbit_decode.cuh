@@ -48,12 +48,13 @@ constexpr int PTAB = 96;          // pieces of a page's small arrays the CTA tab
 
 // ---------------------------------------------------------------- per-width layout constants
 template <int B> struct Bits;
+// smem rows of a chunk: the chunk as stored (fragment order, lane_words)
 template <> struct Bits<4> {
   static constexpr int WORDS = 16;                 // words per row
   static constexpr int K_ROW = 64;                 // smem bytes per row of a chunk's key codes
-  static constexpr int V_ROW = 80;                 // values: rows padded (bank-conflict free pair loads)
+  static constexpr int V_ROW = 64;
 };
-template <> struct Bits<3> {                       // int3 / int2: the chunk as stored (fragment order, lane_words)
+template <> struct Bits<3> {
   static constexpr int WORDS = 12;
   static constexpr int K_ROW = 48;
   static constexpr int V_ROW = 48;
@@ -65,7 +66,7 @@ template <> struct Bits<2> {
 };
 // Token order inside a 16-token MMA tile: QK row r holds token tau(r). For 8-word rows (int3 / int2) the value
 // loads of the four token pairs (tau(2c), tau(2c + 1)) then hit four different bank groups, and the key loads
-// of rows tau(g) stay conflict-free too; int4 keeps the identity (its value rows are padded instead).
+// of rows tau(g) stay conflict-free too; int4 keeps the identity (its lane words are conflict-free LDS.128).
 template <int B> __host__ __device__ __forceinline__ int tau(int r) { return B == 4 ? r : r ^ ((r >> 2) & 1); }
 
 struct Params {
@@ -198,32 +199,14 @@ __host__ __device__ inline SmemPlan smem_plan(int k_cap, int v_cap) {
 
 namespace moekv_v7 {
 
-// int4's loads (int3 / int2 read their chunks in fragment order: lane_words below)
-template <int B> struct Loads {
-  static_assert(B == 4, "int3 / int2 chunks are read by lane_words");
-  // key words of token row `row` for thread c
-  static __device__ __forceinline__ KeyWords<B> key(const uint8_t* st, int row, int c) {
-    const uint4 v = *reinterpret_cast<const uint4*>(st + row * Bits<B>::K_ROW + c * 16);
-    KeyWords<B> kw;
-    kw.w[0] = v.x; kw.w[1] = v.y; kw.w[2] = v.z; kw.w[3] = v.w;
-    return kw;
-  }
-  // value words of token row `row` for thread g
-  static __device__ __forceinline__ ValueWords<B> value(const uint8_t* st, int row, int g) {
-    const uint2 v = *reinterpret_cast<const uint2*>(st + row * Bits<B>::V_ROW + g * 8);
-    ValueWords<B> vw;
-    vw.w[0] = v.x; vw.w[1] = v.y;
-    return vw;
-  }
-};
-
-// int3 / int2 in fragment order (docs/kv-format.md 2.1, core/lowbit_order.py): a chunk's bytes are copied as they
+// Pages in fragment order (docs/kv-format.md 2.1, core/lowbit_order.py): a chunk's bytes are copied as they
 // are, and lane l's N words of it (N = 12 int3, 8 int2) are the 16-byte words at 512 j + 16 l (conflict-free
 // warp-wide LDS.128). The lane's rows r: tau(g), tau(g) + 8, 16 + tau(g), 24 + tau(g); its token pairs
 // (16 m + tau(2c) + 8 pair, 16 m + tau(2c + 1) + 8 pair), the first token in the low half.
 // int3 keys: lane words 3 r + i = triplet word i of group c of row r; values: 6 m + 3 pair + i = triplet word i
 // of group g / 2, half g % 2, of the pair. int2 keys: 2 r + i = row word 2c + i of row r; values: 4 m + 2 pair + i
-// = half i of row word g of the pair.
+// = half i of row word g of the pair. int4 (identity token order): keys 4 r + i = row word 4c + i of row r (the
+// row order itself); values 8 m + 4 pair + 2 i + h = half h of row word 2g + i of the pair.
 template <int N> struct LaneWords { uint32_t w[N]; };
 template <int N> __device__ __forceinline__ LaneWords<N> lane_words(const uint8_t* st, int lane16) {
   LaneWords<N> r;
@@ -234,8 +217,7 @@ template <int N> __device__ __forceinline__ LaneWords<N> lane_words(const uint8_
   }
   return r;
 }
-template <int B> __host__ __device__ constexpr int lane_word_count() { return B == 3 ? 12 : 8; }
-template <int B> __host__ __device__ constexpr bool fragment_order() { return B == 3 || B == 2; }
+template <int B> __host__ __device__ constexpr int lane_word_count() { return B == 4 ? 16 : B == 3 ? 12 : 8; }
 
 // m-tile m's two operand halves from a lane's words: its keys' rows 2m and 2m + 1, or its values' token pairs
 // 2m and 2m + 1 (the lane words of both kinds are laid out alike: lane_word_count / 4 words a row or pair)
@@ -243,7 +225,10 @@ template <int B>
 __device__ __forceinline__ void unpack_lane_pair(uint32_t (&a)[16], uint32_t (&b)[16],
                                                  const LaneWords<lane_word_count<B>()>& lw, int m) {
   constexpr int N = lane_word_count<B>() / 4;          // words per row (keys) or token pair (values)
-  if constexpr (B == 3) {
+  if constexpr (B == 4) {
+    unpack32_4bit(a, lw.w + 2 * N * m);
+    unpack32_4bit(b, lw.w + 2 * N * m + N);
+  } else if constexpr (B == 3) {
     unpack16_3bit(a, lw.w[2 * N * m], lw.w[2 * N * m + 1], lw.w[2 * N * m + 2]);
     unpack16_3bit(b, lw.w[2 * N * m + N], lw.w[2 * N * m + N + 1], lw.w[2 * N * m + N + 2]);
   } else {

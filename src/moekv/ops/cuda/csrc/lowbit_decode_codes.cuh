@@ -25,12 +25,8 @@ template <int B> __host__ __device__ __forceinline__ int field_off(int k) {   //
 }
 template <int B> __device__ __forceinline__ int key_off(int j) { return field_off<B>(j); }
 
-// Unpack one token row's 32 channels of thread c into 16 fp16x2 registers (A operand values).
-// int4: kw, the row's four words of this thread, already in registers (int3: unpack16_3bit of a triplet, int2:
-// unpack32_2bit of two words, from the chunk in fragment order).
-template <int B> struct KeyWords;
-template <> struct KeyWords<4> { uint32_t w[4]; };
-
+// Unpack one token row's 32 channels of thread c into 16 fp16x2 registers (A operand values), from the chunk's
+// lane words in fragment order (lowbit_decode.cuh: lane_words, unpack_lane_pair).
 __device__ __forceinline__ void unpack16_2bit(uint32_t (&r)[8], uint32_t w) {
 #pragma unroll
   for (int k = 0; k < 5; ++k) r[k] = w & (0x00030003u << (2 * k));
@@ -58,10 +54,10 @@ __device__ __forceinline__ void unpack8_4bit(uint32_t* r, uint32_t w) {
   r[0] = w & 0x000F000Fu; r[1] = w & 0x00F000F0u; r[2] = v & 0x000F000Fu; r[3] = v & 0x00F000F0u;
 }
 
-template <int B> __device__ __forceinline__ void unpack_key_row(uint32_t (&r)[16], const KeyWords<B>& kw);
-template <> __device__ __forceinline__ void unpack_key_row<4>(uint32_t (&r)[16], const KeyWords<4>& kw) {
+// int4: four words -> 16 registers (a key row's four words; a value token pair's merged halves of two words)
+__device__ __forceinline__ void unpack32_4bit(uint32_t (&r)[16], const uint32_t* w) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) unpack8_4bit(r + 4 * i, kw.w[i]);
+  for (int i = 0; i < 4; ++i) unpack8_4bit(r + 4 * i, w[i]);
 }
 // int2: two words -> 16 registers (a key row's two words; a value token pair's merged low / high halves)
 __device__ __forceinline__ void unpack32_2bit(uint32_t (&r)[16], uint32_t w0, uint32_t w1) {
@@ -75,17 +71,4 @@ __device__ __forceinline__ void unpack32_2bit(uint32_t (&r)[16], uint32_t w0, ui
 // channel 16g + vj for both tokens (low half: the first). MMA row g of m-tile i is vj = 2i, row g + 8 is 2i + 1.
 template <int B> __device__ __forceinline__ int value_off(int vj) { return field_off<B>(vj); }
 
-template <int B> struct ValueWords {};                       // int3 / int2: read in fragment order (lane_words)
-template <> struct ValueWords<4> { uint32_t w[2]; };          // channels 0..7, 8..15 of the thread's block
-
-template <int B> __device__ __forceinline__ void unpack_value_pair(uint32_t (&r)[16], const ValueWords<B>& a,
-                                                                   const ValueWords<B>& b);
-template <> __device__ __forceinline__ void unpack_value_pair<4>(uint32_t (&r)[16], const ValueWords<4>& a,
-                                                                 const ValueWords<4>& b) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    unpack8_4bit(r + 8 * i, prmt(a.w[i], b.w[i], 0x5410));      // nibbles 0..3 of both tokens
-    unpack8_4bit(r + 8 * i + 4, prmt(a.w[i], b.w[i], 0x7632));  // nibbles 4..7
-  }
-}
 }  // namespace moekv_v7

@@ -154,18 +154,11 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       {
         uint32_t bq[16];
         load_frag16(bq, prep + PREP_BFRAG, lane);
-        LaneWords<lane_word_count<B>()> klw;
-        if constexpr (fragment_order<B>()) klw = lane_words<lane_word_count<B>()>(kst, lane16);
+        const LaneWords<lane_word_count<B>()> klw = lane_words<lane_word_count<B>()>(kst, lane16);
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          const int row = 16 * m + tau<B>(g);
           uint32_t ka[16], kb2[16];
-          if constexpr (fragment_order<B>()) {   // rows 2m and 2m + 1 of the lane: m-tile m's rows tau(g), + 8
-            unpack_lane_pair<B>(ka, kb2, klw, m);
-          } else {
-            unpack_key_row<B>(ka, Loads<B>::key(kst, row, c));
-            unpack_key_row<B>(kb2, Loads<B>::key(kst, row + 8, c));
-          }
+          unpack_lane_pair<B>(ka, kb2, klw, m);   // rows 2m and 2m + 1 of the lane: m-tile m's rows tau(g), + 8
           cs[m][0] = cs[m][1] = cs[m][2] = cs[m][3] = 0.f;
 #pragma unroll
           for (int s = 0; s < 8; ++s) mma16816(cs[m], ka[2 * s], kb2[2 * s], ka[2 * s + 1], kb2[2 * s + 1], bq[2 * s], bq[2 * s + 1]);
@@ -202,18 +195,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
       cp_wait<2>();                              // V_q landed
       __syncwarp();
       const uint8_t* vst = buf(vbuf);
-      ValueWords<B> vw[2][4];
-      LaneWords<lane_word_count<B>()> vlw;       // int3 / int2: the token pairs' words, merged in the layout
-      if constexpr (fragment_order<B>()) {
-        vlw = lane_words<lane_word_count<B>()>(vst, lane16);
-      } else {
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          const int t0 = 16 * m + tau<B>(2 * c), t1 = 16 * m + tau<B>(2 * c + 1);
-          vw[m][0] = Loads<B>::value(vst, t0, g); vw[m][1] = Loads<B>::value(vst, t1, g);
-          vw[m][2] = Loads<B>::value(vst, t0 + 8, g); vw[m][3] = Loads<B>::value(vst, t1 + 8, g);
-        }
-      }
+      const LaneWords<lane_word_count<B>()> vlw = lane_words<lane_word_count<B>()>(vst, lane16);   // token pairs merged
       // ---- online softmax (base 2)
       constexpr int MT = 3 - STACK;                        // score tiles per lane
       const float2* vsz = reinterpret_cast<const float2*>(prep + PREP_VSZ) + CHUNK * k;
@@ -291,12 +273,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         uint32_t r01[16], r23[16];
-        if constexpr (fragment_order<B>()) {     // token pairs (t0, t1) and (t0 + 8, t1 + 8) of m-tile m
-          unpack_lane_pair<B>(r01, r23, vlw, m);
-        } else {
-          unpack_value_pair<B>(r01, vw[m][0], vw[m][1]);
-          unpack_value_pair<B>(r23, vw[m][2], vw[m][3]);
-        }
+        unpack_lane_pair<B>(r01, r23, vlw, m);     // token pairs (t0, t1) and (t0 + 8, t1 + 8) of m-tile m
 #pragma unroll
         for (int i2 = 0; i2 < 8; ++i2) mma16816(st.acc[i2], r01[2 * i2], r01[2 * i2 + 1], r23[2 * i2], r23[2 * i2 + 1], pb[m][0], pb[m][1]);
       }

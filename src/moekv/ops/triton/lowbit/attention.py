@@ -51,7 +51,7 @@ def _page_operand(codes_ptr, scale_ptr, zero_ptr, base_ptr, page_head, offs_n, n
                   UNPACK_MODE: tl.constexpr, GATHER: tl.constexpr):
     """Rows offs_n [BLOCK_N] of one page of one head as a [BLOCK_N, BLOCK_D] dot operand (codes,
     or for DEQUANT_TOKEN the dequantized values) and, token axis, per row S / scale_base, Z and scale_base."""
-    ORDER: tl.constexpr = ((BITS == 3) + (BITS == 2)) * (HEAD_DIM == 128) * (PAGE_SIZE % 32 == 0) * (2 - (MODE == 0))   # code_order
+    ORDER: tl.constexpr = (HEAD_DIM == 128) * (PAGE_SIZE % 32 == 0) * (2 - (MODE == 0))   # code_order
     codes = unpack_codes(codes_ptr + page_head * (PAGE_SIZE * WORDS), offs_n, n_valid, BITS, WORDS, HEAD_DIM, BLOCK_N,
                          BLOCK_D, GATHER, ORDER)
     relative = offs_n.to(tl.float32)                                     # placeholders (channel axis)

@@ -3,7 +3,7 @@ Triton quantizer's page store and the general attention kernel's code loads. The
 core.lowbit_order.destination, per element.
 
 A kernel computes its ORDER_* at compile time as
-    ((BITS == 3) + (BITS == 2)) * (HEAD_DIM == 128) * (PAGE_SIZE % 32 == 0) * (2 - AXIS_CHANNEL)
+    (HEAD_DIM == 128) * (PAGE_SIZE % 32 == 0) * (2 - AXIS_CHANNEL)       (every code width: int4, int3, int2)
 (core.lowbit_order.applies and kind_of; the quantizer tests compare the stored words with the reference's).
 """
 
@@ -20,6 +20,7 @@ ORDER_KEY = tl.constexpr(1)       # fragment order, "key" (arrays quantized alon
 ORDER_VALUE = tl.constexpr(2)     # fragment order, "value" (along the token axis)
 _CHUNK_WORDS3 = tl.constexpr(lowbit_order.CHUNK * lowbit_order.WORDS[3])   # int3 words of a chunk
 _CHUNK_WORDS2 = tl.constexpr(lowbit_order.CHUNK * lowbit_order.WORDS[2])   # int2
+_CHUNK_WORDS4 = tl.constexpr(lowbit_order.CHUNK * lowbit_order.WORDS[4])   # int4
 
 
 @triton.jit
@@ -72,28 +73,66 @@ def value_half2(token, word, half):
 
 
 @triton.jit
-def store_plane_words(page_ptr, words, tokens, offs_w, ORDER: tl.constexpr):
-    """int2: store row words [P, 8] int32 (tokens [P, 1], offs_w [1, 8]) of a page-head at int32 `page_ptr` in
-    fragment order ORDER_KEY or ORDER_VALUE."""
-    if ORDER == ORDER_KEY:
-        tl.store(page_ptr + key_word2(tokens, offs_w), words)
-    else:
-        halves = page_ptr.to(tl.pointer_type(tl.int16))
-        tl.store(halves + value_half2(tokens, offs_w, 0), (words & 0xFFFF).to(tl.int16))
-        tl.store(halves + value_half2(tokens, offs_w, 1), ((words >> 16) & 0xFFFF).to(tl.int16))
+def key_word4(token, word):
+    """int4, key order (tile token order: the identity): word of the page-head holding row word `word` of token
+    `token`."""
+    t = token % 32
+    u = t % 16
+    lane = 4 * (u % 8) + word // 4
+    return (token // 32) * _CHUNK_WORDS4 + _chunk_word(lane, 4 * (2 * (t // 16) + u // 8) + word % 4)
 
 
 @triton.jit
-def load_plane_word(page_ptr, tokens, offs_d, mask, ORDER: tl.constexpr):
-    """int2: the row word holding column offs_d (16 a word) of token `tokens` (broadcast shapes) from a page-head in
-    fragment order; ORDER_VALUE reads only the half holding the column, in its place, the other half 0."""
-    word = offs_d // 16
-    if ORDER == ORDER_KEY:
-        return tl.load(page_ptr + key_word2(tokens, word), mask=mask, other=0)
+def value_half4(token, word, half):
+    """int4, value order: 16-bit half of the page-head holding half `half` of row word `word` of token `token`."""
+    t = token % 32
+    u = t % 16
+    lane = 4 * (word // 2) + (u % 8) // 2
+    s = 8 * (t // 16) + 4 * (u // 8) + 2 * (word % 2) + half
+    return 2 * ((token // 32) * _CHUNK_WORDS4 + _chunk_word(lane, s)) + u % 2
+
+
+@triton.jit
+def _plane_key_word(tokens, words, BITS: tl.constexpr):
+    if BITS == 4:
+        return key_word4(tokens, words)
     else:
-        half = (offs_d % 16) // 8
+        return key_word2(tokens, words)
+
+
+@triton.jit
+def _plane_value_half(tokens, words, half, BITS: tl.constexpr):
+    if BITS == 4:
+        return value_half4(tokens, words, half)
+    else:
+        return value_half2(tokens, words, half)
+
+
+@triton.jit
+def store_plane_words(page_ptr, words, tokens, offs_w, BITS: tl.constexpr, ORDER: tl.constexpr):
+    """int2 / int4: store row words [P, W] int32 (tokens [P, 1], offs_w [1, W]) of a page-head at int32 `page_ptr`
+    in fragment order ORDER_KEY or ORDER_VALUE."""
+    if ORDER == ORDER_KEY:
+        tl.store(page_ptr + _plane_key_word(tokens, offs_w, BITS), words)
+    else:
         halves = page_ptr.to(tl.pointer_type(tl.int16))
-        h = tl.load(halves + value_half2(tokens, word, half), mask=mask, other=0).to(tl.int32) & 0xFFFF
+        tl.store(halves + _plane_value_half(tokens, offs_w, 0, BITS), (words & 0xFFFF).to(tl.int16))
+        tl.store(halves + _plane_value_half(tokens, offs_w, 1, BITS), ((words >> 16) & 0xFFFF).to(tl.int16))
+
+
+@triton.jit
+def load_plane_word(page_ptr, tokens, offs_d, mask, BITS: tl.constexpr, ORDER: tl.constexpr):
+    """int2 / int4: the row word holding column offs_d (32 / BITS a word) of token `tokens` (broadcast shapes) from
+    a page-head in fragment order; ORDER_VALUE reads only the half holding the column, in its place, the other
+    half 0."""
+    per_word: tl.constexpr = 32 // BITS
+    word = offs_d // per_word
+    if ORDER == ORDER_KEY:
+        return tl.load(page_ptr + _plane_key_word(tokens, word, BITS), mask=mask, other=0)
+    else:
+        half = (offs_d % per_word) // (per_word // 2)
+        halves = page_ptr.to(tl.pointer_type(tl.int16))
+        h = tl.load(halves + _plane_value_half(tokens, word, half, BITS), mask=mask, other=0).to(tl.int32) & 0xFFFF
         return h << (16 * half)
 
 

@@ -354,15 +354,13 @@ def quantize_page_head(
 
     # ---- codes ----
     codes = codes_f.to(tl.int32)
-    ORDER: tl.constexpr = ((BITS == 3) + (BITS == 2)) * (D == 128) * (P % 32 == 0) * (2 - AXIS_CHANNEL)   # order.code_order
+    ORDER: tl.constexpr = (D == 128) * (P % 32 == 0) * (2 - AXIS_CHANNEL)   # order.code_order
     rows = codes_ptr + page_head * (P * WORDS) + offs_p[:, None] * WORDS
-    if BITS == 4:
-        tl.store(rows + tl.arange(0, D // 8)[None, :], pack_plane(codes, P, D, 4))
-    elif BITS == 2 and ORDER != ORDER_ROWS:                                       # int2 in fragment order
-        store_plane_words(codes_ptr + page_head * (P * WORDS), pack_plane(codes, P, D, 2), offs_p[:, None],
-                          tl.arange(0, D // 16)[None, :], ORDER)
-    elif BITS == 2:
-        tl.store(rows + tl.arange(0, D // 16)[None, :], pack_plane(codes, P, D, 2))
+    if BITS != 3 and ORDER != ORDER_ROWS:                                        # int4 / int2 in fragment order
+        store_plane_words(codes_ptr + page_head * (P * WORDS), pack_plane(codes, P, D, BITS), offs_p[:, None],
+                          tl.arange(0, D * BITS // 32)[None, :], BITS, ORDER)
+    elif BITS != 3:
+        tl.store(rows + tl.arange(0, D * BITS // 32)[None, :], pack_plane(codes, P, D, BITS))
     elif ORDER != ORDER_ROWS:                                                     # int3 in fragment order
         page_codes = codes_ptr + page_head * (P * WORDS)
         for i in tl.static_range(3):

@@ -33,11 +33,12 @@ def unpack_codes(page_ptr, offs_n, row_mask, BITS: tl.constexpr, WORDS: tl.const
     row_ptrs = page_ptr + offs_n * WORDS
     if BITS == 3:
         codes = _triplets(page_ptr, offs_n, row_ptrs, row_mask, HEAD_DIM, BLOCK_D, ORDER)
-    elif ORDER != ORDER_ROWS:                   # int2 in fragment order: each column's word from its place
+    elif ORDER != ORDER_ROWS:                   # int4 / int2 in fragment order: each column's word from its place
+        per_word: tl.constexpr = 32 // BITS
         offs_d = tl.arange(0, BLOCK_D)
         words = load_plane_word(page_ptr, offs_n[:, None], offs_d[None, :],
-                                row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), ORDER)
-        codes = (words >> ((offs_d % 16) * 2)[None, :]) & 3
+                                row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), BITS, ORDER)
+        codes = (words >> ((offs_d % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)
     else:
         codes = _plane(row_ptrs, row_mask, 0, BITS, HEAD_DIM, BLOCK_N, BLOCK_D, GATHER)
     return codes
