@@ -260,7 +260,9 @@ def main(argv=None) -> Path:
     table.setdefault("decode", {})
     table.setdefault("grouped", {})
     meta = table.setdefault("meta", {})
-    times = meta.setdefault("times_ms", {"decode": {}, "grouped": {}})
+    times = meta.setdefault("times_ms", {})
+    times.setdefault("decode", {})
+    times.setdefault("grouped", {})        # a file tuned for the decode path only has no grouped times yet
     problem = Problem(args, device)
     deadline = time.monotonic() + args.max_minutes * 60
     print(f"tuning E={args.experts} H={args.hidden} I={args.inter} top_k={args.top_k} {args.dtype} on {name} -> {path}")

@@ -54,11 +54,22 @@ def test_fp8_gemv_matches_reference(case, device, monkeypatch):
 
 
 def test_variant_selection(device, monkeypatch):
-    """"dot" by default (until a GPU measures "fma"); config {"VARIANT": "fma"} takes 1-4 rows; 5 rows or codes
-    not contiguous along K fall back to "dot" with its own tiles; default_config switching to "fma" takes over."""
+    """"fma" by default at one row with per-channel scales (the session-27 sweep), "dot" with block scales and at
+    2+ rows; config {"VARIANT": "fma"} takes 1-4 rows; 5 rows or codes not contiguous along K fall back to "dot"
+    with its own tiles; default_config switching to "fma" takes over."""
     x, weight, _ = _case(1, 40, 64, "random", None, False, FP32, device)
+    x2 = torch.randn(2, 64, device=device)
     x5 = torch.randn(5, 64, device=device)
-    assert fp8_linear_module.default_config(1)["VARIANT"] == "dot"
+    assert fp8_linear_module.default_config(1)["VARIANT"] == "fma"
+    assert fp8_linear_module.default_config(2)["VARIANT"] == "dot"
+    variant, cfg = fp8_linear_module.resolve_config(x, weight, None)
+    assert variant == "fma" and cfg["BLOCK_N"] == 1 and cfg["BLOCK_K"] == 1024 and cfg["num_warps"] == 2
+    assert_close(fp8_linear(x, weight), reference(x, weight), FP32)
+    assert fp8_linear_module.resolve_config(x2, weight, None)[0] == "dot"
+    xb, blocked, _ = _case(1, 40, 256, "random", (128, 128), False, FP32, device)
+    assert fp8_linear_module.resolve_config(xb, blocked, None) == ("dot", fp8_linear_module.dot_config(1))
+    monkeypatch.setattr(fp8_linear_module, "default_config",
+                        lambda rows: {"VARIANT": "dot", **fp8_linear_module.dot_config(rows)})
     assert fp8_linear_module.resolve_config(x, weight, None)[0] == "dot"
     assert fp8_linear_module.resolve_config(x, weight, {"BLOCK_N": 16})[1]["BLOCK_N"] == 16
     variant, cfg = fp8_linear_module.resolve_config(x, weight, {"VARIANT": "fma", "BLOCK_N": 4})

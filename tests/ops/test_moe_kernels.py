@@ -190,7 +190,10 @@ def test_tuned_config_lookup(tmp_path, monkeypatch):
         assert moe_configs.decode_max_tokens(4, 32, 16, torch.bfloat16, "cpu") == 8
         assert moe_configs.get_config("decode", 4, 32, 16, 2, torch.bfloat16, "cpu")["gate_up"]["BLOCK_N"] == 64
         assert moe_configs.get_config("decode", 4, 32, 16, 6, torch.bfloat16, "cpu")["gate_up"]["BLOCK_N"] == 16
-        assert moe_configs.get_config("grouped", 4, 32, 16, 999, torch.bfloat16, "cpu")["BLOCK_M"] == 32
+        assert moe_configs.get_config("grouped", 4, 32, 16, 200, torch.bfloat16, "cpu")["BLOCK_M"] == 32
+        far = moe_configs.get_config("grouped", 4, 32, 16, 999, torch.bfloat16, "cpu")   # beyond GROUPED_REACH
+        assert far == moe_configs.default_config("grouped", 4, 32, 16, 999) and far["BLOCK_M"] == 64
+        assert moe_configs.get_config("grouped", 4, 32, 16, 15, torch.bfloat16, "cpu") == moe_configs.default_config("grouped", 4, 32, 16, 15)
         assert moe_configs.decode_max_tokens(4, 32, 16, torch.float16, "cpu") == moe_configs.DEFAULT_DECODE_MAX_TOKENS
     finally:
         moe_configs.load_tuned.cache_clear()

@@ -74,9 +74,12 @@ def default_config(num_rows: int) -> dict:
     """Decode sizes (<= 16 rows): narrow column tiles and long K tiles, so a projection spreads over ~130-190
     programs (H200, session 25 sweep on Mixtral's qkv / o shapes at 1 and 8 rows, benchmarks/results/
     fp8-linear-sweep-h200.md: 0.034 -> 0.014 ms, the old 64 x 64 tiles gave 64-96 programs); else 64 x 64.
-    VARIANT "dot" everywhere until a GPU sweep (benchmarks/bench_fp8_linear.py --sweep) shows "fma" faster: to
-    switch 1 (to 4) rows over, return {"VARIANT": "fma", ...its tiles} for them (fp8_gemv.default_config
-    fills the tiles left out)."""
+    One row: the GEMV ("fma") with one column per program and 1024-wide K tiles over 2 warps (session 27 sweep,
+    benchmarks/results/fp8-linear-fma-h200.md: qkv 0.0169 -> 0.0102 ms, o 0.0136 -> 0.0073, 1.65x / 1.86x the dot
+    kernel; cuBLAS bf16 0.0168 / 0.0135). 2-4 rows stay "dot" until measured (fp8_gemv.default_config fills the
+    tiles an "fma" entry leaves out)."""
+    if num_rows == 1:
+        return dict(VARIANT="fma", BLOCK_N=1, BLOCK_K=1024, num_warps=2, num_stages=1, UNROLL=1, SPLIT_K=1)
     return dict(VARIANT="dot", **dot_config(num_rows))
 
 
@@ -88,13 +91,16 @@ def dot_config(num_rows: int) -> dict:
 
 
 def resolve_config(x: torch.Tensor, weight: Fp8Weight, config: dict | None) -> tuple[str, dict]:
-    """(variant, its launch entries): config's "VARIANT", else default_config's. "fma" (where it applies) takes
+    """(variant, its launch entries): config's "VARIANT", else default_config's ("dot" for block-scaled weights,
+    whose GEMV tiles are not measured). "fma" (where it applies) takes
     default_config's entries if that chose "fma" (fp8_gemv.default_config fills the rest), then config's; "dot"
     takes dot_config's, then config's unless config asked for an "fma" that does not apply (its entries were fma
     tiles)."""
     num_rows = x.shape[0]
     base = default_config(num_rows)
     base_variant = base.pop("VARIANT")
+    if base_variant == "fma" and k_tile_cap(weight) is not None:    # the sweep measured per-channel scales only
+        base, base_variant = dot_config(num_rows), "dot"
     user = dict(config or {})
     variant = user.pop("VARIANT", base_variant)
     assert variant in ("dot", "fma"), variant

@@ -68,6 +68,11 @@ def load_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, de
     return json.loads(path.read_text())
 
 
+# A tuned grouped entry speaks for token counts within this factor of its own; beyond, default_config (a
+# decode-sized tuning, e.g. T=64, says nothing about a 4096-token prefill's tiles).
+GROUPED_REACH = 4
+
+
 def _nearest(table: dict[str, dict], num_tokens: int) -> dict:
     key = min(table, key=lambda k: (abs(int(k) - num_tokens), int(k)))
     return table[key]
@@ -109,7 +114,9 @@ def _cached_config(kind: str, num_experts: int, hidden: int, inter: int, num_tok
     tuned = load_tuned(num_experts, hidden, inter, dtype, device, weights)
     table = tuned.get(kind) if tuned else None
     if table:
-        return _nearest(table, num_tokens)
+        entry_tokens = int(min(table, key=lambda k: (abs(int(k) - num_tokens), int(k))))
+        if kind == "decode" or entry_tokens // GROUPED_REACH <= num_tokens <= entry_tokens * GROUPED_REACH:
+            return _nearest(table, num_tokens)
     return default_config(kind, num_experts, hidden, inter, num_tokens, top_k)
 
 
