@@ -6,6 +6,7 @@ Every error names the field, the bad value and what is accepted.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,10 +273,12 @@ class DeviceConfig:
     cpu_kernel_cache_entries: int | None = 128   # CPU: entries of oneDNN's (and ideep's) caches of compiled
                                         # matmuls, keyed by shape, ~1 MB each: at their default 1024, batches of
                                         # ever-new shapes grew a server's RSS by ~1 GB (issue 20). None: theirs.
-    overlap_decode: bool = False        # overlapped CUDA-graph decode steps (engine/overlap.py): the host plans and
+    overlap_decode: bool | None = None  # overlapped CUDA-graph decode steps (engine/overlap.py): the host plans and
                                         # launches step n+1 while the GPU runs step n, whose tokens it reads one
-                                        # step later; outputs as with False. Off until measured on the GPU
-                                        # (bench_decode --overlap on,off); one process only (no expert parallelism)
+                                        # step later; outputs as with False. None: on, unless expert parallelism
+                                        # (ranks agree on each step in lockstep) -- measured on the H200, session
+                                        # 27: B=1 16k -0.19 / -0.40 ms per token (bf16 / int3 KV), B=64 -1.42 ms
+                                        # (docs/decode-results.md); True with expert parallelism is an error
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -290,8 +293,8 @@ class DeviceConfig:
                               f"got {self.cpu_kernel_cache_entries!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        if not isinstance(self.overlap_decode, bool):
-            raise ConfigError(f"overlap_decode must be True or False, got {self.overlap_decode!r}")
+        if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
+            raise ConfigError(f"overlap_decode must be True, False or None (auto), got {self.overlap_decode!r}")
 
     @property
     def resolved(self) -> str:
@@ -396,6 +399,9 @@ class EngineConfig:
         if self.device.overlap_decode and self.parallel.expert_parallel_size > 1:
             raise ConfigError("overlap_decode needs expert_parallel_size == 1 (expert-parallel ranks agree on each "
                               "step before it runs, in lockstep)")
+        if self.device.overlap_decode is None:          # auto: on wherever it may run
+            overlap = self.parallel.expert_parallel_size == 1
+            object.__setattr__(self, "device", dataclasses.replace(self.device, overlap_decode=overlap))
 
 
 # Not yet: the expert-parallel exchange / rebalance move 16-bit expert tensors only (offloading takes FP8

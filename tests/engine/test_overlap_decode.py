@@ -311,8 +311,13 @@ def test_host_waits_leave_no_idle_gap_in_steady_state(monkeypatch):
 
 
 def test_overlap_switch():
-    assert DeviceConfig().overlap_decode is False
-    with pytest.raises(ConfigError, match="overlap_decode must be True or False"):
+    assert DeviceConfig().overlap_decode is None                       # auto, resolved by EngineConfig
+    assert EngineConfig(model=ModelConfig(model="x")).device.overlap_decode is True
+    assert EngineConfig(model=ModelConfig(model="x"), parallel=ParallelConfig(expert_parallel_size=2)
+                        ).device.overlap_decode is False
+    assert EngineConfig(model=ModelConfig(model="x"), device=DeviceConfig(overlap_decode=False)
+                        ).device.overlap_decode is False
+    with pytest.raises(ConfigError, match="overlap_decode must be True, False or None"):
         DeviceConfig(overlap_decode=1)
     with pytest.raises(ConfigError, match="overlap_decode needs expert_parallel_size == 1"):
         EngineConfig(model=ModelConfig(model="x"), device=DeviceConfig(overlap_decode=True),
