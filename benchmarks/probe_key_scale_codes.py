@@ -279,18 +279,21 @@ def markdown(report: dict) -> str:
              "- modes: fp16 = today; scale = 8-bit scale code, fp16 zero; u8 = values' rule (range widened to 0); "
              "u8-32 = u8 with 2^(1/32) scale steps; s8 = signed zero code, f = 7 - bits; s8a = signed, f per "
              "page-head (+1 byte per page-head); @v0.0023 = value outliers 0.23 % instead of 0.25 %.",
+             "- vs fp16: the mean over windows of (row - fp16 row) of the per-window Δppl % / KL, ± its standard "
+             "error over the windows (paired: the spread of the text, not of the run, which is deterministic).",
              "- bits: decode bench shape (8 KV heads, head_dim 128, P = 128, bf16 staging) at 16k: exact 16384, "
              "held 16424, page cycle 16384..16511.", ""]
     for width in meta["widths"]:
-        lines += [f"## int{width}", "", "| mode | key err | attn err | Δppl % | KL | ΔKL vs fp16 (± s.e.) "
-                  "| bits exact | held | page cycle |", "| --- " + "| ---: " * 8 + "|"]
+        lines += [f"## int{width}", "", "| mode | key err | attn err | Δppl % | vs fp16 (± s.e.) | KL | vs fp16 (± s.e.) "
+                  "| bits exact | held | page cycle |", "| --- " + "| ---: " * 9 + "|"]
         for t in (r for r in report["tensor"] if r["width"] == width):
             m = next((r for r in report["model"] if r["width"] == width and r["mode"] == t["mode"]), None)
             b = report["bits"][f"int{width}"][t["mode"]]
-            model = "- | - | -"
+            model = "- | - | - | -"
             if m:
                 d, e = _paired(report["model"], width, t["mode"], "window_kl")
-                model = f"{m['ppl_delta_pct']:+.4f} | {m['kl']:.6f} | {d:+.6f} ± {e:.6f}"
+                dp, ep = _paired(report["model"], width, t["mode"], "window_ppl_delta_pct")
+                model = f"{m['ppl_delta_pct']:+.4f} | {dp:+.4f} ± {ep:.4f} | {m['kl']:.6f} | {d:+.6f} ± {e:.6f}"
             lines.append(f"| {t['mode']} | {t['key_rel_err']:.5f} | {t['attn_rel_err']:.5f} | {model} "
                          f"| {b['exact']:.4f} | {b['held']:.4f} | {b['page_cycle']:.4f} |")
         s = next(r for r in report["tensor"] if r["width"] == width and r["mode"] == "fp16")["key_ranges"]
