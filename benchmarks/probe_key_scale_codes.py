@@ -12,7 +12,8 @@ key codes are then re-quantized with the coded S and Z (what a real quantizer wo
 
 - "u8":  zero_code uint8, f = 8 - bits (exactly the values' rule). Z <= 0 <= Z + L*S: the channel's range is
          widened to include 0, so a channel with an offset (all positive or all negative) pays for it.
-- "u8-32": "u8" with scale codes in steps of 2^(1/32) (8 octaves below the base instead of 16).
+- "u8-32", "u8-64": "u8" with scale codes in steps of 2^(1/32) / 2^(1/64) (8 / 4 octaves below the base instead
+         of 16; a channel further below gets code 255, a larger scale than it needs).
 - "s8":  zero_code int8, f = 7 - bits: Z may sit up to ~(L + 1) S on either side of 0, a channel further away
          widens its scale until it fits (half the "u8" penalty for an offset channel).
 - "s8a": int8 zero_code, f chosen per page-head from 0..7 (the least sum of squared scales; stored in one
@@ -43,8 +44,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("fp16", "scale", "u8", "u8-32", "s8", "s8a")
-STEPS = 16                       # scale codes step by 2^(1/16) (a "-32" mode: 2^(1/32))
+MODES = ("fp16", "scale", "u8", "u8-32", "u8-64", "s8", "s8a")
+STEPS = 16                       # scale codes step by 2^(1/16) (a "-N" mode: 2^(1/N))
 BASE_FLOOR = 2.0 ** -14          # as the values' scale_base
 FP16_TINY = 2.0 ** -24
 
@@ -90,8 +91,8 @@ def _need(lo, hi, levels: int, zmin: int, zmax: int, frac) -> torch.Tensor:
 def coded_scale_zero(lo: torch.Tensor, hi: torch.Tensor, bits: int, mode: str) -> dict[str, torch.Tensor]:
     """Channel ranges lo, hi [N, H, 1, D] -> {"scale", "zero" (fp32, what decodes), "scale_code", "zero_code",
     "base" [N, H, 1, 1], "frac" (per page-head f)} with Z <= lo and Z + L*S >= hi (up to fp32 rounding)."""
-    levels, steps = (1 << bits) - 1, 32 if mode.endswith("-32") else STEPS
-    mode = mode.split("-")[0]
+    levels, steps = (1 << bits) - 1, int(mode.partition("-")[2] or STEPS)
+    mode = mode.partition("-")[0]
     if mode == "scale":                                      # fp16 zero as today, coded scale
         zero = lo.clamp(-65504.0, 65504.0).to(torch.float16)
         zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
@@ -277,7 +278,7 @@ def markdown(report: dict) -> str:
              f"- model: {meta['model']}; {meta['windows']} x {meta['context']} tokens of the validation text, chunks "
              f"of {meta['chunk']}, bf16 tail; KL(fp32 || format); tensor level on window 0 (every page quantized).",
              "- modes: fp16 = today; scale = 8-bit scale code, fp16 zero; u8 = values' rule (range widened to 0); "
-             "u8-32 = u8 with 2^(1/32) scale steps; s8 = signed zero code, f = 7 - bits; s8a = signed, f per "
+             "u8-32 / u8-64 = u8 with 2^(1/32) / 2^(1/64) scale steps; s8 = signed zero code, f = 7 - bits; s8a = signed, f per "
              "page-head (+1 byte per page-head); @v0.0023 = value outliers 0.23 % instead of 0.25 %.",
              "- vs fp16: the mean over windows of (row - fp16 row) of the per-window Δppl % / KL, ± its standard "
              "error over the windows (paired: the spread of the text, not of the run, which is deterministic).",

@@ -42,7 +42,7 @@ def test_scale_code_rounds_up_within_one_step():
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("mode", ["scale", "u8", "u8-32", "s8", "s8a"])
+@pytest.mark.parametrize("mode", ["scale", "u8", "u8-32", "u8-64", "s8", "s8a"])
 def test_coded_scale_zero_cover_the_range_and_codes_fit(bits, mode):
     lo, hi = _ranges(bits)
     got = coded_scale_zero(lo, hi, bits, mode)
