@@ -324,22 +324,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-model-level", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--gguf", default=None, help="tensor level only, on a pretrained model's recorded attention "
+                        "(bench_kv_parts.record_hf: 'smollm2' or a GGUF file)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     widths, modes = [int(w) for w in args.widths.split(",")], args.modes.split(",")
-    model_dir = bundled_model_dir()
-    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(validation_text()).ids
-    windows = torch.tensor(ids[:args.context * args.windows]).view(args.windows, args.context)
-    model = load_model(model_dir, dtype="fp32", device="cpu")
-    record = TensorRecord()
-    reference = run_windows(model, windows, Variant("fp32"), args.chunk, record=record)
-    tensor = tensor_rows(record, widths, modes)
-    model_level = [] if args.no_model_level else model_rows(model, windows, reference, widths,
-                                                            (args.model_modes or args.modes).split(","), args.chunk)
+    if args.gguf:                      # a pretrained model: its recorded q / k / v, tensor level only
+        from benchmarks.bench_kv_parts import record_hf
+
+        name, record, _, _ = record_hf(argparse.Namespace(gguf=args.gguf, hf_model=None, offset=0,
+                                                          context=args.context))
+        tensor, model_level, label = tensor_rows(record, widths, modes), [], name
+    else:
+        model_dir = bundled_model_dir()
+        ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(validation_text()).ids
+        windows = torch.tensor(ids[:args.context * args.windows]).view(args.windows, args.context)
+        model = load_model(model_dir, dtype="fp32", device="cpu")
+        record = TensorRecord()
+        reference = run_windows(model, windows, Variant("fp32"), args.chunk, record=record)
+        tensor, label = tensor_rows(record, widths, modes), model_dir.name
+        model_level = [] if args.no_model_level else model_rows(model, windows, reference, widths,
+                                                                (args.model_modes or args.modes).split(","), args.chunk)
     bits = {f"int{w}": {m: bits_at(w, m) for m in modes} for w in widths}
-    meta = {"model": model_dir.name, "context": args.context, "windows": args.windows, "chunk": args.chunk,
+    meta = {"model": label, "context": args.context, "windows": 1 if args.gguf else args.windows, "chunk": args.chunk,
             "widths": widths, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()} {os.cpu_count()} cores, CPU, {args.threads} thread(s)",
             "commit": git_commit(short=False) or "unknown", "seconds": round(time.perf_counter() - started),
@@ -348,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {"meta": meta, "tensor": tensor, "model": model_level, "bits": bits}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "key-scale-codes-cpu.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "key-scale-codes-cpu.md").write_text(markdown(report))
+    stem = "key-scale-codes-cpu" + (f"-{label}" if args.gguf else "")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
     return 0
 
