@@ -14,6 +14,8 @@ expert cache size (25 / 50 / 75% of each layer's experts):
     staged-fp8         staged with FP8 host experts (staged-fp8-estimate: with the estimate)
     device-graph       device staging (slot table + copies on the device), decode replayed as a CUDA graph
     device-graph-fp8   the same with FP8 host experts
+    cpu-split-25/50/75 on-demand with CPU-split misses (cpu_compute_fraction 0.25 / 0.5 / 0.75, moe.prefetch.cpu_split:
+                       the CPU computes that share of a missed expert while the rest is copied; not made resident)
 next to all experts resident, eagerly (the bench's own loop; "compute") and as a CUDA graph (the engine).
 Eager modes run the bench's decode loop; graph modes run the engine (its CUDA-graph decode step). Per run:
 ms / token, speed-up against on-demand at the same cache size, GPU busy share of the step (torch.profiler
@@ -26,7 +28,9 @@ benchmarks/offload_speed_report.py.
 
 Correctness: with per-layer host copies every 16-bit run must generate the greedy tokens of the resident
 run of the same harness (eager or graph); staged-fp8 those of on-demand-fp8 (FP8 compute is the same in
-both). A mismatch is reported and makes the command exit non-zero after writing the report.
+both). A mismatch is reported and makes the command exit non-zero after writing the report. The cpu-split rows
+change the summation of split experts (close to, not bit-identical with, the resident experts): their first
+token differing from the resident run is recorded (`differs_from_resident_at`), not counted as a mismatch.
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ MODES = {"on-demand": ("eager", None, "native"), "prefetch": ("eager", "fifo", "
          "staged": ("eager", "staged", "native"), "staged-estimate": ("eager", "staged-estimate", "native"),
          "on-demand-fp8": ("eager", None, "fp8"), "staged-fp8": ("eager", "staged", "fp8"),
          "staged-fp8-estimate": ("eager", "staged-estimate", "fp8"), "device-graph": ("graph", None, "native"),
-         "device-graph-fp8": ("graph", None, "fp8")}
+         "device-graph-fp8": ("graph", None, "fp8"), "cpu-split-25": ("eager", None, "native"),
+         "cpu-split-50": ("eager", None, "native"), "cpu-split-75": ("eager", None, "native")}
+CPU_FRACTION = {"cpu-split-25": 0.25, "cpu-split-50": 0.5, "cpu-split-75": 0.75}   # OffloadConfig.cpu_compute_fraction
 IDENTITY_BASE = {"on-demand": "resident", "prefetch": "resident", "staged": "resident",
                  "staged-estimate": "resident", "staged-fp8": "on-demand-fp8", "staged-fp8-estimate": "on-demand-fp8", "device-graph": "resident-graph"}
 
@@ -134,14 +140,15 @@ def cmd_speed(args) -> None:
             if offload is not None:                     # let the previous pool go before the next one
                 offload.close()
                 offload.layers.clear()
-                offload.pool = None
+                offload.pool = offload.split = None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             offload = ExpertOffload(model, slots, args.eviction, device=device, time_copies=harness == "eager",
                                     host_weights=hosts[fmt].__getitem__, host_format=fmt,
                                     prefetch_threshold=args.threshold if "staged" in (policy or "") else None,
                                     staging="device" if harness == "graph" else "host",
-                                    prefetch_gate="estimate" if policy == "staged-estimate" else "measured")
+                                    prefetch_gate="estimate" if policy == "staged-estimate" else "measured",
+                                    cpu_compute_fraction=CPU_FRACTION.get(mode, 0.0), cpu_threads=args.cpu_threads)
             predictor = None
             if policy is not None:
                 predictor = TracePredictor(model, 1, 0 if policy == "fifo" else 1, source="attn")
@@ -175,6 +182,9 @@ def cmd_speed(args) -> None:
                                  compute_ms))
             if predictor is not None:
                 predictor.remove()
+            if mode in CPU_FRACTION and not shared:
+                why = divergence(result["tokens"], results["resident"]["tokens"])
+                runs[-1]["differs_from_resident_at"] = None if why is None else why["token_step"]
             base = IDENTITY_BASE.get(mode)
             base_result = results.get(base) if base in ("resident", "resident-graph") else results.get((base, percent))
             if base is not None and not shared and base_result is not None:
@@ -199,6 +209,8 @@ def cmd_speed(args) -> None:
               "prompt_len": args.prompt_len, "warmup": args.warmup, "tokens": args.tokens, "runs": runs,
               "mismatches": mismatches, "failures": failures, "seconds": round(time.perf_counter() - began_all, 1)}
     report["simulated"] = simulated(trace, report, caches, arch, compute_ms, num_moe)
+    if any(m in CPU_FRACTION for m in modes):
+        report["cpu_split"] = cpu_split_model(hosts["native"], bandwidth, args.cpu_threads)
     markdown = speed_markdown(report)
     print(markdown)
     if args.out:
@@ -217,6 +229,11 @@ def describe(mode, percent, slots, result, snapshot, steps, compute_ms) -> dict:
            "expert_mib": stats["expert_bytes"] / 2**20, "compute_ms_per_token": compute_ms,
            "copy_ms_per_token": 1e3 * copy_s / steps if copy_s else None,
            "h2d_gb_per_s_measured": stats["bytes_copied"] / copy_s / 1e9 if copy_s else None}
+    split = stats.get("cpu_split")
+    if split:
+        run["cpu_split"] = {"fraction": split["fraction"], "split_per_token": split["split_experts"] / steps,
+                            "cpu_ms_per_token": split["cpu_ms"] / steps, "wait_ms_per_token": split["wait_ms"] / steps,
+                            "part_mib": split["part_bytes"] / 2**20}
     staged = stats.get("staged")
     if staged:
         run["staged"] = {key: staged[key] for key in ("gate", "measuring", "decisions", "overruns", "guesses", "issued",
@@ -266,6 +283,34 @@ def simulated(trace, report, caches, arch, compute_ms, num_moe) -> list[dict]:
     return out
 
 
+def cpu_split_model(hosts: dict, link_gb_per_s: float, threads: int | None, reps: int = 5) -> dict:
+    """The CPU half's GEMV bandwidth on this host (one token, half of one expert's channels, the worker's threads)
+    and the fraction that balances it with the link: f* = cpu / (cpu + link) (docs/expert-offload.md)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moekv.moe.prefetch.cpu_split import cpu_part, split_channels
+
+    host = next(iter(hosts.values()))
+    inter = host.down.shape[2]
+    channels = split_channels(inter, 0.5)
+    x = torch.randn(1, host.down.shape[1], dtype=host.dtype)
+
+    def run() -> float:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        with torch.inference_mode():
+            cpu_part(x, host.gate_up[0], host.down[0], channels)
+            began = time.perf_counter()
+            for rep in range(reps):
+                cpu_part(x, host.gate_up[rep % host.num_experts], host.down[rep % host.num_experts], channels)
+            return (time.perf_counter() - began) / reps
+    with ThreadPoolExecutor(1) as pool:                 # a worker thread, as CpuSplit runs it
+        seconds = pool.submit(run).result()
+    cpu = host.expert_bytes * channels / inter / seconds / 1e9
+    return {"cpu_gb_per_s": cpu, "cpu_ms_half_expert": 1e3 * seconds, "threads": threads or torch.get_num_threads(),
+            "balanced_fraction": cpu / (cpu + link_gb_per_s)}
+
+
 def h2d_bandwidth(nbytes: int, device: torch.device, reps: int = 10) -> float:
     """GB/s of host (pinned on CUDA) -> device copies of `nbytes` (one expert)."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -304,6 +349,8 @@ def add_arguments(speed) -> None:
     speed.add_argument("--profile-steps", type=int, default=4, help="steps profiled for the GPU busy share")
     speed.add_argument("--trace-tokens", type=int, default=8192)
     speed.add_argument("--host-experts", default="auto", choices=("auto", "per-layer", "shared"))
+    speed.add_argument("--cpu-threads", type=int, default=None, help="cpu-split rows: torch threads of the CPU "
+                       "worker (default: torch's)")
     speed.add_argument("--out", default=None)
 
 

@@ -33,6 +33,7 @@ def speed_markdown(report: dict) -> str:
                      f"{num(run, 'mb_moved_per_token', '{:.0f}')} | {num(run, 'copy_ms_per_token')} | "
                      f"{num(run, 'promoted_per_token')} | {run.get('matches') or '-'} |")
     lines += staged_table(runs)
+    lines += split_table(report)
     lines += ["", "## Issue 24's targets", ""]
     for percent in sorted({r["cache_percent"] for r in runs if r["cache_percent"] < 100}):
         at = {r["mode"]: r for r in runs if r["cache_percent"] == percent}
@@ -47,7 +48,8 @@ def speed_markdown(report: dict) -> str:
                              f"{ref['ms_per_token']:.1f} ms ({ref['ms_per_token'] / at[mode]['ms_per_token']:.2f}x): "
                              f"{verdict}.")
         if percent == 50:
-            native = [r for m, r in at.items() if m in ("prefetch", "staged", "staged-estimate", "device-graph")]
+            native = [r for m, r in at.items() if m in ("prefetch", "staged", "staged-estimate", "device-graph")
+                      or m.startswith("cpu-split")]
             fp8 = [r for m, r in at.items() if m.endswith("fp8")]
             for label, group, target in (("16-bit host experts", native, 1.3), ("FP8 host experts", fp8, 2.0)):
                 if group:
@@ -104,4 +106,28 @@ def staged_table(runs: list[dict]) -> list[str]:
         lines.append(f"| {run['cache_percent']}% | {run['mode']} | {gate} | {s['decisions']} | {s['overruns']} | "
                      f"{s['issued']} / {s['used']} / {s['wasted']} | {chunks} | {chunk_ms} | {span} | "
                      f"{f(budget.get('scale_mean'))} | {f(run.get('staging_host_ms_per_token'))} |")
+    return lines
+
+
+def split_table(report: dict) -> list[str]:
+    """The cpu-split rows: split misses, the CPU worker's time and the block's wait for it, per token."""
+    rows = [r for r in report["runs"] if r.get("cpu_split")]
+    if not rows:
+        return []
+    model = report.get("cpu_split") or {}
+    lines = ["", "## CPU-split rows", "",
+             f"CPU half measured on this host: {model.get('cpu_gb_per_s', 0):.1f} GB/s ({model.get('threads')} threads, "
+             f"one token, half an expert {model.get('cpu_ms_half_expert', 0):.2f} ms); link "
+             f"{report['h2d_gb_per_s']:.1f} GB/s; balanced fraction cpu / (cpu + link) = "
+             f"{model.get('balanced_fraction', 0):.2f}. Wait: the block's host time waiting for CPU halves (on the "
+             "critical path); differs at: first greedy token unlike the resident run (- : none).", "",
+             "| cache | mode | f | split / token | misses / token | CPU ms / token | wait ms / token | part MiB "
+             "| ms / token | vs on-demand | differs at |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in rows:
+        s = run["cpu_split"]
+        speed = run.get("speedup_vs_on_demand")
+        lines.append(f"| {run['cache_percent']}% | {run['mode']} | {s['fraction']} | {s['split_per_token']:.2f} | "
+                     f"{run['misses_per_token']:.2f} | {s['cpu_ms_per_token']:.2f} | {s['wait_ms_per_token']:.2f} | "
+                     f"{s['part_mib']:.1f} | {run['ms_per_token']:.2f} | {'-' if speed is None else f'{speed:.2f}x'} | "
+                     f"{'-' if run.get('differs_from_resident_at') is None else run['differs_from_resident_at']} |")
     return lines

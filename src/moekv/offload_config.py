@@ -65,6 +65,9 @@ OFFLOAD_FLAGS_HELP = {
                           "default)",
     "host_format": "with --cpu-offload-experts: host copies of the experts in the model's dtype (native) or FP8 "
                    "(half the bytes to copy)",
+    "cpu_compute_fraction": "with --cpu-offload-experts: compute this share (in [0, 1), 0 = off) of each expert "
+                            "missed at decode (at most 4 rows) on the CPU from its host copy and copy only the rest "
+                            "(16-bit host experts, host staging, no --prefetch-threshold; docs/expert-offload.md)",
     "expert_staging": "with --cpu-offload-experts: host (one host read of routing per layer) or device (slot table "
                       "and copies on the device: decode replays CUDA graphs; loads on demand)",
 }
@@ -97,6 +100,10 @@ class OffloadConfig:
                                         # per-channel scales: half the bytes to move; FP8 models stay as they are)
     staging: str = "host"               # host: one host read of routing per layer | device: slot table and copies
                                         # on the device, no host reads (CUDA-graph capturable; loads on demand)
+    cpu_compute_fraction: float = 0.0   # 0: off. f in (0, 1): a decode miss (<= 4 rows) is split: the CPU computes
+                                        # f of its intermediate channels from the host copy while only the other
+                                        # 1 - f are copied and computed on the device; not made resident
+                                        # (moe/prefetch/cpu_split.py; host staging, native host experts only)
 
     def __post_init__(self) -> None:
         parse_expert_cache_size(self.expert_cache_size)
@@ -116,6 +123,17 @@ class OffloadConfig:
         if self.staging == "device" and threshold is not None:
             raise ConfigError("staging='device' loads experts on demand; its guesses are not implemented yet, so "
                               "prefetch_threshold needs staging='host'")
+        fraction = self.cpu_compute_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+            raise ConfigError(f"cpu_compute_fraction must be a number in [0, 1) (0: off), got {fraction!r}")
+        if fraction > 0 and self.staging != "host":
+            raise ConfigError("cpu_compute_fraction needs staging='host' (the CPU half reads the token's hidden "
+                              "state on the host); staging='device' keeps everything on the device")
+        if fraction > 0 and self.host_format != "native":
+            raise ConfigError("cpu_compute_fraction splits 16-bit host experts only; not with host_format='fp8'")
+        if fraction > 0 and threshold is not None:
+            raise ConfigError("cpu_compute_fraction is not combined with the staged prefetch policy yet; "
+                              "leave prefetch_threshold None")
         if self.lookahead not in (1, 2):
             raise ConfigError(f"lookahead must be 1 or 2 layers, got {self.lookahead!r}")
         if not isinstance(self.extra_candidates, int) or isinstance(self.extra_candidates, bool) \

@@ -45,3 +45,22 @@ def test_timeline_command(monkeypatch, tmp_path):
     staged = [r for r in rows if r["mode"] == "staged"]
     assert len(staged) == 6 and all(r["steps_slower_than_on_demand"] == 0 for r in staged)
     assert all(r["speedup_vs_on_demand"] >= 1.0 for r in staged)
+
+
+def test_speed_cpu_split_rows(monkeypatch, tmp_path):
+    out = tmp_path / "split"
+    _run(monkeypatch, ["speed", "--tiny", "--device", "cpu", "--trace-tokens", "512", "--tokens", "4",
+                       "--warmup", "1", "--profile-steps", "0", "--cache", "25,50",
+                       "--modes", "on-demand,cpu-split-50", "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    split = [run for run in report["runs"] if run["mode"] == "cpu-split-50"]
+    assert [run["cache_percent"] for run in split] == [25, 50]
+    for run in split:
+        stats = run["cpu_split"]
+        assert stats["fraction"] == 0.5 and stats["split_per_token"] > 0 and stats["cpu_ms_per_token"] > 0
+        assert stats["split_per_token"] <= run["misses_per_token"]
+        assert run["differs_from_resident_at"] is None          # fp32: the split changes no greedy token here
+        assert "speedup_vs_on_demand" in run
+    assert 0 < report["cpu_split"]["balanced_fraction"] < 1 and report["cpu_split"]["cpu_gb_per_s"] > 0
+    assert "## CPU-split rows" in out.with_suffix(".md").read_text()
+    assert not report["mismatches"] and not report["failures"]

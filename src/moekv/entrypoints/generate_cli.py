@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=OFFLOAD_FLAGS_HELP["host_format"])
     parser.add_argument("--expert-staging", default="host", choices=("host", "device"),
                         help=OFFLOAD_FLAGS_HELP["expert_staging"])
+    parser.add_argument("--cpu-compute-fraction", type=float, default=0.0,
+                        help=OFFLOAD_FLAGS_HELP["cpu_compute_fraction"])
     parser.add_argument("--expert-parallel-size", type=int, default=1, help="shard experts over N ranks; launch "
                         "with `torchrun --nproc-per-node N -m moekv generate ...` (see docs/expert-parallel.md)")
     parser.add_argument("--num-redundant-experts", type=int, default=0, help="with --expert-parallel-size: extra "
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
               cpu_offload_experts=args.cpu_offload_experts, expert_cache_size=args.expert_cache_size,
               prefetch=not args.no_prefetch, track_prediction=True,
               prefetch_threshold=parse_prefetch_threshold(args.prefetch_threshold), host_format=args.host_format,
-              staging=args.expert_staging,
+              staging=args.expert_staging, cpu_compute_fraction=args.cpu_compute_fraction,
               expert_parallel_size=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
               expert_dispatch=args.expert_dispatch, cuda_graphs=not args.enforce_eager,
               enable_prefix_caching=args.enable_prefix_caching)

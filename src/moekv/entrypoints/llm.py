@@ -25,8 +25,8 @@ class LLM:
     `max_num_batched_tokens` (SchedulerConfig); `expert_parallel_size`, `num_redundant_experts`,
     `expert_dispatch` (ParallelConfig: run under torchrun, docs/expert-parallel.md);
     `cpu_offload_experts`, `expert_cache_size`, `prefetch`, `lookahead`, `extra_candidates`,
-    `eviction`, `track_prediction`, `prefetch_threshold`, `staging_slots`, `host_format`, `staging`
-    (OffloadConfig, docs/expert-offload.md); `cuda_graphs` (DeviceConfig: False runs every step
+    `eviction`, `track_prediction`, `prefetch_threshold`, `staging_slots`, `host_format`, `staging`,
+    `cpu_compute_fraction` (OffloadConfig, docs/expert-offload.md); `cuda_graphs` (DeviceConfig: False runs every step
     eagerly, like `--enforce-eager`), `overlap_decode` (DeviceConfig: overlapped CUDA-graph decode steps,
     engine/overlap.py), `cpu_threads`. `quantization="fp8"` quantizes the projections and
     experts of a 16-bit checkpoint to FP8 at load time (W8A16, per output channel; FP8 checkpoints load as

@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=OFFLOAD_FLAGS_HELP["host_format"])
     parser.add_argument("--expert-staging", default="host", choices=("host", "device"),
                         help=OFFLOAD_FLAGS_HELP["expert_staging"])
+    parser.add_argument("--cpu-compute-fraction", type=float, default=0.0,
+                        help=OFFLOAD_FLAGS_HELP["cpu_compute_fraction"])
     parser.add_argument("--no-expert-prediction-stats", action="store_true",
                         help="do not run the next-layer expert predictor for the recall metrics")
     parser.add_argument("--expert-parallel-size", type=int, default=1,
@@ -176,7 +178,7 @@ def engine_config_from_args(args: argparse.Namespace):
              if value is not None}
     extra.update(cpu_offload_experts=args.cpu_offload_experts, prefetch=not args.no_prefetch,
                  prefetch_threshold=parse_prefetch_threshold(args.prefetch_threshold), host_format=args.host_format,
-                 staging=args.expert_staging,
+                 staging=args.expert_staging, cpu_compute_fraction=args.cpu_compute_fraction,
                  track_prediction=not args.no_expert_prediction_stats, cuda_graphs=not args.enforce_eager,
                  enable_prefix_caching=args.enable_prefix_caching)
     if args.expert_cache_size is not None:

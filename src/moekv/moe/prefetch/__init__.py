@@ -13,6 +13,8 @@
     timeline.py   simulate_decode: the copy / compute timeline simulator (on-demand, prefetch, staged)
     device_staging.py  DeviceStagedExperts: slot table and copies on the device, no host reads
     compute.py    SlotExpertCompute: expert compute over pool slots, bit-identical to LocalExperts
+    cpu_split.py  CpuSplit: a decode miss split between the CPU (from the host copy, on a worker thread) and a
+                  partial copy computed on the device (cpu_compute_fraction; its reference twin)
     manager.py    ExpertOffload: installs offloaded experts in every MoE block, turns predictions
                   into prefetches, cache-size resolution
     runtime.py    install_routing(model, OffloadConfig): the one call the engine makes

@@ -111,6 +111,17 @@ class SlotExpertCompute:
         if rows is not None:
             self.kernel.keep_rows(target, rows)
 
+    def put(self, expert: int, rows: list[int], values: torch.Tensor) -> None:
+        """Rows computed outside the passes (a CPU-split miss, cpu_split.py): values [n, H] are `expert`'s outputs
+        for the flat (token * k + choice) positions `rows` (ascending: all of the step's rows routed to it).
+        The weighted sum in result() then treats them as any pass's rows."""
+        if self.path == "reference":
+            start, count = self.segments[expert]
+            assert count == len(rows), (expert, count, rows)
+            self.buffer[start:start + count] = values.to(self.buffer.dtype)    # sorted order = ascending rows
+            return
+        self.kernel.put_rows(torch.tensor(rows, dtype=torch.int64, device=self.buffer.device), values)
+
     def _rows_of(self, experts: list[int]) -> torch.Tensor:
         member = torch.zeros(self.num_experts, dtype=torch.bool, device=self.topk_ids.device)
         member[experts] = True

@@ -21,6 +21,8 @@ demand loads, so a layer's misses are never queued behind copies for later layer
                               slots, chunk by chunk in the copy stream's idle time (measured: gate.py);
                               never evicting
 staging="device" replaces the layers by device_staging.DeviceStagedExperts (no host reads).
+cpu_compute_fraction > 0 gives every host-staged layer one shared cpu_split.CpuSplit (decode misses split
+between the CPU and a partial copy; not made resident).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from moekv.config import parse_expert_cache_size
 from moekv.errors import ConfigError
 from moekv.layers.experts import LocalExperts
+from moekv.moe.prefetch.cpu_split import CpuSplit
 from moekv.moe.prefetch.offload import OffloadedExperts, SlotCopier
 from moekv.moe.prefetch.policy import NOT_GUESSED
 from moekv.moe.prefetch.pool import HostExperts, SlotPool
@@ -71,7 +74,8 @@ class ExpertOffload:
                  predictor: ExpertPredictor | None = None, device: torch.device | None = None,
                  host_weights=None, time_copies: bool = False, host_format: str = "native",
                  prefetch_threshold: float | str | None = None, staging_slots: int = 2, chunks: int = 8,
-                 timeline=None, staging: str = "host", prefetch_gate: str = "measured", meter=None):
+                 timeline=None, staging: str = "host", prefetch_gate: str = "measured", meter=None,
+                 cpu_compute_fraction: float = 0.0, cpu_threads: int | None = None):
         """host_weights: optional callable(layer) -> HostExperts (or (w_gate_up, w_down) host tensors) to use
         instead of copying the block's own weights (benchmarks share host copies).
         time_copies: measure every copy (SlotCopier.copy_seconds(); benchmarks).
@@ -79,7 +83,9 @@ class ExpertOffload:
         probability margin or "auto" (the staged policy, with `staging_slots` staging slots and copies in
         `chunks` pieces; `timeline`: a fixed policy.Timeline for tests; `prefetch_gate`: "measured" guess budgets
         (gate.py; `meter`: an injected gate meter for tests) or "estimate"). staging: "host" (one host read per
-        layer) or "device" (device_staging.py: no host reads, CUDA-graph capturable)."""
+        layer) or "device" (device_staging.py: no host reads, CUDA-graph capturable).
+        cpu_compute_fraction > 0: decode misses are split, that share of each computed on the CPU (cpu_split.py;
+        host staging, 16-bit host copies, not with the staged policy); cpu_threads: the CPU worker's torch threads."""
         self.model = model
         self.device = torch.device(device) if device is not None else model.device
         self.num_slots = num_slots
@@ -100,6 +106,16 @@ class ExpertOffload:
             slots = list(range(position * num_slots, (position + 1) * num_slots))
             block.experts = self._layer(index, host, slots, eviction)
             self.layers[index] = block.experts
+        self.split = None
+        if cpu_compute_fraction > 0 and self.layers:
+            if staging != "host" or staged:
+                raise ConfigError("cpu_compute_fraction needs staging='host' and no staged prefetch policy "
+                                  "(prefetch_threshold=None)")
+            self.split = CpuSplit(cpu_compute_fraction, first, self.device, self.copier, model.arch.top_k,
+                                  threads=cpu_threads)
+            for experts in self.layers.values():
+                self.split.tail(experts.host)           # the pinned down tails, made now, not at the first miss
+                experts.split = self.split
         self.staged = None
         if staged and self.layers:
             self.staged = StagedPrefetch(self, list(range(len(hosts) * num_slots, len(hosts) * num_slots + extra)),
@@ -207,6 +223,8 @@ class ExpertOffload:
         for experts in self.layers.values():
             experts.cache.counters = CacheCounters()
         self.copier.reset_counters()
+        if self.split is not None:
+            self.split.reset_counters()
         if self.staged is not None:
             self.staged.reset_counters()
 
@@ -223,6 +241,7 @@ class ExpertOffload:
         return {
             "host_format": self.host_format, "staging": self.staging_mode,
             "staged": self.staged.stats() if self.staged is not None else None,
+            "cpu_split": self.split.stats() if self.split is not None else None,
             "slots_per_layer": self.num_slots,
             "experts_per_layer": self.num_experts,
             "moe_layers": len(self.layers),

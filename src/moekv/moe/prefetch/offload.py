@@ -13,6 +13,9 @@ A block's forward (the host-driven path; device_staging.py is the one without ho
     4. compute with the pool (compute.SlotExpertCompute): the same kernels, launch configuration (that
        of the resident [E, ...] shape) and summation order as LocalExperts, so the output is
        bit-identical to the resident model's (FP8 host experts: to the resident FP8 model's)
+With cpu_compute_fraction > 0 (`split`, cpu_split.CpuSplit) a decode miss with few rows is not admitted: after
+step 2 its first channels go to the CPU worker and only the rest is copied (to a part buffer, not a slot), and
+its rows are put into step 4's buffer before the weighted sum (close to, not bit-identical with, LocalExperts).
 The staged policy marks the decision point right after the host read (its overrun check, staged.py) and
 stages its guesses after step 4's launch instead of at step 3.
 When more experts are needed than there are slots (a long prefill), the needed experts are split
@@ -102,6 +105,11 @@ class SlotCopier:
             else:
                 rows = [plane_rows(src, a, self.chunks, b) for a, b in spans]
                 pieces += [(src[expert][r], dst[index][r]) for r in rows]
+        return self.copy_pieces(pieces, index, new)
+
+    def copy_pieces(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], index, new: bool = True) -> int:
+        """Copy (host source, device destination) pairs as one copy into `index`: a pool slot, or any other key
+        whose readers are ordered the same way (the CPU-split part buffers, cpu_split.py). Returns the bytes."""
         nbytes = sum(s.nbytes for s, _ in pieces)
         self.copies += int(new)
         self.bytes += nbytes
@@ -180,6 +188,7 @@ class OffloadedExperts(PooledExperts):
         self.pending_rows = None        # callable() -> list of [E] device tensors to read with the routing
         self.staging = None             # policy.StagedPrefetch (staged guesses) or None
         self.events: list[tuple] | None = None   # optional trace for tests: ("load"|"prefetch"|"compute", ...)
+        self.split = None               # cpu_split.CpuSplit: decode misses computed part on the CPU, or None
 
     @classmethod
     def standalone(cls, layer_idx: int, w_gate_up, w_down, num_slots: int, device: torch.device,
@@ -230,8 +239,13 @@ class OffloadedExperts(PooledExperts):
         cache = self.cache
         resident = [e for e in needed if cache.record_need(e)]
         missing = [e for e in needed if e not in resident]
-        groups = [needed] if len(needed) <= self.num_slots else \
-            [(resident + missing)[i:i + self.num_slots] for i in range(0, len(needed), self.num_slots)]
+        split = [] if self.split is None else self.split.choose(missing, counts[0], cache.expert_in_slot.count(-1))
+        if split:                       # not admitted: computed part on the CPU, part from a copy (cpu_split.py)
+            cache.counters.split_misses += len(split)
+            missing = [e for e in missing if e not in split]
+        slotted = resident + missing
+        groups = [[e for e in needed if e not in split]] if len(slotted) <= self.num_slots else \
+            [slotted[i:i + self.num_slots] for i in range(0, len(slotted), self.num_slots)]
         for expert in groups[0]:
             cache.protect(expert, NEEDED)
         if self.staging is not None:
@@ -239,8 +253,12 @@ class OffloadedExperts(PooledExperts):
         for expert in groups[0]:
             if not cache.is_resident(expert):
                 self._load(expert, NEEDED, prefetch=False)      # a miss: the block waits for this copy
+        if split:                       # CPU halves to the worker, then the device halves' copies (after the misses)
+            split_job = self.split.start(self.host, split, hidden, flat_ids.tolist(), topk_ids.shape[1])
+            if self.events is not None:
+                self.events.append(("split", self.layer_idx, tuple(split)))
         if self.on_routed is not None and self.staging is None:
-            self.on_routed(self.layer_idx, needed, counts[1:], bool(missing))   # guesses, after our misses
+            self.on_routed(self.layer_idx, needed, counts[1:], bool(missing or split))   # guesses, after our misses
         compute = SlotExpertCompute(hidden, topk_ids, topk_weights, num_experts, self.host.down.shape[2],
                                     [int(c) for c in counts[0]], weights=self.pool.weights())
         for index, group in enumerate(groups):
@@ -252,11 +270,14 @@ class OffloadedExperts(PooledExperts):
                 for expert in group:
                     if not cache.is_resident(expert):
                         self._load(expert, NEEDED, prefetch=False)
-            self._compute(compute, group, None if len(groups) == 1 else group)
+            if group:
+                self._compute(compute, group, None if len(groups) == 1 and not split else group)
+        if split:
+            self.split.finish(split_job, hidden, compute)
         out = compute.result()                                  # [T, H], bit-identical to LocalExperts
         if self.on_routed is not None and self.staging is not None:
             # staged guesses after the compute launch: their host time overlaps the GPU's, not the launch's
-            self.on_routed(self.layer_idx, needed, counts[1:], bool(missing))
+            self.on_routed(self.layer_idx, needed, counts[1:], bool(missing or split))
         cache.end_step()
         return out
 

@@ -32,6 +32,7 @@ class CacheCounters:
     wasted_prefetches: int = 0      # prefetched experts evicted before any use
     evictions: int = 0
     staged_hits: int = 0            # misses whose copy a staged guess had started (policy.py)
+    split_misses: int = 0           # misses computed part on the CPU, part from a partial copy (not admitted)
 
     def add(self, other: "CacheCounters") -> None:
         for name in self.__dataclass_fields__:

@@ -100,7 +100,8 @@ def install_routing(model: torch.nn.Module, config: OffloadConfig, device: torch
         offload = ExpertOffload(model, slots, config.eviction, predictor=None, device=device or model.device,
                                 host_format=config.host_format, prefetch_threshold=threshold,
                                 staging_slots=config.staging_slots, staging=config.staging,
-                                prefetch_gate=config.prefetch_gate)
+                                prefetch_gate=config.prefetch_gate,
+                                cpu_compute_fraction=config.cpu_compute_fraction)
     if offload is not None and device is not None:
         model.to(device)                       # non-expert weights; host expert copies are not module state
     if config.predicts:

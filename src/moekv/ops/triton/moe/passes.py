@@ -8,6 +8,8 @@ for bit (see moe/prefetch/compute.py, which uses these through ops.dispatch.moe_
     passes.run(w_gate_up, w_down, local_ids, slot_pool, target)   # one pass into target (like buffer);
             # local_ids [T, k]: each choice's slot among the layer's S, slot_pool [S]: its row of w [N, ...]
     passes.keep_rows(target, rows)                  # after a pass of some experts: keep their rows
+    passes.put_rows(rows, values)                   # rows [n] (flat token*k + choice) computed elsewhere:
+            # values [n, H] (the CPU-split misses of moe/prefetch/cpu_split.py)
     passes.result(topk_weights)                     # [T, H]: the weighted sum over all passes, once
 """
 
@@ -61,6 +63,11 @@ class DecodePasses:
 
     def keep_rows(self, target, rows) -> None:
         self.buffer[:, rows] = target[:, rows]
+
+    def put_rows(self, rows, values) -> None:
+        """Rows computed outside the kernels: the whole value in the first K-split partial, 0 in the others."""
+        self.buffer[:, rows] = 0.0
+        self.buffer[0, rows] = values.float()
 
     def result(self, topk_weights) -> torch.Tensor:
         return moe_decode.combine(self.buffer, topk_weights, torch.empty_like(self.hidden))   # [T, H]
@@ -118,6 +125,10 @@ class GroupedPasses:
 
     def keep_rows(self, target, rows) -> None:
         self.buffer[rows] = target[rows]
+
+    def put_rows(self, rows, values) -> None:
+        """Rows computed outside the kernels (rounded to the buffer's dtype, as the down kernel's output)."""
+        self.buffer[rows] = values.to(self.buffer.dtype)
 
     def result(self, topk_weights) -> torch.Tensor:
         return moe_decode.combine(self.buffer.unsqueeze(0), topk_weights, torch.empty_like(self.hidden))   # [T, H]
