@@ -17,12 +17,17 @@ def _run(monkeypatch, argv):
     bench_offload.main()
 
 
+def _speed(monkeypatch, out, modes: str, cache: str, profile_steps: int) -> dict:
+    """The speed command on the tiny shape (4 timed tokens of a 512-token trace); its JSON report."""
+    _run(monkeypatch, ["speed", "--tiny", "--device", "cpu", "--trace-tokens", "512", "--tokens", "4",
+                       "--warmup", "1", "--profile-steps", str(profile_steps), "--cache", cache,
+                       "--modes", modes, "--out", str(out)])
+    return json.loads(out.with_suffix(".json").read_text())
+
+
 def test_speed_runs_every_harness_and_checks_tokens(monkeypatch, tmp_path):
     out = tmp_path / "speed"
-    _run(monkeypatch, ["speed", "--tiny", "--device", "cpu", "--trace-tokens", "512", "--tokens", "4",
-                       "--warmup", "1", "--profile-steps", "1", "--cache", "50",
-                       "--modes", "on-demand,staged,device-graph", "--out", str(out)])
-    report = json.loads(out.with_suffix(".json").read_text())
+    report = _speed(monkeypatch, out, "on-demand,staged,device-graph", "50", 1)
     modes = [run["mode"] for run in report["runs"]]
     assert modes == ["resident", "resident-graph", "on-demand", "staged", "device-graph"]
     by_mode = {run["mode"]: run for run in report["runs"]}
@@ -49,10 +54,7 @@ def test_timeline_command(monkeypatch, tmp_path):
 
 def test_speed_cpu_split_rows(monkeypatch, tmp_path):
     out = tmp_path / "split"
-    _run(monkeypatch, ["speed", "--tiny", "--device", "cpu", "--trace-tokens", "512", "--tokens", "4",
-                       "--warmup", "1", "--profile-steps", "0", "--cache", "25,50",
-                       "--modes", "on-demand,cpu-split-50", "--out", str(out)])
-    report = json.loads(out.with_suffix(".json").read_text())
+    report = _speed(monkeypatch, out, "on-demand,cpu-split-50", "25,50", 0)
     split = [run for run in report["runs"] if run["mode"] == "cpu-split-50"]
     assert [run["cache_percent"] for run in split] == [25, 50]
     for run in split:
