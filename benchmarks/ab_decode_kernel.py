@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed-splits", action="store_true",
                     help="launch as a CUDA-graph bucket does: the split count planned from the table width "
                          "(meta.fixed_num_splits), the pages per split sized on the device")
+    ap.add_argument("--own-splits", action="store_true",
+                    help="with --fixed-splits: each side plans its own count with its own graph_splits (default: "
+                         "B's count for every side)")
     args = ap.parse_args(argv)
     import benchmarks.bench_attention as ba        # after argument parsing (it reads no argv at import)
     from moekv.ops.cuda import lowbit_decode as mod_b
@@ -78,12 +81,17 @@ def main(argv=None) -> int:
             gen = torch.Generator()
             gen.manual_seed(0)
             lb_args, _ = ba.build_lowbit(batch, length, bits, gen)
-            if args.fixed_splits:
-                lb_args[-1].fixed_num_splits = mod_b.graph_splits(batch, ba.HKV, length, device, bits)
+            def plan(module):              # the split count a graph bucket of this side launches
+                if args.fixed_splits:
+                    lb_args[-1].fixed_num_splits = (module if args.own_splits else mod_b).graph_splits(
+                        batch, ba.HKV, length, device, bits)
+                return getattr(lb_args[-1], "fixed_num_splits", None)
+
+            row = {"batch": batch, "length": length, "bits": bits, "fixed_splits": plan(mods["A"])}
             ref = mods["A"].paged_attention_lowbit_decode(*lb_args, scale=0.088)
-            row = {"batch": batch, "length": length, "bits": bits,
-                   "fixed_splits": getattr(lb_args[-1], "fixed_num_splits", None)}
             for name, module in mods.items():
+                if args.own_splits:
+                    row[f"{name}_fixed_splits"] = plan(module)
                 out = module.paged_attention_lowbit_decode(*lb_args, scale=0.088)
                 row[f"{name}_ms"] = round(timer(lambda m=module: m.paged_attention_lowbit_decode(*lb_args, scale=0.088)), 4)
                 row[f"{name}_max_abs_diff_vs_A"] = (out.float() - ref.float()).abs().max().item()
