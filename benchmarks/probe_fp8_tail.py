@@ -47,6 +47,7 @@ E4M3_MAX = 448.0
 FP16_TINY = 2.0 ** -24
 MODES = ("bf16", "fp8", "fp8-pow2", "fp8-raw")
 SCALE_BITS = {"bf16": None, "fp8": 16, "fp8-pow2": 8, "fp8-raw": 0}      # per staged row (token, kv head)
+SIDES = {"fp8-k": ("fp8", "bf16"), "fp8-v": ("bf16", "fp8")}            # tensor-level split: keys / values only
 
 
 def fp16_up(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,8 @@ def fp8_round(x: torch.Tensor, kind: str = "fp8") -> torch.Tensor:
 def fp8_tail(mode: str, log: dict | None = None):
     """While active, the CPU reference cache hands attention and the page-fill quantizer staged rows rounded by
     `fp8_round(., mode)`; "bf16" changes nothing. `log` (optional) counts the rows and keeps the first attention
-    read's staged rows before / after."""
+    read's staged rows before / after. "<mode>@attn" / "<mode>@quant": the attention's reads / the quantizer's only."""
+    mode, _, only = mode.partition("@")
     if mode == "bf16":
         yield
         return
@@ -133,7 +135,9 @@ def fp8_tail(mode: str, log: dict | None = None):
             log["stage_quant_overlap"] = log.get("stage_quant_overlap", 0) + len(overlap)
         return quantize(flat.view(m, p, h, d).transpose(1, 2), spec)
 
-    ref.gather_context, dispatch.quantize_pages, LowBitKVCache._write = gather_fp8, quantize_fp8, write_fp8
+    ref.gather_context = gather if only == "quant" else gather_fp8
+    dispatch.quantize_pages = quantize if only == "attn" else quantize_fp8
+    LowBitKVCache._write = write_fp8
     try:
         yield
     finally:
@@ -206,7 +210,8 @@ def window_errors(record, widths, modes, stride: int = 4) -> dict:
         k_bf, v_bf = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
         if layer == min(record.layers):          # decode_attention reduces to plain causal attention
             assert _rel(decode_attention(q, k, v, k, v, k, v, positions, record.scale), exact) < 1e-5
-        tails = {mode: (fp8_round(k_bf, mode), fp8_round(v_bf, mode)) for mode in modes}
+        sides = {mode: SIDES.get(mode, (mode, mode)) for mode in modes}
+        tails = {mode: (fp8_round(k_bf, ks), fp8_round(v_bf, vs)) for mode, (ks, vs) in sides.items()}
         for mode, (tk, tv) in tails.items():
             out = decode_attention(q, k, v, tk, tv, k_bf, v_bf, positions, record.scale)
             for name, value in (("key_err", _rel(tk, k)), ("value_err", _rel(tv, v)), ("attn_err", _rel(out, exact)),
@@ -277,6 +282,8 @@ def paired(mine: list[float], base: list[float]) -> tuple[float, float]:
 
 
 def staged_bits(mode: str, head_dim: int) -> float:
+    if mode in SIDES:
+        return sum(staged_bits(side, head_dim) for side in SIDES[mode]) / 2
     return 16.0 if mode == "bf16" else 8.0 + SCALE_BITS[mode] / head_dim
 
 
@@ -363,7 +370,8 @@ def markdown(report: dict) -> str:
              + (f"{meta['windows']} x {meta['context']} tokens, chunks of {meta['chunk']}, bf16 tail today."
                 if model else "not run."),
              "- modes: bf16 = today; fp8 = e4m3 with per-(token, kv head) scale amax/448 rounded up to fp16; "
-             "fp8-pow2 = power-of-two scale; fp8-raw = no scale; lowbit = the tail quantized too (tensor_errors).",
+             "fp8-pow2 = power-of-two scale; fp8-raw = no scale; fp8-k / fp8-v = keys / values only in fp8; @attn / @quant (model level) = only the "
+             "attention's / the page-fill quantizer's reads of staged rows rounded; lowbit = the tail quantized too (tensor_errors).",
              "- vs bf16: mean over windows of (mode - bf16) ± standard error over the windows (paired).",
              "- bits: decode bench shape (8 KV heads, head_dim 128, P = 128) at 16k: exact 16384, held 16424, page "
              "cycle 16384..16511; staged bits per value incl. the row scale.", "",
@@ -377,7 +385,9 @@ def markdown(report: dict) -> str:
         lines += ["", f"## int{width}", "", "| mode | attn err | vs bf16 (± s.e.) | page-end attn err | vs bf16 "
                   "(± s.e.) | Δppl % | vs bf16 (± s.e.) | KL | vs bf16 (± s.e.) | bits exact | held | page cycle |",
                   "| --- " + "| ---: " * 12 + "|"]
-        for mode, r in s[f"int{width}"].items():
+        extra = [x["mode"] for x in model if x["width"] == width and x["mode"] not in s[f"int{width}"]]
+        for mode in list(s[f"int{width}"]) + extra:
+            r = s[f"int{width}"].get(mode)
             d = lambda n: ("" if f"{n}_vs_bf16" not in r else f"{r[f'{n}_vs_bf16'][0]:+.5f}" +  # noqa: E731
                            (f" ± {r[f'{n}_vs_bf16'][1]:.5f}" if meta["tensor_windows"] > 1 else " (1 window)"))
             m = next((x for x in model if x["width"] == width and x["mode"] == mode), None)
@@ -390,8 +400,9 @@ def markdown(report: dict) -> str:
                          f"{m['kl']:.6f} | {'' if mode == 'bf16' else f'{dk:+.6f} ± {ek:.6f}'}")
             b = report["bits"][f"int{width}"].get(mode)
             btext = f"{b['exact']:.4f} | {b['held']:.4f} | {b['page_cycle']:.4f}" if b else "- | - | -"
-            lines.append(f"| {mode} | {r['attn_err']:.5f} | {d('attn_err')} | {r['attn_err_page_end']:.5f} | "
-                         f"{d('attn_err_page_end')} | {mtext} | {btext} |")
+            ttext = (f"{r['attn_err']:.5f} | {d('attn_err')} | {r['attn_err_page_end']:.5f} | {d('attn_err_page_end')}"
+                     if r else "- | - | - | -")
+            lines.append(f"| {mode} | {ttext} | {mtext} | {btext} |")
     lines += ["", "## Page-cycle bits at 16k (16384..16511 tokens) by staging design", "",
               "| design | " + " | ".join(f"int{w}" for w in meta["widths"]) + " |",
               "| --- " + "| ---: " * len(meta["widths"]) + "|"]
@@ -413,11 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--widths", default="4,3,2")
-    parser.add_argument("--modes", default=",".join(MODES), help="tensor-level modes (bf16 first)")
-    parser.add_argument("--model-modes", default="bf16,fp8")
+    parser.add_argument("--modes", default=",".join(MODES + tuple(SIDES)), help="tensor-level modes (bf16 first)")
+    parser.add_argument("--model-modes", default="bf16,fp8,fp8@attn,fp8@quant")
     parser.add_argument("--no-model-level", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--suffix", default="", help="appended to the result files' stem (e.g. -chunk16)")
     parser.add_argument("--gguf", default=None, help="tensor level only, on SmolLM2's recorded attention ('smollm2')")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -472,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
               "designs": design_bits(widths)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "fp8-tail-cpu" + (f"-{label}" if args.gguf else "")
+    stem = "fp8-tail-cpu" + (f"-{label}" if args.gguf else "") + args.suffix
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
