@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.probe_fp8_tail import (E4M3_MAX, cycle_bits, decode_attention, fp8_round, row_scale,
+from benchmarks.probe_fp8_tail import E4M3_MAX, decode_attention, fp8_round, row_scale
+from benchmarks.probe_fp8_tail_report import (cycle_bits,
                                        staged_bits)
 
 
