@@ -28,10 +28,7 @@ Writes fp8-tail-cpu[-<model>].{json,md} under --out.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import math
 import os
 import platform
 import shlex
@@ -41,6 +38,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from benchmarks import probe_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 E4M3_MAX = 448.0
@@ -250,44 +249,18 @@ def tensor_level(records, widths, modes) -> list[dict]:
 
 def model_rows(model, windows, reference, widths, modes, chunk: int) -> list[dict]:
     from moekv.eval.kv_fidelity import Variant
-    from moekv.eval.kv_runner import compare, run_windows
 
-    targets = windows[:, 1:].unsqueeze(-1)
-    ref_nll = -reference.logprobs[:, :-1].gather(-1, targets).squeeze(-1).mean(-1)            # [W]
-    rows = []
-    for bits in widths:
-        for mode in modes:
-            with fp8_tail(mode):
-                result = run_windows(model, windows, Variant(f"int{bits}", True, "channel"), chunk,
-                                     tail_dtype=torch.bfloat16)
-            metrics = compare(result, reference)
-            ref, out = reference.logprobs, result.logprobs
-            nll = -out[:, :-1].gather(-1, targets).squeeze(-1).mean(-1)
-            rows.append({"width": bits, "mode": mode, **metrics,
-                         "ppl_delta_pct": 100.0 * (metrics["perplexity"] / math.exp(reference.nll_mean) - 1.0),
-                         "window_kl": (ref.exp() * (ref - out)).sum(-1).mean(-1).tolist(),
-                         "window_ppl_delta_pct": (100.0 * ((nll - ref_nll).exp() - 1.0)).tolist(),
-                         "seconds": round(result.seconds, 1)})
-            print(f"model int{bits} {mode:8s} Δppl {rows[-1]['ppl_delta_pct']:+.4f} % KL {metrics['kl']:.6f} "
-                  f"({result.seconds:.0f} s)", flush=True)
-    return rows
+    return probe_metrics.model_rows(model, windows, reference, widths, modes, chunk, fp8_tail,
+                                    lambda bits, mode: Variant(f"int{bits}", True, "channel"), width=8)
 
 
 def main(argv: list[str] | None = None) -> int:
     from moekv.provenance import git_commit
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--chunk", type=int, default=64)
-    parser.add_argument("--widths", default="4,3,2")
-    parser.add_argument("--modes", default=",".join(MODES + tuple(SIDES)), help="tensor-level modes (bf16 first)")
-    parser.add_argument("--model-modes", default="bf16,fp8,fp8@attn,fp8@quant")
-    parser.add_argument("--no-model-level", action="store_true")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser = probe_metrics.study_parser(__doc__.split("\n\n")[0], 8, ",".join(MODES + tuple(SIDES)),
+                                        "bf16,fp8,fp8@attn,fp8@quant", "model-level modes",
+                                        str(REPO / "benchmarks" / "results"))
     parser.add_argument("--suffix", default="", help="appended to the result files' stem (e.g. -chunk16)")
-    parser.add_argument("--gguf", default=None, help="tensor level only, on SmolLM2's recorded attention ('smollm2')")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -339,12 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"meta": meta, "check": check, "tensor_summary": summarize(windows_tensor, widths, modes),
               "tensor_windows": windows_tensor, "model": model_level, "bits": bits,
               "designs": design_bits(widths)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "fp8-tail-cpu" + (f"-{label}" if args.gguf else "") + args.suffix
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    probe_metrics.write_report(args.out, "fp8-tail-cpu" + (f"-{label}" if args.gguf else "") + args.suffix, report, markdown(report))
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import platform
@@ -42,6 +41,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from benchmarks import probe_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("fp16", "scale", "u8", "u8-32", "u8-64", "s8", "s8a")
@@ -236,28 +237,10 @@ def tensor_rows(record, widths, modes) -> list[dict]:
 
 def model_rows(model, windows, reference, widths, modes, chunk: int) -> list[dict]:
     from moekv.eval.kv_fidelity import Variant
-    from moekv.eval.kv_runner import compare, run_windows
 
-    targets = windows[:, 1:].unsqueeze(-1)
-    ref_nll = -reference.logprobs[:, :-1].gather(-1, targets).squeeze(-1).mean(-1)            # [W]
-    rows = []
-    for bits in widths:
-        for mode in modes:
-            with key_codes(split_label(mode)[0]):
-                result = run_windows(model, windows, Variant(f"int{bits}", True, "channel",
-                                                             value_outlier_fraction=split_label(mode)[1]), chunk,
-                                     tail_dtype=torch.bfloat16)
-            metrics = compare(result, reference)
-            ref, out = reference.logprobs, result.logprobs
-            nll = -out[:, :-1].gather(-1, targets).squeeze(-1).mean(-1)
-            rows.append({"width": bits, "mode": mode, **metrics,
-                         "ppl_delta_pct": 100.0 * (metrics["perplexity"] / math.exp(reference.nll_mean) - 1.0),
-                         "window_kl": (ref.exp() * (ref - out)).sum(-1).mean(-1).tolist(),
-                         "window_ppl_delta_pct": (100.0 * ((nll - ref_nll).exp() - 1.0)).tolist(),
-                         "seconds": round(result.seconds, 1)})
-            print(f"model int{bits} {mode:5s} Δppl {rows[-1]['ppl_delta_pct']:+.4f} % KL {metrics['kl']:.6f} "
-                  f"({result.seconds:.0f} s)", flush=True)
-    return rows
+    return probe_metrics.model_rows(
+        model, windows, reference, widths, modes, chunk, lambda mode: key_codes(split_label(mode)[0]),
+        lambda bits, mode: Variant(f"int{bits}", True, "channel", value_outlier_fraction=split_label(mode)[1]))
 
 
 def _paired(rows: list[dict], width: int, mode: str, key: str) -> tuple[float, float]:
@@ -314,18 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     from moekv.models.loader import load_model
     from moekv.provenance import git_commit
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--chunk", type=int, default=64)
-    parser.add_argument("--widths", default="4,3,2")
-    parser.add_argument("--modes", default=",".join(MODES + ("u8-32@v0.0023", "fp16@v0.0023")))
-    parser.add_argument("--model-modes", default=None, help="modes run at the model level (default: --modes)")
-    parser.add_argument("--no-model-level", action="store_true")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    parser.add_argument("--gguf", default=None, help="tensor level only, on a pretrained model's recorded attention "
-                        "(bench_kv_parts.record_hf: 'smollm2' or a GGUF file)")
+    parser = probe_metrics.study_parser(__doc__.split("\n\n")[0], 4, ",".join(MODES + ("u8-32@v0.0023", "fp16@v0.0023")),
+                                        None, "modes run at the model level (default: --modes)",
+                                        str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -355,12 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": shlex.join(["benchmarks/probe_key_scale_codes.py"] + (argv if argv is not None
                                                                               else sys.argv[1:]))}
     report = {"meta": meta, "tensor": tensor, "model": model_level, "bits": bits}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "key-scale-codes-cpu" + (f"-{label}" if args.gguf else "")
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
+    probe_metrics.write_report(args.out, "key-scale-codes-cpu" + (f"-{label}" if args.gguf else ""), report, markdown(report))
     return 0
 
 
