@@ -6,8 +6,7 @@ Every error names the field, the bad value and what is accepted.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moekv import envs
@@ -401,7 +400,7 @@ class EngineConfig:
                               "step before it runs, in lockstep)")
         if self.device.overlap_decode is None:          # auto: on wherever it may run
             overlap = self.parallel.expert_parallel_size == 1
-            object.__setattr__(self, "device", dataclasses.replace(self.device, overlap_decode=overlap))
+            object.__setattr__(self, "device", replace(self.device, overlap_decode=overlap))
 
 
 # Not yet: the expert-parallel exchange / rebalance move 16-bit expert tensors only (offloading takes FP8

@@ -73,9 +73,9 @@ def load_tuned(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, de
 GROUPED_REACH = 4
 
 
-def _nearest(table: dict[str, dict], num_tokens: int) -> dict:
-    key = min(table, key=lambda k: (abs(int(k) - num_tokens), int(k)))
-    return table[key]
+def _nearest_key(table: dict[str, dict], num_tokens: int) -> str:
+    """The tuned token count closest to num_tokens (the smaller one on a tie)."""
+    return min(table, key=lambda k: (abs(int(k) - num_tokens), int(k)))
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -114,9 +114,9 @@ def _cached_config(kind: str, num_experts: int, hidden: int, inter: int, num_tok
     tuned = load_tuned(num_experts, hidden, inter, dtype, device, weights)
     table = tuned.get(kind) if tuned else None
     if table:
-        entry_tokens = int(min(table, key=lambda k: (abs(int(k) - num_tokens), int(k))))
-        if kind == "decode" or entry_tokens // GROUPED_REACH <= num_tokens <= entry_tokens * GROUPED_REACH:
-            return _nearest(table, num_tokens)
+        key = _nearest_key(table, num_tokens)
+        if kind == "decode" or int(key) // GROUPED_REACH <= num_tokens <= int(key) * GROUPED_REACH:
+            return table[key]
     return default_config(kind, num_experts, hidden, inter, num_tokens, top_k)
 
 
