@@ -71,7 +71,8 @@ def child(args) -> int:
 
     device = torch.device("cuda")
     arch = named_arch(args.model, num_layers=args.num_layers)
-    model = build_random_model(arch, dtype=torch.bfloat16, device=device, seed=0)
+    quantization = None if args.quantization == "none" else args.quantization
+    model = build_random_model(arch, dtype=torch.bfloat16, device=device, seed=0, quantization=quantization)
     new_tokens = args.warmup + args.steps + 8
     engine_args = argparse.Namespace(page_size=None, prefill_chunk=max(args.batch, 256), model=args.model)
     engine = make_engine(model, args.batch, args.context, args.kv, new_tokens, engine_args, graphs=True)
@@ -92,7 +93,8 @@ def child(args) -> int:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Kernels of one replayed decode step: {result['model']} shape, {result['num_layers']} layers, "
+    lines = [f"# Kernels of one replayed decode step: {result['model']} shape, "
+             f"{result.get('quantization', 'none')} weights, {result['num_layers']} layers, "
              f"B={result['batch']}, L={result['context']}", "",
              f"GPU {result['gpu']}, {result['date']}, commit {result['commit']}. Command: `{result['command']}`", "",
              "Each kernel timed alone by ncu (`--graph-profiling node --cache-control none --clock-control none`): "
@@ -118,7 +120,7 @@ def parent(args) -> int:
     import torch
 
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"model": args.model, "num_layers": args.num_layers, "batch": args.batch, "context": args.context,
+    result = {"model": args.model, "quantization": args.quantization, "num_layers": args.num_layers, "batch": args.batch, "context": args.context,
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
               "date": datetime.date.today().isoformat(), "commit": os.environ.get("MOEKV_COMMIT", "unknown"),
               "command": "python3 tools/graph_step_kernels.py " + " ".join(sys.argv[1:]), "runs": {}}
@@ -128,7 +130,8 @@ def parent(args) -> int:
                "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
                "--log-file", str(log), sys.executable, __file__, "--child", "--kv", kv, "--batch", str(args.batch),
                "--context", str(args.context), "--num-layers", str(args.num_layers), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--model", args.model]
+               "--warmup", str(args.warmup), "--model", args.model,
+               "--quantization", args.quantization]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         text = log.read_text() if log.exists() else ""
         kernels = parse_ncu_csv(text)
@@ -149,6 +152,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--quantization", default="none", choices=("none", "fp8"), help="model weights (fp8: per channel)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--ncu", default="ncu")
