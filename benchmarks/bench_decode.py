@@ -14,6 +14,8 @@ with Hugging Face transformers on the same shape and the same weights, plus the 
         --no-hf --moe-tokens "" --attention-combine on,off --layer-profile --tag combine   # split combine in-kernel
     PYTHONPATH=src:. python benchmarks/bench_decode.py --scenarios "1x16384:bf16;16x4096:bf16" --synthetic-kv \
         --no-hf --moe-tokens "" --moe-combine on,off --layer-profile --tag moecombine   # MoE combine in the next norm
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --scenarios "1x16384:bf16,int3" --synthetic-kv \
+        --no-hf --moe-tokens "" --pdl off,on --tag pdl                # programmatic dependent launch
 
 Sections (each in the JSON and the markdown written to --out, default benchmarks/results):
   decode      time per output token = wall time of one engine step with B running sequences of about

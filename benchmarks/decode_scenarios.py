@@ -59,6 +59,19 @@ def _fused_moe_combine_installed(engine) -> bool:
     return dispatch.fused_moe_combine()         # KernelConfig's fused_moe_combine, on top of the fused decode layer
 
 
+def _pdl_installed(engine) -> bool | str:
+    import torch
+
+    from moekv.ops import dispatch
+
+    if not dispatch.kernel_config().pdl:
+        return False
+    from moekv.ops.triton import pdl
+
+    probe = torch.empty(0, device="cuda") if torch.cuda.is_available() else torch.empty(0)
+    return True if pdl.launch_kwargs(probe)["USE_PDL"] else "off (needs compute capability >= 9.0 and Triton's PDL)"
+
+
 def _overlap_installed(engine) -> str:
     if engine.overlap is not None:
         return "on"
@@ -98,6 +111,10 @@ SWITCHES: tuple[RowSwitch, ...] = (
               "on, off or on,off: moekv rows with the MoE decode combine summed by the next add + RMSNorm "
               "(KernelConfig.fused_moe_combine; needs the fused decode layer, so 'on' under --fusion off runs off) "
               "on / off", installed=_fused_moe_combine_installed),
+    RowSwitch("pdl", "kernels", "pdl",
+              "on, off or on,off: moekv rows whose decode-step Triton kernels launch with programmatic dependent "
+              "launch (KernelConfig.pdl, ops/triton/pdl.py: each may be scheduled while the one before it finishes) "
+              "on / off", installed=_pdl_installed),
     RowSwitch("overlap", "device", "overlap_decode",
               "on, off or on,off: moekv rows with overlapped decode steps (DeviceConfig.overlap_decode, "
               "engine/overlap.py: the host launches step n + 1 before it reads step n) on / off; 'outside' is then "

@@ -328,7 +328,7 @@ class KernelConfig:
 
     `from_env()` (the EngineConfig default) applies the MOEKV_* overrides (see `envs.py`) to these
     defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_FUSED_DECODE_LAYER,
-    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_FUSED_MOE_COMBINE, MOEKV_SKINNY_GEMM.
+    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_FUSED_MOE_COMBINE, MOEKV_SKINNY_GEMM, MOEKV_PDL.
     """
 
     SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
@@ -355,6 +355,10 @@ class KernelConfig:
                                         # next residual add + RMSNorm (one launch fewer per MoE layer); measured
                                         # B=1 16k -3.3%, B=16 4k +0.3% (decode-h200-moecombine.md);
                                         # MOEKV_FUSED_MOE_COMBINE=0 turns it off
+    pdl: bool = False                   # programmatic dependent launch for the decode step's Triton kernels on
+                                        # compute capability >= 9.0 (ops/triton/pdl.py): each may be scheduled
+                                        # while the kernel before it finishes; off until a GPU run measures it
+                                        # (docs/gpu-runbook.md, session 28); MOEKV_PDL=1 turns it on
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "reference", "triton"):
@@ -369,6 +373,8 @@ class KernelConfig:
             raise ConfigError(f"fused_attention_combine must be True or False, got {self.fused_attention_combine!r}")
         if not isinstance(self.fused_moe_combine, bool):
             raise ConfigError(f"fused_moe_combine must be True or False, got {self.fused_moe_combine!r}")
+        if not isinstance(self.pdl, bool):
+            raise ConfigError(f"pdl must be True or False, got {self.pdl!r}")
         if (not isinstance(self.skinny_gemm_rows, int) or isinstance(self.skinny_gemm_rows, bool)
                 or not 0 <= self.skinny_gemm_rows <= self.SKINNY_GEMM_MAX_ROWS):
             raise ConfigError(f"skinny_gemm_rows must be in 0..{self.SKINNY_GEMM_MAX_ROWS} (0: off), "

@@ -103,3 +103,19 @@ def test_attention_combine_row_reports_what_the_engine_runs():
     for on in (True, False):
         with dispatch.override(fused_attention_combine=on):
             assert switch.value_of(bf16) == ("on" if on else "off")
+
+
+def test_pdl_switch_reports_what_the_launches_do():
+    import torch
+
+    from moekv.ops import dispatch
+
+    switch = next(s for s in ds.SWITCHES if s.name == "pdl")
+    assert ds.apply_switches(EngineConfig(ModelConfig("m")), {"pdl": True}).kernels.pdl is True
+    with dispatch.override(pdl=False):
+        assert switch.value_of(None) == "off"
+    with dispatch.override(pdl=True):
+        hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+        assert (switch.value_of(None) == "on") == hopper
+        if not hopper:
+            assert switch.value_of(None).startswith("off (needs")

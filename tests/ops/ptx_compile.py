@@ -20,8 +20,10 @@ ALIGNED = {"stride_qb", "stride_qh", "stride_kp", "stride_kt", "stride_kh", "str
            "stride_ob", "stride_oh", "stride_pb", "stride_ph", "stride_ps"}
 
 
-def compile_decode(combine: bool, group: int = 4, head_dim: int = 128, num_splits: int = 64, arch: int = 90):
-    """-> the CompiledKernel of _fp_decode_kernel (split mode, device splits) for a CUDA target of `arch`."""
+def compile_decode(combine: bool, group: int = 4, head_dim: int = 128, num_splits: int = 64, arch: int = 90,
+                   use_pdl: bool = False):
+    """-> the CompiledKernel of _fp_decode_kernel (split mode, device splits) for a CUDA target of `arch`;
+    use_pdl: as launched with programmatic dependent launch (ops/triton/pdl.py)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -38,13 +40,14 @@ def compile_decode(combine: bool, group: int = 4, head_dim: int = 128, num_split
     cfg = default_config(head_dim, torch.bfloat16)
     consts = dict(PAGE_SIZE=16, GROUP=group, BLOCK_H=pow2(group), HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
                   BLOCK_N=cfg["BLOCK_N"], HALF=True, UPCAST=False, SPLIT=True, DEVICE_SPLITS=True, COMBINE=combine,
-                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1)
+                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1, USE_PDL=use_pdl)
     signature = dict(types, **{name: "constexpr" for name in consts})
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*PTRS, *ALIGNED)}
     source = ASTSource(_fp_decode_kernel, signature, consts, attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                                   **({"launch_pdl": True} if use_pdl else {})})
 
 
 def main(argv=None) -> int:

@@ -61,6 +61,20 @@ def _refresh() -> None:
     for fields in _override_stack:
         merged.update(fields)
     _active = _validated(dataclasses.replace(_installed, **merged)) if merged else _installed
+    _set_pdl(_active.pdl)
+
+
+def _set_pdl(on: bool) -> None:
+    """KernelConfig.pdl into ops.triton.pdl, which the Triton launches read (only where Triton imports)."""
+    if on or "moekv.ops.triton.pdl" in sys.modules:
+        try:
+            from moekv.ops.triton import pdl
+        except Exception:                                                     # noqa: BLE001 (no Triton here)
+            return
+        pdl.set_enabled(on)
+
+
+_set_pdl(_active.pdl)
 
 
 @contextmanager

@@ -180,10 +180,12 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         if t.stride(-1) != 1:
             raise ValueError(f"paged_attention_lowbit_decode: {name} rows must be contiguous")
     kp, vp = key_pages, value_pages
+    from moekv.ops.triton import pdl              # KernelConfig.pdl: launched with programmatic dependent launch
     module(query.device).decode(
         query, key, value, out, partial, lse, counters,
         kp.codes, kp.scale, kp.zero, kp.outlier_vals, kp.outlier_idx, kp.outlier_count,
         vp.codes, vp.scale, vp.zero, vp.scale_base, vp.outlier_vals, vp.outlier_idx, vp.outlier_count,
         staging_keys, staging_values, staging_slot_of_page, meta.block_tables, meta.query_start_loc,
-        meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits, warps)
+        meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits, warps,
+        pdl.active_on(query))
     return out

@@ -69,7 +69,7 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
             torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor slot_of_page,
             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
             double qk_scale, int64_t group, int64_t num_splits, int64_t pages_per_split,
-            int64_t bits, int64_t warps) {
+            int64_t bits, int64_t warps, bool pdl) {
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(q.size(-1) == D && k_codes.size(2) == P, "lowbit decode v7: head_dim and page size must be 128");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32 &&
@@ -115,6 +115,7 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   p.stride_vt = new_v.stride(0); p.stride_vh = new_v.stride(1);
   p.stride_ot = out.stride(0); p.stride_oh = out.stride(1);
   p.stride_bt = block_tables.stride(0);
+  p.pdl = pdl ? 1 : 0;
   const int batch = static_cast<int>(context_lens.size(0));
   if (batch == 0) return;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();

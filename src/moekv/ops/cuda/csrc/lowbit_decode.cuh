@@ -91,6 +91,7 @@ struct Params {
   int m_nk, m_nv;                   // 16-byte pieces of one page-head's key / value outlier index (or value) slots
   uint16_t m_piece[FIXED_PIECES];   // each fixed piece: (array << 8) | its rank within the array
   int stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt;
+  int pdl;                          // launched with programmatic dependent launch (KernelConfig.pdl, ops/triton/pdl.py)
 };
 
 }  // namespace moekv_v7

@@ -39,6 +39,12 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   using L = Layout<B>;
   MOEKV_TRACE_CTA(0);
+  // programmatic dependent launch (Params::pdl): wait for the grid before this one -- its completion and its memory
+  // -- before any global access, then let the next kernel be scheduled (a no-op for an ordinary launch)
+  if (p.pdl) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
   const SmemPlan plan = smem_plan<B, W>(p.k_cap, p.v_cap);
   const int ocK = outlier_chunk_bytes(p.k_cap), ocV = outlier_chunk_bytes(p.v_cap);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;

@@ -27,7 +27,21 @@ static void launch(const Params& p, int batch, cudaStream_t stream) {
     configured = plan.total;
   }
   dim3 grid(p.num_splits, p.num_kv_heads, batch);
-  kernel<<<grid, 32 * W, plan.total, stream>>>(p);
+  if (p.pdl) {                      // may be scheduled while the kernel before it finishes; it waits at its top
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(32 * W);
+    cfg.dynamicSmemBytes = plan.total;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    check(cudaLaunchKernelEx(&cfg, kernel, p), "launch (PDL)");
+  } else {
+    kernel<<<grid, 32 * W, plan.total, stream>>>(p);
+  }
   check(cudaGetLastError(), "launch");
 }
 

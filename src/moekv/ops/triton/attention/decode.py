@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
 
 from moekv.ops.triton.attention.split_k import (arrival_counters, combine_chunk, combine_if_last, combine_splits,
@@ -55,7 +56,9 @@ def _fp_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
     COMBINE: tl.constexpr, BLOCK_SC: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,7 +181,7 @@ def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, va
     _fp_decode_kernel[grid](
         query, key_pages, value_pages, block_tables, seq_lens, out, partial, lse, counters, scale * LOG2E,
         tokens_per_split, num_splits, query.stride(0), query.stride(1), *page_strides, block_tables.stride(0),
-        out.stride(0), out.stride(1), *split_strides, **common)
+        out.stride(0), out.stride(1), *split_strides, **common, **pdl.launch_kwargs(query))
     if split and not combine:
         combine_splits(partial, lse, out)
     return out

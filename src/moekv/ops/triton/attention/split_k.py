@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.triton import pdl
+
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
@@ -67,7 +69,9 @@ def _combine_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -93,7 +97,7 @@ def combine_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) 
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=max(triton.next_power_of_2(num_splits), 2), num_warps=4)
+        BLOCK_S=max(triton.next_power_of_2(num_splits), 2), num_warps=4, **pdl.launch_kwargs(out))
     return out
 
 

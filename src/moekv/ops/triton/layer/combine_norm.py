@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.reference.moe_combine import check_partials
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable
 from moekv.ops.triton.layer.norm import MAX_HIDDEN, launch_config, round_to
 
@@ -36,7 +37,9 @@ def _combine_add_norm_kernel(
     normed_ptr, new_res_ptr,                              # [T, H] x2, contiguous
     hidden, eps, stride_ps, stride_pt, stride_rt,
     TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     hmask = cols < hidden
@@ -95,5 +98,6 @@ def moe_combine_add_rms_norm(partial: torch.Tensor, topk_weights: torch.Tensor, 
     _combine_add_norm_kernel[(num_tokens,)](
         partial, topk_weights.contiguous(), residual, norm_weight.contiguous(), normed, new_residual, hidden, eps,
         partial.stride(0), partial.stride(1), residual.stride(0), TOP_K=topk_weights.shape[1],
-        SPLITS=partial.shape[0], BLOCK_H=block, EMULATE_BF16=not residual.is_cuda, enable_fp_fusion=False, **cfg)
+        SPLITS=partial.shape[0], BLOCK_H=block, EMULATE_BF16=not residual.is_cuda, enable_fp_fusion=False, **cfg,
+        **pdl.launch_kwargs(residual))
     return normed, new_residual

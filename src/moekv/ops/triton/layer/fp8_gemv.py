@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from moekv.core.fp8 import Fp8Weight, k_tile_cap
+from moekv.ops.triton import pdl
 from moekv.ops.triton.fma_tiles import fma_rows
 from moekv.ops.triton.layer.skinny_gemm import _store_tile, default_split, num_sms, reduce_splits, split_plan
 from moekv.ops.triton.moe.decode_fma import FMA_MAX_TOKENS, check_part, default_part
@@ -50,7 +51,9 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, ROW_SCALES: tl.constexpr,
     UNROLL: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     split = tl.program_id(1)
     tokens = tl.arange(0, BLOCK_T)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # [BN] output features
@@ -103,7 +106,7 @@ def fp8_gemv(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, out:
         x.stride(0), codes.stride(0), scale.stride(0), scale.stride(1), weight.block[1], target.stride(-2),
         target.stride(0) if split else 0, HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=K % block_k == 0,
         BLOCK_T=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, SCALE_BN=weight.block[0],
-        ROW_SCALES=weight.block[1] >= K, EMULATE_BF16=not x.is_cuda, **cfg)
+        ROW_SCALES=weight.block[1] >= K, EMULATE_BF16=not x.is_cuda, **cfg, **pdl.launch_kwargs(x))
     if split:
         reduce_splits(target, b_arg, out, bias is not None, not x.is_cuda)
     return out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from moekv.core.fp8 import Fp8Weight, k_tile_cap
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable, weight_dot
 from moekv.ops.triton.layer import fp8_gemv
 from moekv.ops.triton.layer.norm import round_to
@@ -40,7 +41,9 @@ def _fp8_linear_kernel(
     stride_xm, stride_wn, stride_wk, stride_sn, stride_sk, scale_block_k, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALE_BN: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rows < M
@@ -134,5 +137,5 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
         x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), weight.block[1],
         out.stride(0), HAS_BIAS=bias is not None, SCALE_BN=weight.block[0],
         UPCAST=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda),
-        EMULATE_BF16=not x.is_cuda, **cfg)
+        EMULATE_BF16=not x.is_cuda, **cfg, **pdl.launch_kwargs(x))
     return out

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable, round_to
 
 MAX_HIDDEN = 16384          # one row is held in registers: 16K fp32 values over 16 warps = 32 per thread
@@ -32,7 +33,9 @@ MAX_HIDDEN = 16384          # one row is held in registers: 16K fp32 values over
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n, eps,
                      stride_xa, stride_xb, stride_ra, stride_rb, num_b,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl.enter(USE_PDL)
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -101,7 +104,7 @@ def _launch(x, residual, weight, eps):
     _rms_norm_kernel[(num_a, num_b)](
         x3, r3, weight, out, new_residual, n, eps, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), num_b,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block, EMULATE_BF16=not x.is_cuda, num_warps=warps,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl.launch_kwargs(x))
     return out, new_residual
 
 

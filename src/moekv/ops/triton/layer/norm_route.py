@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable
 from moekv.ops.triton.layer.norm import MAX_HIDDEN, round_to
 from moekv.ops.triton.layer.routing import MAX_EXPERTS, _route_topk_kernel, topk_epilogue
@@ -44,7 +45,9 @@ def _add_norm_route_kernel(
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LOAD: tl.constexpr, HAS_VALID: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, SUB_E: tl.constexpr, FUSE_TOPK: tl.constexpr,
     E_PAD: tl.constexpr, K_PAD: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
@@ -147,8 +150,10 @@ def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: tor
     _add_norm_route_kernel[(num_tokens, num_blocks)](
         x, residual, norm_weight, router_weight, normed, new_residual, logits, weights, ids, load_arg, valid_arg,
         hidden, num_experts, eps, x.stride(0), residual.stride(0), router_weight.stride(0),
-        FUSE_TOPK=fuse, EMULATE_BF16=not x.is_cuda, enable_fp_fusion=False, **routing, **cfg)
+        FUSE_TOPK=fuse, EMULATE_BF16=not x.is_cuda, enable_fp_fusion=False, **routing, **cfg,
+        **pdl.launch_kwargs(x))
     if not fuse:                            # more router rows than one program reads: the routing kernel after
         _route_topk_kernel[(num_tokens,)](logits, weights, ids, load_arg, valid_arg, num_experts, logits.stride(0),
-                                          num_warps=1 if num_experts <= 64 else 2, **routing)
+                                          num_warps=1 if num_experts <= 64 else 2, **routing,
+                                          **pdl.launch_kwargs(x))
     return normed, new_residual, weights, ids

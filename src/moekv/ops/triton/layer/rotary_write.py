@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable
 from moekv.ops.triton.layer.norm import round_to
 from moekv.ops.triton.layer.rotary import load_cos_sin
@@ -123,8 +124,10 @@ def _qk_norm_rotary_write_kernel(
     stride_pt, stride_ph,
     NORM: tl.constexpr, CLIP: tl.constexpr, WRITE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """WRITE 0: no cache; 1: the rows at slots[t]; 2: checked (flags, zeros where non-finite, and the copies)."""
+    pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, half, HALF)
     q1, q2, q_mask = _transform(q_ptr, stride_qt, stride_qh, t, num_q_heads, half, c1, c2, s1, s2, qw_ptr, eps, clip,
@@ -241,5 +244,5 @@ def qk_norm_rotary_write(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         key_copy.stride(0) if checked else 0, key_copy.stride(1) if checked else 0,
         NORM=norm_mode(q_norm_weight, head_dim), CLIP=clip is not None, WRITE=write, BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_k), HALF=half_pad, EMULATE_BF16=not query.is_cuda,
-        num_warps=4 if block_hq * half_pad <= 2048 else 8, enable_fp_fusion=False)
+        num_warps=4 if block_hq * half_pad <= 2048 else 8, enable_fp_fusion=False, **pdl.launch_kwargs(query))
     return q_out, k_out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable
 
 MAX_EXPERTS = 256
@@ -66,7 +67,8 @@ def topk_epilogue(x, experts, emask, t, weights_ptr, ids_ptr, load_ptr, valid_pt
 def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, load_ptr, valid_ptr, num_experts, stride_t,
                        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_LOAD: tl.constexpr,
                        HAS_VALID: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                       LIBDEVICE_EXP: tl.constexpr):
+                       LIBDEVICE_EXP: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
     emask = experts < num_experts
@@ -101,5 +103,5 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, expert_load:
         token_valid if token_valid is not None else ids, num_experts, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_LOAD=expert_load is not None, HAS_VALID=token_valid is not None,
         E_PAD=triton.next_power_of_2(max(num_experts, 2)), K_PAD=triton.next_power_of_2(max(top_k, 2)),
-        LIBDEVICE_EXP=logits.is_cuda, num_warps=1 if num_experts <= 64 else 2)
+        LIBDEVICE_EXP=logits.is_cuda, num_warps=1 if num_experts <= 64 else 2, **pdl.launch_kwargs(logits))
     return weights, ids

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable, mma
 from moekv.ops.triton.layer.norm import round_to
 
@@ -71,7 +72,9 @@ def _skinny_dot_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -106,7 +109,9 @@ def _skinny_fma_kernel(
     stride_wn, stride_ps,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_BF16: tl.constexpr, UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,7 +143,9 @@ def _splitk_reduce_kernel(
     b_ptr, out_ptr,         # [N], [M, N]
     N, num_splits, stride_ps, stride_pm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
@@ -215,7 +222,7 @@ def reduce_splits(partials: torch.Tensor, bias_arg: torch.Tensor, out: torch.Ten
     reduce_n = min(1024, triton.next_power_of_2(N))
     _splitk_reduce_kernel[(M, triton.cdiv(N, reduce_n))](
         partials, bias_arg, out, N, partials.shape[0], partials.stride(0), partials.stride(1), out.stride(0),
-        HAS_BIAS=has_bias, BLOCK_N=reduce_n, EMULATE_BF16=emulate_bf16)
+        HAS_BIAS=has_bias, BLOCK_N=reduce_n, EMULATE_BF16=emulate_bf16, **pdl.launch_kwargs(out))
     return out
 
 
@@ -278,11 +285,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                  EMULATE_BF16=emulate)
     if variant == "fma":
         _skinny_fma_kernel[grid](x, weight, b_arg, target, N, K, k_per_split, weight.stride(0), stride_ps,
-                                 **flags, **cfg)
+                                 **flags, **cfg, **pdl.launch_kwargs(x))
     else:
         _skinny_dot_kernel[grid](x, weight, b_arg, target, M, N, K, k_per_split, x.stride(0), weight.stride(0),
                                  N, stride_ps, BLOCK_M=MAX_ROWS, UPCAST=upcast,
-                                 **flags, **cfg)
+                                 **flags, **cfg, **pdl.launch_kwargs(x))
     if split:
         reduce_splits(target, b_arg, out, has_bias, emulate)
     return out

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from moekv.core.fp8 import Fp8Weight, k_tile_cap
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import (check_launchable, expert_sources, owned_expert, round_to, store_slot_rows,
                                      weight_dot)
 from moekv.ops.triton.moe import decode_fma
@@ -84,7 +85,9 @@ def _decode_gate_up_kernel(
     stride_se, stride_sn, stride_sk, scale_block_k,
     TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     slot = tl.program_id(0)
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
@@ -114,7 +117,9 @@ def _decode_down_kernel(
     stride_se, stride_sn, stride_sk, scale_block_k,
     TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     slot = tl.program_id(0)
     split = tl.program_id(2)
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
@@ -147,7 +152,9 @@ def _combine_kernel(
     out_ptr,                # [T, H]
     hidden, num_splits, stride_ps, stride_pt, stride_ot,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < hidden
@@ -183,7 +190,8 @@ def combine(partial: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
     block_n = min(block_n, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         partial, weights, out, hidden, partial.shape[0], partial.stride(0), partial.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, EMULATE_BF16=not out.is_cuda, enable_fp_fusion=False)
+        TOP_K=top_k, BLOCK_N=block_n, EMULATE_BF16=not out.is_cuda, enable_fp_fusion=False,
+        **pdl.launch_kwargs(out))
     return out
 
 
@@ -307,7 +315,7 @@ def decode_activation(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight,
     _decode_gate_up_kernel[grid](
         hidden, weight, ids, act, scale_args[0], num_tokens, hidden_size, inter,
         hidden.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), act.stride(0), *scale_args[1:],
-        **_common(num_tokens, top_k, hidden), **cfg, **quant)
+        **_common(num_tokens, top_k, hidden), **cfg, **quant, **pdl.launch_kwargs(hidden))
     return act
 
 
@@ -382,5 +390,5 @@ def down_partials(act: torch.Tensor, w_down: torch.Tensor | Fp8Weight, topk_ids:
     _decode_down_kernel[grid](
         act, weight, ids, partial, scale_args[0], num_tokens, hidden_size, inter, k_per_split,
         act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), partial.stride(0), partial.stride(1),
-        *scale_args[1:], **_common(num_tokens, top_k, hidden), **cfg, **quant)
+        *scale_args[1:], **_common(num_tokens, top_k, hidden), **cfg, **quant, **pdl.launch_kwargs(hidden))
     return partial                                                                   # [S, T*k, H]

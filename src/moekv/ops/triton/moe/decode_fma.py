@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.triton import pdl
 from moekv.ops.triton.common import expert_sources, owned_expert, round_to, store_slot_rows
 from moekv.ops.triton.fma_tiles import activation_tile, fma_rows, row_scales, weight_tile
 
@@ -60,7 +61,9 @@ def _fma_gate_up_kernel(
     TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr, ROW_SCALES: tl.constexpr,
     EVEN_K: tl.constexpr, UNROLL: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     slot = tl.program_id(0)
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
     if owner:
@@ -113,7 +116,9 @@ def _fma_down_kernel(
     TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr, ROW_SCALES: tl.constexpr,
     EVEN_K: tl.constexpr, UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.enter(USE_PDL)
     slot = tl.program_id(0)
     split = tl.program_id(2)
     expert, owner = owned_expert(ids_ptr, slot, num_tokens * TOP_K, SLOTS_PAD)
@@ -213,7 +218,7 @@ def gate_up(hidden: torch.Tensor, weight: torch.Tensor, scale_args: list, quant:
         hidden, weight, topk_ids, act, scale_args[0], num_tokens, hidden_size, inter,
         hidden.stride(0), weight.stride(0), weight.stride(1), act.stride(0), *scale_args[1:],
         **_token_flags(num_tokens, topk_ids.shape[1]), **_launch_flags(cfg, hidden_size, scale_args[4], quant["FP8"]),
-        **quant, EMULATE_BF16=not hidden.is_cuda)
+        **quant, EMULATE_BF16=not hidden.is_cuda, **pdl.launch_kwargs(hidden))
     return act
 
 
@@ -230,5 +235,6 @@ def down(act: torch.Tensor, weight: torch.Tensor, scale_args: list, quant: dict,
     _fma_down_kernel[grid](
         act, weight, topk_ids, partial, scale_args[0], num_tokens, hidden_size, inter, k_per_split,
         act.stride(0), weight.stride(0), weight.stride(1), partial.stride(0), partial.stride(1), *scale_args[1:],
-        **_token_flags(num_tokens, top_k), **_launch_flags(cfg, inter, scale_args[4], quant["FP8"]), **quant)
+        **_token_flags(num_tokens, top_k), **_launch_flags(cfg, inter, scale_args[4], quant["FP8"]), **quant,
+        **pdl.launch_kwargs(act))
     return partial
