@@ -38,7 +38,7 @@ def compile_decode(combine: bool, group: int = 4, head_dim: int = 128, num_split
     cfg = default_config(head_dim, torch.bfloat16)
     consts = dict(PAGE_SIZE=16, GROUP=group, BLOCK_H=pow2(group), HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
                   BLOCK_N=cfg["BLOCK_N"], HALF=True, UPCAST=False, SPLIT=True, DEVICE_SPLITS=True, COMBINE=combine,
-                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1)
+                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1, INVARIANT=False)
     signature = dict(types, **{name: "constexpr" for name in consts})
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*PTRS, *ALIGNED)}
