@@ -22,6 +22,14 @@ from moekv.models.registry import named_arch
 from moekv.ops import dispatch
 from moekv.sampling import SamplingParams
 
+@pytest.fixture(autouse=True)
+def _restore_kernel_config():
+    """An engine installs its KernelConfig for the process: put back what was there before each test."""
+    installed = dispatch.kernel_config()
+    yield
+    dispatch.install(installed)
+
+
 TINY = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, top_k=2,
             expert_intermediate_size=48, vocab_size=256, max_position_embeddings=1024)
 
