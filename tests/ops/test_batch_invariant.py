@@ -251,3 +251,30 @@ def test_without_the_mode_decode_and_prefill_differ(device):
             for pos in (TARGET - 1, 260, 200) for splits in (1, 3)]
     expected = [whole[pos] for pos in (TARGET - 1, 260, 200) for _ in (1, 3)]
     assert not all(torch.equal(a, b) for a, b in zip(rows, expected))
+
+
+def _ptxas_bundled() -> bool:
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("triton.backends.nvidia")
+    return spec is not None and os.path.exists(os.path.join(os.path.dirname(spec.origin), "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _ptxas_bundled(), reason="Triton's NVIDIA backend (bundled ptxas) is not installed")
+def test_kernels_compile_for_sm90_with_one_dot_instruction():
+    """What the interpreter cannot show: the mode's kernels compile for an H100 / H200 (no GPU needed), and the decode
+    and the prefill kernel's score and value dots lower to the same instruction (wgmma, 64-row tiles in both), so
+    a decode row and a prefill row are multiplied alike."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; from tests.ops.ptx_compile import compile_batch_invariant; "
+            "p = compile_batch_invariant(); sys.stdout.write(chr(0).join(p[k] for k in sorted(p)))")
+    ptx = dict(zip(["decode", "linear", "linear_fp8", "merge", "prefill"], subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split(chr(0))))
+    for name in ("decode", "prefill", "linear"):
+        assert "wgmma.mma_async" in ptx[name] and "mma.sync" not in ptx[name], name
+    assert ".entry" in ptx["merge"] and ".entry" in ptx["linear_fp8"]
