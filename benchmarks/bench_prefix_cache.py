@@ -17,7 +17,9 @@ equal with and without caching (`matching`: how many requests' answers are; agen
 answers, so one difference carries on). Keys/values of a token are computed with a different batch shape
 with and without a hit (a hit's prefix came from an earlier prefill or from decode steps), so with bf16
 model compute, whose matmul rounding depends on the batch shape, near-tied greedy picks can flip; --dtype
-fp32 with bf16 KV checks that the cache itself changes nothing. A low-bit cache reads a hit prefix from
+fp32 with bf16 KV checks that the cache itself changes nothing; --batch-invariant (KernelConfig.batch_invariant:
+fixed-tile kernels whose row results do not depend on the batch, docs/serving.md) is what makes bf16 compute on a
+GPU give identical outputs, at its cost in TTFT and decode time. A low-bit cache reads a hit prefix from
 quantized pages where a cold prefill attends to its own tokens in full precision: outputs may differ.
 The bundled model (default, `--model bundled`) tokenizes its validation text; a named shape (`--model
 mixtral-8x7b`, needs a GPU) gets random weights (moekv.models.loader.build_random_model) and random token
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 
 from moekv.bench.serve import percentiles
-from moekv.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from moekv.config import CacheConfig, DeviceConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig
 from moekv.engine.engine import Engine
 from moekv.models.loader import build_random_model
 from moekv.models.registry import NAMED_SHAPES, named_arch
@@ -88,7 +90,9 @@ class Source:
         config = EngineConfig(model=ModelConfig(model=self.model_path, dtype=dtype, max_model_len=max_model_len),
                               cache=cache,
                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-                              device=DeviceConfig(str(self.device), cuda_graphs=not args.enforce_eager))
+                              device=DeviceConfig(str(self.device), cuda_graphs=not args.enforce_eager),
+                              kernels=KernelConfig.from_env(**({"batch_invariant": True} if args.batch_invariant
+                                                               else {})))
         return Engine(config, model=self.model)
 
 
@@ -200,7 +204,8 @@ def write_results(out_dir: Path, stem: str, result: dict) -> tuple[Path, Path]:
              f"Command: `{env['command']}`", "",
              f"Shared prefix {cfg['prefix']} tokens; agentic: {cfg['turns']} turns of +{cfg['user']} user tokens "
              f"and {cfg['answer']}-token answers; concurrent: {cfg['concurrency']} requests of prefix + "
-             f"{cfg['user']} own tokens, {cfg['answer']}-token answers. TTFT from add_request to the first token.",
+             f"{cfg['user']} own tokens, {cfg['answer']}-token answers. TTFT from add_request to the first token. "
+             f"Batch-invariant kernels: {'on' if cfg.get('batch_invariant') else 'off'}.",
              "", "| workload | kv | prefix caching | requests | TTFT p50 ms | TTFT p90 ms | hit rate | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
@@ -232,6 +237,9 @@ def main(argv=None) -> int:
     parser.add_argument("--answer", type=int, default=24, help="generated tokens per turn / per request")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="KernelConfig.batch_invariant: row results independent of the batch (slower; what "
+                        "identical greedy outputs with bf16 compute on a GPU need)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV pages (default: all sequences at full length on the CPU, sized from memory on a GPU)")
@@ -245,7 +253,8 @@ def main(argv=None) -> int:
     source = Source(args, device)
     result = {"env": environment(["benchmarks/bench_prefix_cache.py", *argv], device),
               "model": args.model + ("-tiny" if args.tiny else "") + ("" if args.dtype == "auto" else f"-{args.dtype}"),
-              "config": {k: getattr(args, k) for k in ("prefix", "turns", "user", "answer", "concurrency")},
+              "config": {**{k: getattr(args, k) for k in ("prefix", "turns", "user", "answer", "concurrency")},
+                         "batch_invariant": args.batch_invariant or KernelConfig.from_env().batch_invariant},
               "runs": []}
     for workload in args.workloads.split(","):
         for kv in args.kv_cache_dtype.split(","):

@@ -328,7 +328,7 @@ class KernelConfig:
 
     `from_env()` (the EngineConfig default) applies the MOEKV_* overrides (see `envs.py`) to these
     defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_FUSED_DECODE_LAYER,
-    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_FUSED_MOE_COMBINE, MOEKV_SKINNY_GEMM, MOEKV_PDL.
+    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_FUSED_MOE_COMBINE, MOEKV_SKINNY_GEMM, MOEKV_PDL, MOEKV_BATCH_INVARIANT.
     """
 
     SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
@@ -359,6 +359,11 @@ class KernelConfig:
                                         # compute capability >= 9.0 (ops/triton/pdl.py): each may be scheduled
                                         # while the kernel before it finishes; off until a GPU run measures it
                                         # (docs/gpu-runbook.md, session 28); MOEKV_PDL=1 turns it on
+    batch_invariant: bool = False       # every token row's result bit-identical whatever else shares its step (batch
+                                        # size, prefill chunk, CUDA-graph bucket): one fixed-tile GEMM for every linear,
+                                        # the grouped MoE path with one config, attention split at fixed token counts,
+                                        # no size-dependent fusions (docs/serving.md, "Batch-invariant mode"); slower,
+                                        # opt-in; MOEKV_BATCH_INVARIANT=1
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "reference", "triton"):
@@ -375,6 +380,8 @@ class KernelConfig:
             raise ConfigError(f"fused_moe_combine must be True or False, got {self.fused_moe_combine!r}")
         if not isinstance(self.pdl, bool):
             raise ConfigError(f"pdl must be True or False, got {self.pdl!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if (not isinstance(self.skinny_gemm_rows, int) or isinstance(self.skinny_gemm_rows, bool)
                 or not 0 <= self.skinny_gemm_rows <= self.SKINNY_GEMM_MAX_ROWS):
             raise ConfigError(f"skinny_gemm_rows must be in 0..{self.SKINNY_GEMM_MAX_ROWS} (0: off), "
@@ -404,9 +411,24 @@ class EngineConfig:
         if self.device.overlap_decode and self.parallel.expert_parallel_size > 1:
             raise ConfigError("overlap_decode needs expert_parallel_size == 1 (expert-parallel ranks agree on each "
                               "step before it runs, in lockstep)")
+        if self.kernels.batch_invariant:
+            batch_invariant_limits(self)
         if self.device.overlap_decode is None:          # auto: on wherever it may run
             overlap = self.parallel.expert_parallel_size == 1
             object.__setattr__(self, "device", replace(self.device, overlap_decode=overlap))
+
+
+def batch_invariant_limits(config: EngineConfig) -> None:
+    """What KernelConfig.batch_invariant does not cover yet, refused by name (docs/serving.md, "Batch-invariant
+    mode"): the low-bit KV formats (their CUDA decode kernel and Triton prefill kernel compute a token's attention
+    differently), expert parallelism and expert offloading (their expert passes keep their own per-step tiles)."""
+    if config.cache.is_low_bit:
+        raise ConfigError(f"batch_invariant needs a full-precision KV cache (bf16, fp16, fp32), got kv_cache_dtype="
+                          f"{config.cache.kv_cache_dtype!r}: the low-bit decode and prefill kernels differ")
+    if config.parallel.expert_parallel_size > 1:
+        raise ConfigError("batch_invariant does not cover expert parallelism yet (expert_parallel_size must be 1)")
+    if config.offload.cpu_offload_experts:
+        raise ConfigError("batch_invariant does not cover expert offloading yet (cpu_offload_experts must be off)")
 
 
 # Not yet: the expert-parallel exchange / rebalance move 16-bit expert tensors only (offloading takes FP8

@@ -17,6 +17,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_FUSED_MOE_COMBINE | `kernel_overrides` | 0 / 1: the MoE decode combine summed by the next add + norm (on) |
 | MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) |
 | MOEKV_PDL | `kernel_overrides` | 0 / 1: programmatic dependent launch of the decode step's Triton kernels (off) |
+| MOEKV_BATCH_INVARIANT | `kernel_overrides` | 0 / 1: every row's result independent of the batch (slower) |
 | MOEKV_CAPTURE_ERROR_MODE | `capture_error_mode` | torch.cuda.graph's capture_error_mode |
 | MOEKV_DEFAULT_MODEL | `default_model` | the checkpoint `moekv` runs when none is named |
 | MOEKV_MODEL_DIR | `model_dir` | where the bundled model folder is |
@@ -81,7 +82,8 @@ def _seconds(name: str, strict: bool, default: float | None = None) -> float | N
 # -- kernel switches (KernelConfig.from_env) -------------------------------------------------------
 def kernel_overrides() -> dict[str, Any]:
     """The KernelConfig fields the environment sets: backend, lowbit_decode, fused_layer_ops,
-    fused_decode_layer, fused_attention_combine, fused_moe_combine, skinny_gemm_rows, pdl. The low-bit decode name is checked against the kernel table by ops.dispatch."""
+    fused_decode_layer, fused_attention_combine, fused_moe_combine, skinny_gemm_rows, pdl, batch_invariant. The low-bit
+    decode name is checked against the kernel table by ops.dispatch."""
     out: dict[str, Any] = {}
     backend = _choice("MOEKV_OPS_BACKEND", ("auto", "reference", "triton"))
     if backend is not None:
@@ -91,7 +93,8 @@ def kernel_overrides() -> dict[str, Any]:
         out["lowbit_decode"] = lowbit_decode
     for name, field in (("MOEKV_FUSED_LAYER_OPS", "fused_layer_ops"), ("MOEKV_FUSED_DECODE_LAYER", "fused_decode_layer"),
                         ("MOEKV_FUSED_ATTENTION_COMBINE", "fused_attention_combine"),
-                        ("MOEKV_FUSED_MOE_COMBINE", "fused_moe_combine"), ("MOEKV_PDL", "pdl")):
+                        ("MOEKV_FUSED_MOE_COMBINE", "fused_moe_combine"), ("MOEKV_PDL", "pdl"),
+                        ("MOEKV_BATCH_INVARIANT", "batch_invariant")):
         flag = _flag(name)
         if flag is not None:
             out[field] = flag

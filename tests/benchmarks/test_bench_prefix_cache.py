@@ -26,3 +26,27 @@ def test_tiny_run_writes_hit_rates_and_identical_greedy_outputs(tmp_path):
     assert [s["identical"] for s in result["summary"]] == [True, True]
     assert "| agentic | bf16 | on | 3 |" in (tmp_path / "tiny.md").read_text()
     assert result["env"]["commit"] and result["env"]["command"].startswith("PYTHONPATH=src:. python")
+
+
+def test_batch_invariant_flag_reaches_the_engine_and_the_results(tmp_path, monkeypatch):
+    from moekv.ops import dispatch
+
+    seen = []
+    original = bench_prefix_cache.Engine
+
+    def engine(config, **kwargs):
+        seen.append(config.kernels.batch_invariant)
+        return original(config, **kwargs)
+
+    monkeypatch.setattr(bench_prefix_cache, "Engine", engine)
+    installed = dispatch.kernel_config()
+    argv = ["--tiny", "--model", "mixtral-8x7b", "--workloads", "concurrent", "--prefix", "32", "--user", "4",
+            "--answer", "2", "--concurrency", "2", "--batch-invariant", "--out", str(tmp_path), "--tag", "bi"]
+    try:
+        assert bench_prefix_cache.main(argv) == 0
+    finally:
+        dispatch.install(installed)                                 # the engines installed the mode
+    result = json.loads((tmp_path / "bi.json").read_text())
+    assert seen == [True, True] and result["config"]["batch_invariant"] is True
+    assert result["summary"][0]["identical"] is True
+    assert "Batch-invariant kernels: on." in (tmp_path / "bi.md").read_text()

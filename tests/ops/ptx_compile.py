@@ -40,7 +40,7 @@ def compile_decode(combine: bool, group: int = 4, head_dim: int = 128, num_split
     cfg = default_config(head_dim, torch.bfloat16)
     consts = dict(PAGE_SIZE=16, GROUP=group, BLOCK_H=pow2(group), HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim),
                   BLOCK_N=cfg["BLOCK_N"], HALF=True, UPCAST=False, SPLIT=True, DEVICE_SPLITS=True, COMBINE=combine,
-                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1, USE_PDL=use_pdl)
+                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1, INVARIANT=False, USE_PDL=use_pdl)
     signature = dict(types, **{name: "constexpr" for name in consts})
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*PTRS, *ALIGNED)}
@@ -48,6 +48,55 @@ def compile_decode(combine: bool, group: int = 4, head_dim: int = 128, num_split
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
                                    **({"launch_pdl": True} if use_pdl else {})})
+
+
+def compile_batch_invariant(group: int = 4, head_dim: int = 128, arch: int = 90) -> dict[str, str]:
+    """The batch-invariant mode's kernels (KernelConfig.batch_invariant) compiled for a CUDA target, bf16, as their
+    launches specialise them: {"decode", "prefill", "merge", "linear", "linear_fp8"} -> PTX."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moekv.ops.triton.attention import invariant
+    from moekv.ops.triton.attention.decode import _fp_decode_kernel
+    from moekv.ops.triton.attention.prefill import _fp_prefill_kernel
+    from moekv.ops.triton.common import pow2
+    from moekv.ops.triton.layer.invariant_linear import FIXED_CONFIG, _invariant_linear_kernel
+
+    def build(kernel, types, consts, options):
+        signature = {name: "constexpr" if name in consts else types.get(name, "i32")
+                     for name in inspect.signature(kernel.fn).parameters}
+        return triton.compile(ASTSource(kernel, signature, consts, {}), target=GPUTarget("cuda", arch, 32),
+                              options=options).asm["ptx"]
+
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "block_tables_ptr": "*i32",
+                "query_start_loc_ptr": "*i32", "context_lens_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "partial_ptr": "*fp32", "lse_ptr": "*fp32", "counters_ptr": "*i32", "qk_scale": "fp32",
+                "x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16"}
+    rows, attention = invariant.block_rows(group), {"num_warps": invariant.NUM_WARPS, "num_stages": 2,
+                                                    "enable_fp_fusion": False}
+    shared = dict(PAGE_SIZE=16, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=pow2(head_dim), BLOCK_N=invariant.BLOCK_N,
+                  HALF=True, UPCAST=False)
+    linear = dict(HAS_BIAS=True, FP8=False, SCALE_BN=1, UPCAST=False, EMULATE_BF16=False,
+                  **{k: v for k, v in FIXED_CONFIG.items() if k.startswith("BLOCK")})
+    options = {k: v for k, v in FIXED_CONFIG.items() if not k.startswith("BLOCK")}
+    return {
+        "decode": build(_fp_decode_kernel, pointers, dict(shared, BLOCK_H=rows, SPLIT=True, DEVICE_SPLITS=False,
+                                                          COMBINE=False, BLOCK_SC=1, INVARIANT=True, USE_PDL=False),
+                         attention),
+        "prefill": build(_fp_prefill_kernel, pointers, dict(shared, BLOCK_Q=rows // group, BLOCK_M=rows,
+                                                            INVARIANT=True, SPLIT_TOKENS=invariant.SPLIT_TOKENS),
+                         attention),
+        "merge": build(invariant._merge_splits_kernel, pointers, dict(GROUP=group, BLOCK_H=rows, HEAD_DIM=head_dim,
+                                                                      BLOCK_D=pow2(head_dim),
+                                                                      SPLIT_LEN=invariant.SPLIT_TOKENS),
+                       {"num_warps": invariant.NUM_WARPS, "enable_fp_fusion": False}),
+        "linear": build(_invariant_linear_kernel, pointers, linear, options),
+        "linear_fp8": build(_invariant_linear_kernel, dict(pointers, w_ptr="*fp8e4nv"), dict(linear, FP8=True),
+                            options),
+    }
 
 
 def main(argv=None) -> int:

@@ -64,6 +64,10 @@ class Linear(nn.Module):
         self.weight_block = tuple(weight.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dispatch.batch_invariant():            # KernelConfig.batch_invariant: one fixed-tile GEMM for every M
+            weight = self.fp8_weight() if self.weight.dtype == FP8_DTYPE else self.weight
+            out = dispatch.invariant_linear(x.reshape(-1, x.shape[-1]), weight, self.bias)     # [T, out]
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if self.weight.dtype == FP8_DTYPE:                                            # W8A16
             out = dispatch.fp8_linear(x.reshape(-1, x.shape[-1]), self.fp8_weight(), self.bias)   # [T, out]
             return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -26,6 +26,7 @@ from moekv.ops.choices import DEFAULT_LOWBIT_DECODE, LOWBIT_DECODE_KERNELS, moe_
 from moekv.ops.op_table import Op
 
 _TRI = "moekv.ops.triton."
+_REF = "moekv.ops.reference."
 
 _warned: set[str] = set()
 
@@ -108,6 +109,11 @@ def skinny_gemm_enabled() -> bool:
     return _active.skinny_gemm_rows > 0
 
 
+def batch_invariant() -> bool:
+    """KernelConfig.batch_invariant: every row's result independent of the rest of its batch (the layers ask)."""
+    return _active.batch_invariant
+
+
 def skinny_gemm_max_rows() -> int:
     """The row limit of the skinny GEMM when on (1 with MOEKV_SKINNY_GEMM=auto, 16 otherwise)."""
     return _active.skinny_gemm_rows or KernelConfig.SKINNY_GEMM_MAX_ROWS
@@ -156,8 +162,10 @@ def _skinny_triton(op: str, x: torch.Tensor) -> bool:
 def fused_decode_layer() -> bool:
     """Whether the model runs its cross-op fusions (add_rms_norm_route, qk_norm_rotary_write): KernelConfig's
     fused_decode_layer together with fused_layer_ops. Their kernels then run where the other layer ops' do (CUDA
-    under "auto"); elsewhere their reference twins, the same math as the unfused ops."""
-    return _active.fused_decode_layer and _active.fused_layer_ops
+    under "auto"); elsewhere their reference twins, the same math as the unfused ops. Off in the batch-invariant
+    mode: they apply up to a token count (KernelConfig.FUSED_ROUTER_MAX_TOKENS) or to some steps only, so a row
+    would take another path in a larger step; the unfused per-row kernels run for every T instead."""
+    return _active.fused_decode_layer and _active.fused_layer_ops and not _active.batch_invariant
 
 
 def fused_moe_combine() -> bool:
@@ -190,6 +198,8 @@ def moe_experts_path(hidden: torch.Tensor, num_experts: int, inter: int, weights
         if not choices.resolve(_TRI + "moe.decode:supports")(*weights):
             return "reference"
         fmt = choices.resolve(_TRI + "moe.decode:weight_format")(weights[0])
+    if _active.batch_invariant:                 # one path for every T (the decode / grouped crossover is by T)
+        return "grouped"
     return choices.moe_kernel_path(hidden, num_experts, inter, fmt)
 
 
@@ -227,7 +237,10 @@ def _call(name: str, *args, **kwargs):
 
 # -- the ops (signatures: their reference twins in ops/reference/) ------------------------------------
 def paged_attention_full_precision(query, key_pages, value_pages, meta, scale):
-    """See ops.reference.attention.paged_attention_full_precision (Triton: ops.triton.attention)."""
+    """See ops.reference.attention.paged_attention_full_precision (Triton: ops.triton.attention; in the
+    batch-invariant mode its fixed-split arithmetic, elsewhere ops.reference.attention.paged_attention_rowwise)."""
+    if _active.batch_invariant and not use_triton("paged_attention_full_precision", query):
+        return choices.resolve(_REF + "attention:paged_attention_rowwise")(query, key_pages, value_pages, meta, scale)
     return _call("paged_attention_full_precision", query, key_pages, value_pages, meta, scale)
 
 
@@ -282,7 +295,12 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
     """See ops.reference.moe.moe_experts_reference. Triton (moe_experts_path): T <= the decode limit runs
     ops.triton.moe.decode (no sort, weights read once per step), larger T ops.triton.moe.grouped (device
     align + grouped GEMM). out_dtype: the output's dtype (None: hidden's); torch.float32 returns the fp32
-    weighted sum unrounded. w_gate_up / w_down: tensors, or both moekv.core.fp8.Fp8Weight (W8A16)."""
+    weighted sum unrounded. w_gate_up / w_down: tensors, or both moekv.core.fp8.Fp8Weight (W8A16).
+    Batch-invariant mode: the grouped path with one launch config for every T (moe.configs.BATCH_INVARIANT_CONFIG),
+    elsewhere ops.reference.moe.moe_experts_rowwise."""
+    if _active.batch_invariant and not use_triton("moe_experts", hidden):
+        return choices.resolve(_REF + "moe:moe_experts_rowwise")(hidden, w_gate_up, w_down, topk_ids, topk_weights,
+                                                                 out_dtype=out_dtype)
     return _call("moe_experts", hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=out_dtype)
 
 
@@ -378,5 +396,15 @@ def skinny_linear(x, weight, bias=None):
     (KernelConfig.skinny_gemm_rows, opt-in: see config.py) and 1 <= M <= its row limit on CUDA, fp16 / bf16,
     shapes ops.triton.layer.skinny_gemm.supports: that kernel (fp32 sums, bias in fp32, one rounding: see
     ops.reference.skinny_gemm for how close to cuBLAS). Decided from shapes, dtypes and devices only: no host
-    reads, CUDA-graph safe."""
+    reads, CUDA-graph safe. Batch-invariant mode: invariant_linear instead, for every M."""
+    if _active.batch_invariant:
+        return _call("invariant_linear", x, weight, bias)
     return _call("skinny_linear", x, weight, bias)
+
+
+def invariant_linear(x, weight, bias=None):
+    """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N] with row r depending on row r of x alone (the linear layers'
+    GEMM in the batch-invariant mode, KernelConfig.batch_invariant): ops.triton.layer.invariant_linear, one fixed
+    launch shape for every M; weight a tensor or an FP8 weight (moekv.core.fp8.Fp8Weight). Elsewhere (CPU) its twin
+    ops.reference.invariant_linear, row by row."""
+    return _call("invariant_linear", x, weight, bias)

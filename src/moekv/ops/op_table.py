@@ -46,9 +46,11 @@ class Op:
 # -- the pickers (first argument: ops.dispatch) ---------------------------------------------------------------
 def _fp_attention_kernel(ops, *args):
     """The full-precision Triton kernels, with decode's split combine in the decode launch or in a second one
-    (KernelConfig.fused_attention_combine)."""
+    (KernelConfig.fused_attention_combine); KernelConfig.batch_invariant: fixed-size splits, the same per-row
+    arithmetic in decode and prefill (ops.triton.attention.invariant)."""
     kernel = choices.resolve(_TRI + "attention.full_precision:paged_attention_full_precision")
-    return functools.partial(kernel, combine=ops.kernel_config().fused_attention_combine)
+    config = ops.kernel_config()
+    return functools.partial(kernel, combine=config.fused_attention_combine, invariant=config.batch_invariant)
 
 
 def _lowbit_attention_kernel(ops, query, key, value, key_pages, value_pages, key_spec, value_spec, staging_keys,
@@ -63,9 +65,12 @@ def _lowbit_attention_kernel(ops, query, key, value, key_pages, value_pages, key
     return general.paged_attention_lowbit if general.supports(key_spec, value_spec, query) else None
 
 
-def _moe_kernel(hidden, w_gate_up, w_down, *rest, **kwargs):
+def _moe_kernel(ops, hidden, w_gate_up, w_down, *rest, **kwargs):
     if not choices.resolve(_TRI + "moe.decode:supports")(w_gate_up, w_down):     # FP8 scale blocks it cannot tile
         return None
+    if ops.kernel_config().batch_invariant:      # one path, one launch config for every T
+        return functools.partial(choices.moe_kernel("grouped"),
+                                 config=choices.resolve(_TRI + "moe.configs:batch_invariant_config")())
     num_experts, two_inter, _ = w_gate_up.shape
     weights = choices.resolve(_TRI + "moe.decode:weight_format")(w_gate_up)
     return choices.moe_kernel(choices.moe_kernel_path(hidden, num_experts, two_inter // 2, weights))
@@ -155,7 +160,7 @@ def build(ops) -> dict[str, Op]:
                                                 _TRI + "lowbit.quantize:quantize_staged_kv_counted_layers",
                                                 lambda m, *a: m.supports(a[4]) and m.supports(a[5])),
         "stage_decode_tokens": Op(_REF + "lowbit:stage_decode_tokens", _TRI + "lowbit.stage:stage_decode_tokens"),
-        "moe_experts": Op(_REF + "moe:moe_experts_reference", _moe_kernel,
+        "moe_experts": Op(_REF + "moe:moe_experts_reference", bound(_moe_kernel),
                           unsupported=lambda hidden, w_gate_up, w_down, *a, **k: "moekv: no Triton MoE kernel for "
                           f"these expert weights ({type(w_gate_up).__name__} / {type(w_down).__name__}, FP8 scale "
                           "blocks must span the reduced dimension or a multiple of 16 of it); running the reference"),
@@ -199,6 +204,11 @@ def build(ops) -> dict[str, Op]:
                                                                "reference"),
         "add_rms_norm_route": Op(_REF + "layers:add_rms_norm_route", bound(_norm_route_kernel), gate="layer"),
         "qk_norm_rotary_write": Op(_REF + "layers:qk_norm_rotary_write", bound(_rotary_write_kernel), gate="layer"),
+        "invariant_linear": Op(_REF + "invariant_linear:invariant_linear",
+                               _TRI + "layer.invariant_linear:invariant_linear", lambda m, *a: m.supports(*a),
+                               unsupported=lambda x, weight, bias=None: f"moekv: no batch-invariant Triton GEMM for "
+                               f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}; running "
+                               "the row-by-row reference"),
         "skinny_linear": Op("torch.nn.functional:linear", _TRI + "layer.skinny_gemm:skinny_gemm",
                             lambda m, *a: m.supports(*a), gate="skinny"),
     }

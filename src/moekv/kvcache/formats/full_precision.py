@@ -33,6 +33,13 @@ class FullPrecisionKVCache(KVCache):
         return 2 * spec.num_layers * spec.page_size * spec.num_kv_heads * spec.head_dim * element
 
     def graph_decode_splits(self, batch: int, max_model_len: int) -> int | None:
+        """The bucket's split count: planned for the GPU's size (split_k.plan_splits; the kernel sizes each
+        sequence's splits from it), or in the batch-invariant mode enough splits of a fixed token count for
+        max_model_len (the same splits for a sequence in every bucket: ops.triton.attention.invariant)."""
+        if dispatch.batch_invariant():
+            from moekv.ops.triton.attention import invariant   # host-side planning only (no kernel launch)
+
+            return invariant.num_splits(max_model_len)
         from moekv.ops.triton.attention.split_k import plan_splits   # host-side planning only (no kernel launch)
 
         return plan_splits(batch, self.spec.num_kv_heads, max_model_len, 64, self.device)[0]

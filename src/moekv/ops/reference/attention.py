@@ -16,6 +16,20 @@ def paged_attention_full_precision(query: torch.Tensor, key_pages: torch.Tensor,
     return attend_per_sequence(causal_attention_reference, query, key_pages, value_pages, meta, scale)
 
 
+def paged_attention_rowwise(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """paged_attention_full_precision one new token at a time: the batch-invariant mode's path where the Triton
+    kernels do not run (KernelConfig.batch_invariant on the CPU). Token i of a chunk (absolute position p) attends
+    over keys 0..p in its own causal_attention_reference call, whose shapes depend on p alone, so its result does
+    not depend on the chunk it came in, its batch or the step kind (decode or prefill)."""
+    def attend(q, keys, values, context_len, scale):
+        rows = [causal_attention_reference(q[i:i + 1], keys[:context_len + i + 1], values[:context_len + i + 1],
+                                           context_len + i, scale) for i in range(q.shape[0])]
+        return torch.cat(rows) if rows else q.float()
+
+    return attend_per_sequence(attend, query, key_pages, value_pages, meta, scale)
+
+
 def attend_per_sequence(attend, query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Gather each sequence's pages once and run `attend(query, keys, values, context_len, scale)` (the

@@ -113,3 +113,39 @@ def moe_activation_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8
     weights = full.index_select(0, topk_ids.reshape(-1))                              # [T*k, 2I, H]
     gate_up = torch.bmm(weights, x.unsqueeze(-1)).squeeze(-1)                         # [T*k, 2I]
     return (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype)        # [T*k, I]
+
+
+def moe_experts_rowwise(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
+                        topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """moe_experts_reference's contract, computed one token-slot at a time: the batch-invariant mode's path where
+    the Triton kernels do not run (KernelConfig.batch_invariant on the CPU). Each slot's gate_up and down products
+    are fp32 matrix-vector products of that slot alone (as ops.reference.invariant_linear), its activation and
+    expert output rounded to the model dtype where the grouped kernels round them, the weighted sum over the k
+    slots in fp32 in slot order: a token's result does not depend on which or how many tokens share the step
+    (its limits on the CPU: ops.reference.invariant_linear's docstring)."""
+    num_tokens, hidden_size = hidden.shape
+    inter = w_gate_up.shape[1] // 2
+    dtype = hidden.dtype
+    out = torch.empty(num_tokens, hidden_size, dtype=out_dtype or dtype, device=hidden.device)
+    weights = topk_weights.float()
+    ids = topk_ids.tolist()                                                  # host sync (reference only)
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if e not in cache:
+            cache[e] = tuple(w[e].dequantize() if isinstance(w, Fp8Weight) else w[e].float()
+                             for w in (w_gate_up, w_down))                  # [2I, H], [H, I] fp32
+        return cache[e]
+
+    for t in range(num_tokens):
+        x = hidden[t].float()                                                # [H] (a fresh fp32 copy)
+        acc = torch.zeros(hidden_size, dtype=torch.float32, device=hidden.device)
+        for j, e in enumerate(ids[t]):
+            gate_up_w, down_w = expert(e)
+            gate_up = torch.mv(gate_up_w, x)                                 # [2I] fp32
+            act = (F.silu(gate_up[:inter]) * gate_up[inter:]).to(dtype)     # [I] model dtype
+            y = torch.mv(down_w, act.float()).to(dtype)                      # [H] model dtype
+            acc = acc + weights[t, j] * y.float()
+        out[t] = acc.to(out.dtype)
+    return out

@@ -27,6 +27,8 @@ import triton.language as tl
 from moekv.ops.triton import pdl
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
 
+from moekv.ops.triton.attention import invariant
+from moekv.ops.triton.attention.invariant import block_step, split_result
 from moekv.ops.triton.attention.split_k import (arrival_counters, combine_chunk, combine_if_last, combine_splits,
                                                 plan_splits)
 
@@ -55,7 +57,7 @@ def _fp_decode_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
-    COMBINE: tl.constexpr, BLOCK_SC: tl.constexpr,
+    COMBINE: tl.constexpr, BLOCK_SC: tl.constexpr, INVARIANT: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
@@ -97,24 +99,30 @@ def _fp_decode_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)          # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kv_head * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = mma(q, tl.trans(k), UPCAST)                                   # [BLOCK_H, BLOCK_N] fp32
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if HALF:
-            p = p.to(v.dtype)
-        acc = acc * alpha[:, None] + mma(p, v, UPCAST)
-        m_i = m_new
+        if INVARIANT:                          # the arithmetic the prefill kernel repeats (attention.invariant)
+            m_i, l_i, acc = block_step(q, k, v, n_mask[None, :], m_i, l_i, acc, HALF, UPCAST)
+        else:
+            s = mma(q, tl.trans(k), UPCAST)                               # [BLOCK_H, BLOCK_N] fp32
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if HALF:
+                p = p.to(v.dtype)
+            acc = acc * alpha[:, None] + mma(p, v, UPCAST)
+            m_i = m_new
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
     out_mask = h_mask[:, None] & d_mask[None, :]
+    if INVARIANT:
+        out, lse = split_result(m_i, l_i, acc)
+    else:
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
     if SPLIT:
         base = partial_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         tl.store(base, out, mask=out_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
         if COMBINE:
             combine_if_last(counters_ptr + seq * tl.num_programs(1) + kv_head, partial_ptr + seq * stride_pb,
@@ -134,13 +142,20 @@ def default_config(head_dim: int, dtype: torch.dtype) -> dict:
 def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                                 scale: float, num_splits: int | None = None, config: dict | None = None,
-                                device_splits: bool = False, combine: bool = False) -> torch.Tensor:
+                                device_splits: bool = False, combine: bool = False,
+                                invariant: bool = False) -> torch.Tensor:
     """query [B, Hq, D]; key/value_pages [num_pages, P, Hkv, D]; block_tables [B, max_pages] int32;
     seq_lens [B] int32 -> [B, Hq, D] in query's dtype. `num_splits` None: chosen from the GPU size.
 
     device_splits: launch exactly `num_splits` splits and size them per sequence on the device
     (max_seq_len is not read; CUDA-graph capturable). combine: merge the splits inside the decode launch
-    (the last program of each (sequence, kv head) does it) instead of a second launch."""
+    (the last program of each (sequence, kv head) does it) instead of a second launch. invariant: the
+    batch-invariant arithmetic (ops.triton.attention.invariant; KernelConfig.batch_invariant): splits of
+    invariant.SPLIT_TOKENS keys at fixed positions (num_splits: enough for the longest sequence, or given, e.g. a
+    CUDA-graph bucket's; device_splits and combine do not apply), merged by a second launch in split order."""
+    if invariant:
+        return _decode_invariant(query, key_pages, value_pages, block_tables, seq_lens, max_seq_len, scale,
+                                 num_splits)
     batch, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_pages.shape
     assert key_pages.stride(-1) == 1 and value_pages.stride(-1) == 1 and query.stride(-1) == 1
@@ -166,7 +181,7 @@ def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, va
     common = dict(PAGE_SIZE=page_size, GROUP=group, BLOCK_H=pow2(group), HEAD_DIM=head_dim,
                   BLOCK_D=pow2(head_dim), BLOCK_N=block_n, HALF=half, UPCAST=upcast,
                   DEVICE_SPLITS=device_splits, SPLIT=split, COMBINE=combine,
-                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1, **cfg)
+                  BLOCK_SC=combine_chunk(head_dim, num_splits) if combine else 1, INVARIANT=False, **cfg)
     grid = (batch, num_kv_heads, num_splits)
     page_strides = (key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
                     value_pages.stride(0), value_pages.stride(1), value_pages.stride(2))
@@ -185,3 +200,30 @@ def paged_decode_full_precision(query: torch.Tensor, key_pages: torch.Tensor, va
     if split and not combine:
         combine_splits(partial, lse, out)
     return out
+
+
+def _decode_invariant(query, key_pages, value_pages, block_tables, seq_lens, max_seq_len, scale, num_splits):
+    """paged_decode_full_precision(invariant=True): every (sequence, kv head, split) a program of the fixed tile
+    shapes of attention.invariant, its split's partial stored, then attention.invariant.merge_splits."""
+    batch, num_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, _ = key_pages.shape
+    group = num_heads // num_kv_heads
+    num_splits = num_splits or invariant.num_splits(max_seq_len)
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    check_launchable(_fp_decode_kernel, query)
+    half, upcast = dot_modes(query, key_pages.dtype)
+    partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    _fp_decode_kernel[(batch, num_kv_heads, num_splits)](
+        query, key_pages, value_pages, block_tables, seq_lens, out, partial, lse, out, scale * LOG2E,
+        invariant.SPLIT_TOKENS, num_splits, query.stride(0), query.stride(1),
+        key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
+        value_pages.stride(0), value_pages.stride(1), value_pages.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+        lse.stride(1), PAGE_SIZE=page_size, GROUP=group, BLOCK_H=invariant.block_rows(group), HEAD_DIM=head_dim,
+        BLOCK_D=pow2(head_dim), BLOCK_N=invariant.BLOCK_N, HALF=half, UPCAST=upcast, SPLIT=True,
+        DEVICE_SPLITS=False, COMBINE=False, BLOCK_SC=1, INVARIANT=True, num_warps=invariant.NUM_WARPS,
+        num_stages=2, enable_fp_fusion=False)
+    return invariant.merge_splits(partial, lse, seq_lens, out, num_kv_heads)

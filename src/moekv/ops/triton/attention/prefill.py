@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekv.ops.triton.attention import invariant as invariant_tiles
+from moekv.ops.triton.attention.invariant import block_step, finish, merge, split_result
 from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
 
 
@@ -34,6 +36,7 @@ def _fp_prefill_kernel(
     stride_bt,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, UPCAST: tl.constexpr,
+    INVARIANT: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -61,10 +64,36 @@ def _fp_prefill_kernel(
 
     last_token = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, query_len) - 1
     key_end = context_len + last_token + 1                               # keys [0, key_end) are visible
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if INVARIANT:                     # decode's splits, walked and merged in order here (attention.invariant)
+        m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_run = tl.zeros([BLOCK_M], tl.float32)
+        acc_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for split_start in range(0, key_end, SPLIT_TOKENS):
+            m_s = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_s = tl.zeros([BLOCK_M], tl.float32)
+            acc_s = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            split_end = tl.minimum(split_start + SPLIT_TOKENS, key_end)
+            for block_start in range(split_start, split_end, BLOCK_N):
+                keys = block_start + offs_n                                  # [BLOCK_N] key positions
+                n_mask = keys < key_end
+                page = tl.load(table + keys // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+                slot = keys % PAGE_SIZE
+                kv_mask = n_mask[:, None] & d_mask[None, :]
+                k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kv_head * stride_kh
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kv_head * stride_vh
+                            + offs_d[None, :], mask=kv_mask, other=0.0)
+                visible = n_mask[None, :] & (keys[None, :] <= q_pos[:, None])
+                m_s, l_s, acc_s = block_step(q, k, v, visible, m_s, l_s, acc_s, HALF, UPCAST)
+            part, lse = split_result(m_s, l_s, acc_s)
+            m_run, l_run, acc_run = merge(m_run, l_run, acc_run, lse, part)
+        tl.store(out_ptr + (q_start + token)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :], finish(l_run, acc_run).to(out_ptr.dtype.element_ty), mask=row_mask)
+        return
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for block_start in range(0, key_end, BLOCK_N):
         keys = block_start + offs_n                                      # [BLOCK_N] key positions
         n_mask = keys < key_end
@@ -95,9 +124,11 @@ def _fp_prefill_kernel(
 def paged_prefill_full_precision(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                                  block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                  context_lens: torch.Tensor, max_query_len: int, scale: float,
-                                 config: dict | None = None) -> torch.Tensor:
+                                 config: dict | None = None, invariant: bool = False) -> torch.Tensor:
     """query [T, Hq, D] (sequences' new tokens back to back); pages [num_pages, P, Hkv, D] already
-    holding the new tokens -> [T, Hq, D] in query's dtype."""
+    holding the new tokens -> [T, Hq, D] in query's dtype. invariant: the batch-invariant arithmetic
+    (ops.triton.attention.invariant, KernelConfig.batch_invariant): its fixed tiles, keys in SPLIT_TOKENS splits
+    merged in order, no multiply-add contraction; config does not apply."""
     num_tokens, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_pages.shape
     assert key_pages.stride(-1) == 1 and value_pages.stride(-1) == 1 and query.stride(-1) == 1
@@ -110,6 +141,9 @@ def paged_prefill_full_precision(query: torch.Tensor, key_pages: torch.Tensor, v
     half, upcast = dot_modes(query, key_pages.dtype)
     cfg = {"BLOCK_M": 64, "BLOCK_N": 64 if half else 32, "num_warps": 4, "num_stages": 2}
     cfg.update(config or {})
+    if invariant:
+        cfg = {"BLOCK_M": invariant_tiles.block_rows(group), "BLOCK_N": invariant_tiles.BLOCK_N,
+               "num_warps": invariant_tiles.NUM_WARPS, "num_stages": 2, "enable_fp_fusion": False}
     block_m = max(cfg.pop("BLOCK_M"), pow2(group))
     block_q = block_m // group
     grid = (batch, triton.cdiv(max(max_query_len, 1), block_q), num_kv_heads)
@@ -120,5 +154,6 @@ def paged_prefill_full_precision(query: torch.Tensor, key_pages: torch.Tensor, v
         value_pages.stride(0), value_pages.stride(1), value_pages.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         PAGE_SIZE=page_size, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        BLOCK_D=pow2(head_dim), HALF=half, UPCAST=upcast, **cfg)
+        BLOCK_D=pow2(head_dim), HALF=half, UPCAST=upcast, INVARIANT=invariant,
+        SPLIT_TOKENS=invariant_tiles.SPLIT_TOKENS, **cfg)
     return out

@@ -125,3 +125,20 @@ def decode_max_tokens(num_experts: int, hidden: int, inter: int, dtype: torch.dt
     """The largest T that takes the decode path: the tuned crossover, else DEFAULT_DECODE_MAX_TOKENS."""
     tuned = load_tuned(num_experts, hidden, inter, dtype, device_name(device), weights)
     return int(tuned.get("decode_max_tokens", DEFAULT_DECODE_MAX_TOKENS)) if tuned else DEFAULT_DECODE_MAX_TOKENS
+
+
+# The batch-invariant mode (KernelConfig.batch_invariant): every T takes the grouped path with this one launch
+# shape, whatever the tuned tables say. A token-slot's gate_up / down sums then run BLOCK_K tiles from 0 upwards in
+# a BLOCK_M x BLOCK_N tile of fixed shape, no split-K: its result does not depend on how many other slots its
+# expert has in the step. BLOCK_N / BLOCK_K are capped at the (power-of-two-padded) model dims as default_config
+# caps them, by the kernels' own tile caps for FP8 scale blocks (grouped._resolve_config): properties of the model,
+# not of T. 64-row tiles: prefill-sized steps keep default_config's large-T tiles; decode pays tensor-core rows.
+BATCH_INVARIANT_CONFIG = {"BLOCK_M": 64,
+                          "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+                          "down": {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}}
+
+
+def batch_invariant_config() -> dict:
+    """A copy of BATCH_INVARIANT_CONFIG (moe.grouped takes it as its `config` override)."""
+    return {"BLOCK_M": BATCH_INVARIANT_CONFIG["BLOCK_M"],
+            **{part: dict(BATCH_INVARIANT_CONFIG[part]) for part in ("gate_up", "down")}}
