@@ -34,6 +34,21 @@ def weight_dot(x, w, scale_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST: t
 
 
 @triton.jit
+def gather_kv(k_ptr, v_ptr, table, keys, n_mask, kv_head, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+              stride_vh, offs_d, d_mask, PAGE_SIZE: tl.constexpr):
+    """Rows `keys` [BLOCK_N] of one kv head from full-precision pages [num_pages, P, Hkv, D], each gathered through
+    the sequence's block table `table` (masked rows read 0): (k, v), [BLOCK_N, BLOCK_D] each."""
+    page = tl.load(table + keys // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    slot = keys % PAGE_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def owned_expert(ids_ptr, slot, num_slots, SLOTS_PAD: tl.constexpr):
     """(expert of token-slot `slot` in topk_ids, whether `slot` is the first slot routed to it): the MoE decode
     kernels run an expert in the program of its first slot only, so each needed expert is read once per step."""

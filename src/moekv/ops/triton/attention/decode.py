@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from moekv.ops.triton import pdl
-from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
+from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, gather_kv, mma, pow2
 
 from moekv.ops.triton.attention import invariant
 from moekv.ops.triton.attention.invariant import block_step, split_result
@@ -92,13 +92,8 @@ def _fp_decode_kernel(
     for block_start in range(start, end, BLOCK_N):
         tokens = block_start + offs_n                                    # [BLOCK_N]
         n_mask = tokens < end
-        page = tl.load(table + tokens // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = tokens % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)          # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = gather_kv(k_ptr, v_ptr, table, tokens, n_mask, kv_head, stride_kp, stride_kt, stride_kh, stride_vp,
+                         stride_vt, stride_vh, offs_d, d_mask, PAGE_SIZE)   # [BLOCK_N, BLOCK_D] each
         if INVARIANT:                          # the arithmetic the prefill kernel repeats (attention.invariant)
             m_i, l_i, acc = block_step(q, k, v, n_mask[None, :], m_i, l_i, acc, HALF, UPCAST)
         else:

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from moekv.ops.triton.attention import invariant as invariant_tiles
 from moekv.ops.triton.attention.invariant import block_step, finish, merge, split_result
-from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, mma, pow2
+from moekv.ops.triton.common import LOG2E, check_launchable, dot_modes, gather_kv, mma, pow2
 
 
 
@@ -77,13 +77,8 @@ def _fp_prefill_kernel(
             for block_start in range(split_start, split_end, BLOCK_N):
                 keys = block_start + offs_n                                  # [BLOCK_N] key positions
                 n_mask = keys < key_end
-                page = tl.load(table + keys // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-                slot = keys % PAGE_SIZE
-                kv_mask = n_mask[:, None] & d_mask[None, :]
-                k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kv_head * stride_kh
-                            + offs_d[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kv_head * stride_vh
-                            + offs_d[None, :], mask=kv_mask, other=0.0)
+                k, v = gather_kv(k_ptr, v_ptr, table, keys, n_mask, kv_head, stride_kp, stride_kt, stride_kh,
+                                 stride_vp, stride_vt, stride_vh, offs_d, d_mask, PAGE_SIZE)
                 visible = n_mask[None, :] & (keys[None, :] <= q_pos[:, None])
                 m_s, l_s, acc_s = block_step(q, k, v, visible, m_s, l_s, acc_s, HALF, UPCAST)
             part, lse = split_result(m_s, l_s, acc_s)
@@ -97,13 +92,8 @@ def _fp_prefill_kernel(
     for block_start in range(0, key_end, BLOCK_N):
         keys = block_start + offs_n                                      # [BLOCK_N] key positions
         n_mask = keys < key_end
-        page = tl.load(table + keys // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = keys % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = gather_kv(k_ptr, v_ptr, table, keys, n_mask, kv_head, stride_kp, stride_kt, stride_kh, stride_vp,
+                         stride_vt, stride_vh, offs_d, d_mask, PAGE_SIZE)
         s = mma(q, tl.trans(k), UPCAST)                                   # [BLOCK_M, BLOCK_N]
         visible = n_mask[None, :] & (keys[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
