@@ -163,3 +163,34 @@ def test_graph_decode_same_with_and_without_pdl(kv_cache_dtype):
                              device="cuda", capture=True)
     assert got == expected
     assert llm.engine.runner.graph_steps > 0
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8])
+def test_v7_kernel_same_with_and_without_pdl(warps):
+    """The v7 low-bit CUDA kernel launched with cudaLaunchKernelEx + the programmatic attribute (Params::pdl) after a
+    Triton kernel that releases it early: the same bits as an ordinary launch, eager and inside a captured graph."""
+    from moekv.ops.cuda import lowbit_decode
+    from moekv.ops.triton.layer.norm import rms_norm
+    from tests.ops.test_lowbit_decode_v7 import SCALE, _case
+
+    case = _case([1, 127, 129, 1000, 3000], group=4, bits=3)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(512, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        rms_norm(x, weight, 1e-6)                        # a PDL Triton kernel right before the attention kernel
+        return lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, warps=warps)
+
+    with dispatch.override(pdl=False):
+        expected = step().clone()
+    with dispatch.override(pdl=True):
+        assert torch.equal(step(), expected)
+        step()                                           # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
