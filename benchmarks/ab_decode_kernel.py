@@ -59,8 +59,15 @@ def main(argv=None) -> int:
     ap.add_argument("--own-splits", action="store_true",
                     help="with --fixed-splits: each side plans its own count with its own graph_splits (default: "
                          "B's count for every side)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="kv heads of every shape (default 8; Qwen3-30B-A3B: 4)")
     args = ap.parse_args(argv)
     import benchmarks.bench_attention as ba        # after argument parsing (it reads no argv at import)
+    from benchmarks import attention_setup as setup
+
+    if args.kv_heads is not None:
+        if args.kv_heads < 1 or setup.HQ % args.kv_heads:
+            ap.error(f"--kv-heads must divide Hq={setup.HQ}, got {args.kv_heads}")
+        setup.HKV = args.kv_heads
     from moekv.ops.cuda import lowbit_decode as mod_b
 
     names = args.a_name or []
@@ -84,7 +91,7 @@ def main(argv=None) -> int:
             def plan(module):              # the split count a graph bucket of this side launches
                 if args.fixed_splits:
                     lb_args[-1].fixed_num_splits = (module if args.own_splits else mod_b).graph_splits(
-                        batch, ba.HKV, length, device, bits)
+                        batch, setup.HKV, length, device, bits)
                 return getattr(lb_args[-1], "fixed_num_splits", None)
 
             row = {"batch": batch, "length": length, "bits": bits, "fixed_splits": plan(mods["A"])}

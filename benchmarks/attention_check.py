@@ -9,7 +9,7 @@ import os
 import torch
 
 from benchmarks import attention_setup as setup
-from benchmarks.attention_setup import D, HKV, HQ, FP_PAGE, LOWBIT_PAGE, SCALE, lowbit_impls, lowbit_specs, random_kv
+from benchmarks.attention_setup import D, HQ, FP_PAGE, LOWBIT_PAGE, SCALE, lowbit_impls, lowbit_specs, random_kv
 from moekv.core.lowbit_layout import PackedPages
 from moekv.ops.reference import lowbit as lowbit_reference
 from moekv.ops.reference.attention import paged_attention_full_precision as fp_reference
@@ -39,15 +39,15 @@ def run_check(log, sweep_configs: bool = True) -> bool:
     lowbit_lens = [0, 130, 300] if small else [0, 200, 5000, 16383]
     impls = lowbit_impls()
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        case = build_fp_case(fp_lens, [1] * len(fp_lens), HKV, HQ // HKV, D, FP_PAGE, dtype, setup.DEVICE)
+        case = build_fp_case(fp_lens, [1] * len(fp_lens), setup.HKV, HQ // setup.HKV, D, FP_PAGE, dtype, setup.DEVICE)
         report(f"fp decode {dtype} context {fp_lens}", fp_kernel(*case, SCALE), fp_reference(*case, SCALE), tol[dtype])
-        case = build_fp_case([0, 300, 1000], [70 if small else 700, 129, 1], HKV, HQ // HKV, D, FP_PAGE, dtype,
+        case = build_fp_case([0, 300, 1000], [70 if small else 700, 129, 1], setup.HKV, HQ // setup.HKV, D, FP_PAGE, dtype,
                              setup.DEVICE, seed=1)
         report(f"fp prefill {dtype} chunks {70 if small else 700}/129/1", fp_kernel(*case, SCALE), fp_reference(*case, SCALE), tol[dtype])
     for bits in setup.BITS:
         for dtype, kind in ((torch.bfloat16, "normal"), (torch.bfloat16, "outlier_channels"), (torch.float16, "large"),
                             (torch.float32, "outlier_channels")):
-            case = build_case(lowbit_lens, [1] * len(lowbit_lens), HKV, HQ // HKV, D, bits, LOWBIT_PAGE, dtype=dtype,
+            case = build_case(lowbit_lens, [1] * len(lowbit_lens), setup.HKV, HQ // setup.HKV, D, bits, LOWBIT_PAGE, dtype=dtype,
                               kind=kind, outlier_fraction=0.01, device=setup.DEVICE)
             ref = lowbit_reference.paged_attention_lowbit(*case.args(), SCALE)
             for name, (fn, configs) in impls.items():
@@ -69,12 +69,12 @@ def run_check(log, sweep_configs: bool = True) -> bool:
                         ok = False
                         log(f"FAIL {name} int{bits} fixed_num_splits: {type(exc).__name__}: {exc}")
                 case.meta.fixed_num_splits = None
-        case = build_case([0, 300, 1000], [40 if small else 300, 129, 1], HKV, HQ // HKV, D, bits, LOWBIT_PAGE, dtype=torch.bfloat16,
+        case = build_case([0, 300, 1000], [40 if small else 300, 129, 1], setup.HKV, HQ // setup.HKV, D, bits, LOWBIT_PAGE, dtype=torch.bfloat16,
                           outlier_fraction=0.01, device=setup.DEVICE, seed=1)
         report(f"int{bits} prefill bf16", lowbit_attention.paged_attention_lowbit(*case.args(), SCALE),
                lowbit_reference.paged_attention_lowbit(*case.args(), SCALE), tol[torch.bfloat16])
         for spec in lowbit_specs(bits):
-            x = random_kv((16 if setup.DEVICE == "cpu" else 64, HKV, LOWBIT_PAGE, D), spec.axis == "channel").float()
+            x = random_kv((16 if setup.DEVICE == "cpu" else 64, setup.HKV, LOWBIT_PAGE, D), spec.axis == "channel").float()
             got, got_q = lowbit_quantize.quantize_pages(x, spec)
             # the oracle is the reference on the CPU: torch's CUDA division by a scalar multiplies by the
             # reciprocal (not IEEE), which moves fp16 round-up scales by one step now and then

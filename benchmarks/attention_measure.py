@@ -19,7 +19,7 @@ import time
 import torch
 
 from benchmarks import attention_setup as setup
-from benchmarks.attention_setup import (D, HKV, HQ, LOWBIT_PAGE, SCALE, SWEPT_BITS, TUNING, Timer, build_fp,
+from benchmarks.attention_setup import (D, HQ, LOWBIT_PAGE, SCALE, SWEPT_BITS, TUNING, Timer, build_fp,
                                         build_lowbit, copy_bandwidth, lowbit_impls, lowbit_specs, random_kv, sdpa_fns)
 from benchmarks.timing import read_bandwidth
 from moekv.ops.reference import lowbit as lowbit_reference
@@ -87,7 +87,7 @@ def time_lowbit(timer: Timer, impls: dict, lb_args, chosen: dict, sweep: bool, r
 def quantize_cost(timer: Timer, batch: int, bits: int, attention_ms: float, gen) -> dict:
     """Quantizing one full page per sequence (K and V, all heads) vs one decode step's attention."""
     key_spec, value_spec = lowbit_specs(bits)
-    keys, values = random_kv((batch, HKV, LOWBIT_PAGE, D)), random_kv((batch, HKV, LOWBIT_PAGE, D), False)
+    keys, values = random_kv((batch, setup.HKV, LOWBIT_PAGE, D)), random_kv((batch, setup.HKV, LOWBIT_PAGE, D), False)
     ms = timer(lambda: (lowbit_quantize.quantize_pages(keys, key_spec),
                         lowbit_quantize.quantize_pages(values, value_spec)))
     start = time.perf_counter()

@@ -10,7 +10,7 @@ import datetime
 import torch
 
 from benchmarks import attention_setup as setup
-from benchmarks.attention_setup import D, HKV, HQ
+from benchmarks.attention_setup import D, HQ
 from moekv.provenance import git_commit
 
 KERNELS = ["bf16_paged", "int4", "int3", "int2"]
@@ -53,7 +53,7 @@ def write_markdown(path, env, result) -> None:
     runs = result.get("runs", 1)
     spread_head = " ±%" if runs > 1 else ""
     x_head = "x [min-max]" if runs > 1 else "x"
-    lines = [f"# Decode attention, Hq={HQ} Hkv={HKV} D={D}", "",
+    lines = [f"# Decode attention, Hq={HQ} Hkv={setup.HKV} D={D}", "",
              f"GPU {env['gpu']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton {env['triton']}",
              f"Command: `{env['command']}`", "", *([result["note"], ""] if result.get("note") else []),
              f"Median of CUDA-graph replays, {'cold L2 (flushed before each call)' if result['cold_l2'] else 'hot L2'}; "

@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lowbit-only", action="store_true",
                         help="time only the low-bit configs (--lowbit-configs) at --shapes / --bits; writes "
                              "lowbit-sweep.json and lowbit-best.json (the best config per implementation over the swept cases)")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="kv heads of every shape (default 8: Mixtral; 4: Qwen3-30B-A3B), Hq stays 32")
     parser.add_argument("--runs", type=int, default=1,
                         help="time the target table N times in this process, interleaved; each cell reports the "
                              "median of the N runs and their spread, each speed-up the median of the per-run ratios")
@@ -73,6 +75,10 @@ def main(argv=None) -> int:
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     setup.OUTLIERS = args.outliers
+    if args.kv_heads is not None:
+        if args.kv_heads < 1 or setup.HQ % args.kv_heads:
+            parser.error(f"--kv-heads must divide Hq={setup.HQ}, got {args.kv_heads}")
+        setup.HKV = args.kv_heads
     if args.shapes:
         setup.SHAPES = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
         setup.CURVE = []
