@@ -1,6 +1,7 @@
 """Launch-parameter sweep of the full-precision (bf16) paged decode kernel, as a CUDA-graph step launches it.
 
     PYTHONPATH=src:. python3 benchmarks/sweep_fp_decode.py --out benchmarks/results     # on the GPU
+    PYTHONPATH=src:. python3 benchmarks/sweep_fp_decode.py --dry --out /tmp/sweep       # CPU: the plumbing, tiny
 
 For every shape (B, L, kv heads; Hq=32, D=128, 16-token pages in shuffled order) it times
 `ops.triton.attention.decode.paged_decode_full_precision` with `device_splits` (the graph path: a fixed split
@@ -13,13 +14,18 @@ against the default's. Writes fp-decode-sweep-<gpu>.{json,md}.
 
 from __future__ import annotations
 
+import os
+import sys
+
+if "--dry" in sys.argv:                      # the Triton kernel on a CPU: the interpreter, tiny shapes
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import argparse
 import datetime
 import itertools
 import json
 import math
-import os
-import sys
+import re
 from pathlib import Path
 
 import torch
@@ -30,6 +36,7 @@ from benchmarks.attention_setup import Timer
 
 SHAPES = [(1, 16384, 8), (1, 16384, 4), (1, 2048, 8), (8, 32768, 8), (64, 16384, 8)]
 HQ, D, PAGE = 32, 128, 16
+DEVICE = "cuda"
 
 
 def build(batch: int, length: int, hkv: int, gen: torch.Generator):
@@ -37,17 +44,17 @@ def build(batch: int, length: int, hkv: int, gen: torch.Generator):
 
     pages_per_seq = -(-length // PAGE)
     tables, num_pages = setup.shuffled_tables(batch, pages_per_seq, gen)
-    k = torch.randn((num_pages, PAGE, hkv, D), device="cuda", dtype=torch.bfloat16)
-    v = torch.randn((num_pages, PAGE, hkv, D), device="cuda", dtype=torch.bfloat16)
-    meta = AttentionMetadata.build([1] * batch, [length - 1] * batch, tables, PAGE, "cuda")
-    q = torch.randn((batch, HQ, D), device="cuda", dtype=torch.bfloat16)
+    k = torch.randn((num_pages, PAGE, hkv, D), device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn((num_pages, PAGE, hkv, D), device=DEVICE, dtype=torch.bfloat16)
+    meta = AttentionMetadata.build([1] * batch, [length - 1] * batch, tables, PAGE, DEVICE)
+    q = torch.randn((batch, HQ, D), device=DEVICE, dtype=torch.bfloat16)
     return q, k, v, meta, 2 * batch * length * hkv * D * 2
 
 
 def sdpa_ms(timer: Timer, batch: int, length: int, hkv: int) -> float:
-    k = torch.randn((batch, hkv, length, D), device="cuda", dtype=torch.bfloat16)
+    k = torch.randn((batch, hkv, length, D), device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    q = torch.randn((batch, hkv, HQ // hkv, D), device="cuda", dtype=torch.bfloat16)   # the group as rows
+    q = torch.randn((batch, hkv, HQ // hkv, D), device=DEVICE, dtype=torch.bfloat16)   # the group as rows
     return timer(lambda: F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5))
 
 
@@ -62,7 +69,14 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3,4")
     parser.add_argument("--waves", default="2,4,8")
+    parser.add_argument("--dry", action="store_true", help="CPU plumbing check: the interpreter, wall-clock times")
     args = parser.parse_args(argv)
+    global DEVICE
+    if args.dry:
+        DEVICE = setup.DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("sweep_fp_decode needs a CUDA GPU (or --dry)", file=sys.stderr)
+        return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(";") if s]
     ints = lambda s: [int(x) for x in s.split(",") if x]                                  # noqa: E731
     timer = Timer(cold=True, reps=10, trials=7)
@@ -109,12 +123,12 @@ def main(argv=None) -> int:
         top = sorted(ok, key=lambda r: r["ms"])[:8]
         for r in top:
             print("   ", r, flush=True)
-    gpu = torch.cuda.get_device_name()
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     result = dict(gpu=gpu, date=datetime.datetime.now().isoformat(timespec="seconds"),
                   commit=os.environ.get("MOEKV_COMMIT", "unknown"),
                   command="python3 benchmarks/sweep_fp_decode.py " + " ".join(sys.argv[1:]), rows=rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"fp-decode-sweep-{gpu.replace(' ', '_')}"
+    stem = "fp-decode-sweep-" + re.sub(r"[^0-9A-Za-z]+", "_", gpu).strip("_")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# bf16 paged decode kernel: launch sweep ({gpu})", "",
              f"{result['date']}, commit {result['commit']}. Command: `{result['command']}`", "",
