@@ -99,6 +99,18 @@ def compile_batch_invariant(group: int = 4, head_dim: int = 128, arch: int = 90)
     }
 
 
+def ptx_in_child(expression: str) -> list[str]:
+    """PTX texts from a child Python without TRITON_INTERPRET (the suite sets it; an interpreted kernel has no
+    compiler): `expression` is evaluated there with this module's names and must give a list of PTX strings."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import sys; from tests.ops.ptx_compile import *; sys.stdout.write(chr(0).join({expression}))"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.split(chr(0))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--combine", type=int, default=1)

@@ -245,16 +245,10 @@ def test_sm90_lowering_orders_the_arrival():
     # what the interpreter cannot show: compiled for sm_90 (no GPU needed), the partial stores are fenced off by
     # a CTA barrier before the one-thread gpu-scope acq_rel add, a barrier follows it, the last program's reads
     # go to L2 (.cg) after that, and only then is the counter stored back to zero
-    import os
-    import subprocess
-    import sys
+    from tests.ops.ptx_compile import ptx_in_child
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # both variants in one process (tests.ops.ptx_compile's compile_decode, as its --combine 1 / 0 would)
-    code = ("import sys; from tests.ops.ptx_compile import compile_decode; "
-            "sys.stdout.write(chr(0).join(compile_decode(combine).asm['ptx'] for combine in (True, False)))")
-    fused, two_launch = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                       check=True).stdout.split(chr(0))
+    fused, two_launch = ptx_in_child("[compile_decode(combine).asm['ptx'] for combine in (True, False)]")
     lines = [line.strip() for line in fused.splitlines()]
     lines = [line for line in lines if line and not line.startswith((".loc", "//"))]
     atoms = [i for i, line in enumerate(lines) if "atom." in line]

@@ -266,15 +266,10 @@ def test_kernels_compile_for_sm90_with_one_dot_instruction():
     """What the interpreter cannot show: the mode's kernels compile for an H100 / H200 (no GPU needed), and the decode
     and the prefill kernel's score and value dots lower to the same instruction (wgmma, 64-row tiles in both), so
     a decode row and a prefill row are multiplied alike."""
-    import os
-    import subprocess
-    import sys
+    from tests.ops.ptx_compile import ptx_in_child
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import sys; from tests.ops.ptx_compile import compile_batch_invariant; "
-            "p = compile_batch_invariant(); sys.stdout.write(chr(0).join(p[k] for k in sorted(p)))")
-    ptx = dict(zip(["decode", "linear", "linear_fp8", "merge", "prefill"], subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split(chr(0))))
+    ptx = dict(zip(["decode", "linear", "linear_fp8", "merge", "prefill"],
+                   ptx_in_child("[p[k] for p in [compile_batch_invariant()] for k in sorted(p)]")))
     for name in ("decode", "prefill", "linear"):
         assert "wgmma.mma_async" in ptx[name] and "mma.sync" not in ptx[name], name
     assert ".entry" in ptx["merge"] and ".entry" in ptx["linear_fp8"]

@@ -75,15 +75,9 @@ def test_wait_precedes_every_global_access_in_ptx():
     """The decode attention kernel compiled for sm_90 as PDL launches it (Triton's compiler, no GPU; in a child
     without TRITON_INTERPRET, as test_attention_combine does): griddepcontrol.wait comes before any global load,
     store, atomic or async copy, the dependents are released after it, and without PDL neither appears."""
-    import os
-    import subprocess
-    import sys
+    from tests.ops.ptx_compile import ptx_in_child
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import sys; from tests.ops.ptx_compile import compile_decode; "
-            "sys.stdout.write(chr(0).join(compile_decode(True, use_pdl=p).asm['ptx'] for p in (True, False)))")
-    with_pdl, plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                     check=True).stdout.split(chr(0))
+    with_pdl, plain = ptx_in_child("[compile_decode(True, use_pdl=p).asm['ptx'] for p in (True, False)]")
     lines = [line.strip() for line in with_pdl.splitlines()]
     wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
     launch = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.launch_dependents"))

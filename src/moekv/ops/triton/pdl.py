@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 _enabled = False
+_ON = {"USE_PDL": True, "launch_pdl": True}       # what launch_kwargs hands out (spread into launches, never edited)
+_OFF = {"USE_PDL": False}
 
 
 def set_enabled(on: bool) -> None:
@@ -65,7 +67,7 @@ def active_on(tensor: torch.Tensor) -> bool:
 def launch_kwargs(tensor: torch.Tensor) -> dict:
     """The kernel's USE_PDL constexpr and the launcher's launch_pdl option for a launch on tensor's device:
     {"USE_PDL": True, "launch_pdl": True} when PDL is on there and Triton takes it, else {"USE_PDL": False}."""
-    return {"USE_PDL": True, "launch_pdl": True} if active_on(tensor) and _triton_takes_pdl() else {"USE_PDL": False}
+    return _ON if active_on(tensor) and _triton_takes_pdl() else _OFF
 
 
 @triton.jit
