@@ -38,6 +38,8 @@ SWEPT_BITS = (3,)                          # other widths take int3's winner
 DEVICE = "cuda"
 DRY_SHAPES = [(1, 300), (2, 260)]
 OUTLIERS = "default"          # --outliers: "default" = the cache's (CacheConfig), "1%" on keys and values (v6-era runs)
+STAGING_BLOCK = None          # --staging-block: the tail page's rows in shuffled blocks of this many (None: one whole page)
+STAGING_ONLY = False          # --staging-only: the tail page as an id beyond the low-bit pages (lazy_partial_page)
 T0 = time.perf_counter()
 
 
@@ -143,13 +145,24 @@ def build_lowbit(batch: int, length: int, bits: int, generator, chunk: int = 102
         stores.append(store)
     context = length - 1
     full = context // LOWBIT_PAGE
-    slot_of_page = torch.full((num_pages,), -1, dtype=torch.int32, device=DEVICE)
-    staging_shape = (batch, LOWBIT_PAGE, HKV, D)
+    block = STAGING_BLOCK or LOWBIT_PAGE
+    per_page = LOWBIT_PAGE // block
+    staging_only = STAGING_ONLY and context % LOWBIT_PAGE != 0
+    slot_of_page = torch.full((num_pages + (batch if staging_only else 0), per_page), -1, dtype=torch.int32,
+                              device=DEVICE)
+    staging_shape = (batch * per_page, block, HKV, D)
     staging_keys = torch.randn(staging_shape, device=DEVICE, dtype=torch.bfloat16)
     staging_values = torch.randn_like(staging_keys)
     if context % LOWBIT_PAGE:
+        if staging_only:                                   # the tail page: a staging-only id per sequence
+            for i, t in enumerate(tables):
+                t[full] = num_pages + i
+        held = -(-(context % LOWBIT_PAGE) // block)
+        order = torch.randperm(batch * per_page, generator=generator).view(batch, per_page)[:, :held]
         tails = torch.tensor([t[full] for t in tables], device=DEVICE)
-        slot_of_page[tails] = torch.arange(batch, dtype=torch.int32, device=DEVICE)
+        slot_of_page[tails, :held] = order.to(torch.int32).to(DEVICE)
+    if per_page == 1:
+        slot_of_page = slot_of_page[:, 0].contiguous()     # whole pages: the one-slot-per-page map, as before
     meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, LOWBIT_PAGE, DEVICE)
     query = torch.randn((batch, HQ, D), device=DEVICE, dtype=torch.bfloat16)
     key = torch.randn((batch, HKV, D), device=DEVICE, dtype=torch.bfloat16)

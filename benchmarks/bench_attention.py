@@ -68,6 +68,11 @@ def main(argv=None) -> int:
                              "lowbit-sweep.json and lowbit-best.json (the best config per implementation over the swept cases)")
     parser.add_argument("--kv-heads", type=int, default=None,
                         help="kv heads of every shape (default 8: Mixtral; 4: Qwen3-30B-A3B), Hq stays 32")
+    parser.add_argument("--staging-block", type=int, default=None,
+                        help="low-bit inputs: the tail page's rows in shuffled staging blocks of this many tokens "
+                             "(CacheConfig.staging_block_size; default one whole page)")
+    parser.add_argument("--staging-only", action="store_true",
+                        help="low-bit inputs: the tail page as a staging-only id (CacheConfig.lazy_partial_page)")
     parser.add_argument("--runs", type=int, default=1,
                         help="time the target table N times in this process, interleaved; each cell reports the "
                              "median of the N runs and their spread, each speed-up the median of the per-run ratios")
@@ -75,6 +80,7 @@ def main(argv=None) -> int:
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     setup.OUTLIERS = args.outliers
+    setup.STAGING_BLOCK, setup.STAGING_ONLY = args.staging_block, args.staging_only
     if args.kv_heads is not None:
         if args.kv_heads < 1 or setup.HQ % args.kv_heads:
             parser.error(f"--kv-heads must divide Hq={setup.HQ}, got {args.kv_heads}")

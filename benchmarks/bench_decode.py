@@ -172,6 +172,10 @@ def main(argv=None) -> int:
                              "contexts must be multiples of the page size")
     parser.add_argument("--prefill-chunk", type=int, default=16384, help="prompt tokens per engine step")
     parser.add_argument("--page-size", type=int, help="KV page size (default 16 bf16, 128 low-bit)")
+    parser.add_argument("--staging-block", type=int, help="low-bit KV: staging blocks of this many tokens "
+                        "(CacheConfig.staging_block_size; default whole pages)")
+    parser.add_argument("--lazy-partial-page", action="store_true", help="low-bit KV: the partly filled page takes "
+                        "its low-bit storage when it fills (CacheConfig.lazy_partial_page)")
     parser.add_argument("--hf", default="eager,grouped_mm", help="transformers experts implementations to run")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers entirely")
     parser.add_argument("--moe-tokens", default="1,8,128", help="token counts of the MoE-layer section ('' = skip)")

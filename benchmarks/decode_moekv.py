@@ -55,8 +55,11 @@ def make_engine(model, batch: int, context: int, kv: str, new_tokens: int, args,
     page_size = args.page_size or (128 if kv.startswith("int") else 16)
     max_len = context + new_tokens + 8
     num_pages = batch * -(-max_len // page_size) + batch + 1
+    low_bit = kv.startswith("int")
     cache = CacheConfig(kv_cache_dtype=kv, page_size=page_size, num_pages=num_pages,
-                        staging_pages=2 * batch + 8 if kv.startswith("int") else None)
+                        staging_pages=2 * batch + 8 if low_bit else None,
+                        staging_block_size=getattr(args, "staging_block", None) if low_bit else None,
+                        lazy_partial_page=bool(getattr(args, "lazy_partial_page", False)) and low_bit)
     config = EngineConfig(model=ModelConfig(model=f"random:{args.model}", max_model_len=max_len), cache=cache,
                           scheduler=SchedulerConfig(max_num_seqs=batch,
                                                     max_num_batched_tokens=max(args.prefill_chunk, batch)),

@@ -102,11 +102,13 @@ def fp8_tail(mode: str, log: dict | None = None):
         rows = gather(pages, spec, staging, slot_of_page, block_table, num_tokens)       # fresh fp32 [n, H, D]
         p = spec.page_size
         for i, page in enumerate(block_table[:-(-num_tokens // p)]):
-            if slot_of_page[page] >= 0:
+            entry = slot_of_page[page]                 # the page's staging blocks (whole pages here: one)
+            slot = entry[0] if isinstance(entry, list) else entry
+            if slot >= 0:
                 part = rows[i * p:(i + 1) * p]
                 if log is not None:
                     log["attention_rows"] = log.get("attention_rows", 0) + part.shape[0]
-                    log.setdefault("first", (part.clone(), staging[slot_of_page[page]][:part.shape[0]].clone()))
+                    log.setdefault("first", (part.clone(), staging[slot][:part.shape[0]].clone()))
                 part.copy_(fp8_round(part, mode))
                 if log is not None and "first_after" not in log:
                     log["first_after"] = part.clone()

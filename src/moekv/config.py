@@ -149,6 +149,13 @@ class CacheConfig:
                                         # filled page, plus sink pages); None: max_num_seqs * (2 +
                                         # fp_sink_pages) + 1 (the CUDA-graph padding rows' scratch
                                         # page), at most num_pages (engine)
+    # Staging held in blocks of this many tokens (a power of two dividing the page; None: the page size; the v7 CUDA
+    # decode kernel takes blocks of 32, 64 or 128 rows):
+    # a partly filled page holds ceil(rows / block) blocks instead of a whole staging page (docs/kv-format.md §5).
+    staging_block_size: int | None = None
+    # The partly filled last page takes its low-bit storage only when it fills (until then it is a staging-only
+    # page id beyond the pool's pages, kvcache/manager.py): all-in bits at 16k int3 3.365 -> 3.29 with blocks of 32.
+    lazy_partial_page: bool = False
     enable_prefix_caching: bool = True  # reuse full pages across requests by their token prefix (every dtype)
 
     def __post_init__(self) -> None:
@@ -182,6 +189,13 @@ class CacheConfig:
             raise ConfigError(f"token_group_size must be a positive integer or None, got {self.token_group_size!r}")
         if self.staging_pages is not None and (not isinstance(self.staging_pages, int) or self.staging_pages < 1):
             raise ConfigError(f"staging_pages must be a positive integer or None, got {self.staging_pages!r}")
+        block = self.staging_block_size
+        if block is not None and (not isinstance(block, int) or block < 1 or block & (block - 1)
+                                  or self.resolved_page_size % block):
+            raise ConfigError(f"staging_block_size must be a power of two dividing the page size "
+                              f"({self.resolved_page_size}), or None, got {block!r}")
+        if not isinstance(self.lazy_partial_page, bool):
+            raise ConfigError(f"lazy_partial_page must be True or False, got {self.lazy_partial_page!r}")
 
     @property
     def is_low_bit(self) -> bool:
@@ -208,6 +222,11 @@ class CacheConfig:
         if self.page_size is not None:
             return self.page_size
         return 128 if self.is_low_bit else 16
+
+    @property
+    def resolved_staging_block(self) -> int:
+        """Tokens per staging block (low-bit formats): staging_block_size, or the whole page."""
+        return self.staging_block_size if self.staging_block_size is not None else self.resolved_page_size
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ class Harness:
         config = CacheConfig(kv_cache_dtype=config.pop("kv_cache_dtype", "int3"), page_size=PAGE,
                              staging_pages=staging_pages, **config)
         self.cache = create_kv_cache(config, self.spec, num_pages, "cpu")
-        self.manager = KVCacheManager(num_pages, PAGE, on_pages_freed=self.cache.pages_freed)
+        self.manager = KVCacheManager(num_pages, PAGE, on_pages_freed=self.cache.pages_freed,
+                                      staging_only_ids=self.cache.staging_only_ids(),
+                                      on_page_renamed=self.cache.page_renamed)
         self.lengths: dict[str, int] = {}
         self.history: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.generator = torch.Generator().manual_seed(seed)
@@ -94,6 +96,15 @@ class Harness:
     def partial_sequences(self):
         return sum(1 for n in self.lengths.values() if n % PAGE)
 
+    def staging_blocks_held(self):
+        config = self.cache.config
+        return sum(accounting.pages_held(n, PAGE, config.fp_sink_pages, config.resolved_staging_block)[1]
+                   for n in self.lengths.values())
+
+
+STAGING = [dict(), dict(staging_block_size=2), dict(staging_block_size=4, lazy_partial_page=True),
+           dict(staging_block_size=1, lazy_partial_page=True), dict(lazy_partial_page=True)]
+
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int4", "int3", "int2"])
 @pytest.mark.parametrize("key_axis", ["channel", "token"])
@@ -124,7 +135,7 @@ def test_pages_freed_and_reused_return_staging_slots():
     h.step({"c": 17, "b": 1})                            # c reuses a's pages (quantized ones and the staged one)
     h.step({"c": 7, "b": 2})                             # c's third page fills exactly: quantized, slot returns
     assert h.lengths == {"b": 8, "c": 24}
-    assert h.cache.slots.num_used == 0 and int((h.cache.staging_slot_of_page >= 0).sum()) == 0
+    assert h.cache.slots.num_used == 0 and int((h.cache.staging_block_map[:, 0] >= 0).sum()) == 0
     h.step({"c": 1, "b": 1})
     assert h.cache.slots.num_used == 2
     h.finish("b")
@@ -146,7 +157,7 @@ def test_fp_sink_pages_stay_full_precision():
     h.step({"a": 1, "b": 5})
     # a (21 tokens) keeps page 0 (sink) and its partial page 2 in staging; b (9) its full sink page 0 and page 1
     assert h.cache.slots.num_used == 4
-    slots = h.cache.staging_slot_of_page
+    slots = h.cache.staging_block_map[:, 0]
     assert slots[h.manager.block_table("a")[0]] >= 0 and slots[h.manager.block_table("a")[1]] < 0
     assert h.cache.bits_per_value([21, 9]) == pytest.approx(accounting.cache_bits_per_value(
         h.cache.key_spec, h.cache.value_spec, HEADS, 4, [21, 9], fp_sink_pages=1))
@@ -203,7 +214,7 @@ def test_capacity_accounting_matches_the_tensors():
     default = CacheConfig(kv_cache_dtype="int3", page_size=PAGE)
     assert LowBitKVCache.bytes_per_page(h.spec, default) == per_page + LowBitKVCache.staging_page_bytes(h.spec) // 8
     assert LowBitKVCache.fixed_bytes(h.spec, default) == 0
-    assert create_kv_cache(default, h.spec, 1024, "cpu").slots.num_slots == 128
+    assert create_kv_cache(default, h.spec, 1024, "cpu").slots.num_blocks == 128
 
 
 def test_budget_hits_are_counted_in_stats():
@@ -256,3 +267,64 @@ def test_full_precision_token_share_and_page_bits(sinks, lengths, staged):
     assert 3.0 < page_bits < 6.0                     # int3 codes + per-page metadata, never the fp tail's 32
     fp = create_kv_cache(CacheConfig(kv_cache_dtype="fp32", page_size=PAGE), h.spec, 8, "cpu")
     assert fp.page_bits_per_value() == 32.0 and fp.full_precision_token_share(lengths) == 1.0
+
+
+@pytest.mark.parametrize("staging", STAGING[1:])
+@pytest.mark.parametrize("sinks", [0, 1])
+def test_staging_blocks_and_lazy_partial_pages_match_the_oracle(staging, sinks):
+    # every output against the full-precision oracle through prefill, decode across pages, mixed chunks,
+    # sequences ending and new ones reusing their pages; the staging held is ceil(rows / block) per partial page
+    h = Harness(outlier_fraction=0.02, fp_sink_pages=sinks, **staging)
+    h.step({"a": 13, "b": 1, "c": 8, "d": 21})
+    for _ in range(PAGE + 1):
+        h.step({"a": 1, "b": 1, "c": 1, "d": 1})
+        assert h.cache.slots.num_used == h.staging_blocks_held()
+    h.step({"a": 5, "b": 17, "c": 1, "d": 3})
+    h.finish("b")
+    h.step({"e": 30, "a": 2})
+    for _ in range(3):
+        h.step({"a": 1, "c": 1, "d": 1, "e": 1})
+    assert h.cache.slots.num_used == h.staging_blocks_held()
+    finished_b = 27 // PAGE - sinks                              # b (27 tokens) ended with its pages quantized
+    assert h.cache.stats()["pages_quantized"] == sum(max(n // PAGE - sinks, 0) for n in h.lengths.values()) + finished_b
+    lazy = staging.get("lazy_partial_page", False)
+    for seq, n in h.lengths.items():
+        table = h.manager.block_table(seq)
+        assert len(table) == -(-n // PAGE)
+        staging_only = [page >= 40 for page in table]               # Harness: 40 pool pages
+        assert staging_only == [lazy and n % PAGE != 0 and i == len(table) - 1 for i in range(len(table))]
+    used = h.manager.pool.num_pages - h.manager.num_free_pages
+    assert used == sum(n // PAGE + (0 if lazy else int(n % PAGE != 0)) for n in h.lengths.values())
+    assert h.cache.bits_per_value(list(h.lengths.values())) == pytest.approx(accounting.cache_bits_per_value(
+        h.cache.key_spec, h.cache.value_spec, HEADS, 4, list(h.lengths.values()), sinks,
+        h.cache.config.resolved_staging_block, lazy))
+    for seq in list(h.lengths):
+        h.finish(seq)
+    assert h.cache.slots.num_used == 0 and h.manager.num_free_pages == 40
+    assert int((h.cache.staging_block_map >= 0).sum()) == 0
+
+
+def test_lazy_partial_pages_hold_no_pool_page_and_run_out_of_ids_cleanly():
+    h = Harness(num_pages=6, staging_pages=2, staging_block_size=4, lazy_partial_page=True)
+    h.step({"a": 20, "b": 5})          # a: 2 pool pages + a staging-only page; b: a staging-only page
+    assert h.manager.num_free_pages == 4 and h.manager.num_free_tails == 0
+    assert not h.manager.can_grow("c", 3)                       # no staging-only id left for a third sequence
+    with pytest.raises(OutOfKVCacheError, match="staging-only page ids"):
+        h.manager.grow("c", 3)
+    assert not h.manager.has("c") or h.manager.block_table("c") == []
+    assert h.manager.can_grow("c", 8)                           # a whole page needs no staging-only id
+    h.step({"a": 4, "b": 3})                                    # both fill their pages: the ids come back
+    assert h.manager.num_free_tails == 2 and h.manager.num_free_pages == 2
+    assert h.cache.slots.num_used == 0
+
+
+def test_lazy_partial_page_bits_at_16k():
+    # the issue-23 target by the accounting, on the decode bench's shape (8 KV heads, head_dim 128, P = 128, bf16)
+    from moekv.kvcache.formats.lowbit_capacity import quant_specs
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=8, head_dim=128, page_size=128, dtype=torch.bfloat16)
+    key_spec, value_spec = quant_specs(spec, CacheConfig(kv_cache_dtype="int3"))
+    cycle = [accounting.page_cycle_bits(key_spec, value_spec, 8, 2, 16384, staging_block=block, lazy_partial_page=lazy)
+             for block, lazy in ((None, False), (32, False), (None, True), (32, True))]
+    assert cycle[0] == pytest.approx(3.3650, abs=1e-4)                 # whole staging pages (the old default)
+    assert cycle[0] > cycle[1] > cycle[3] and cycle[0] > cycle[2] > cycle[3]
+    assert cycle[3] == pytest.approx(3.2933, abs=1e-4) and cycle[3] <= 3.30

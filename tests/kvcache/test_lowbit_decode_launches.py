@@ -98,4 +98,4 @@ def test_filled_page_is_quantized_after_the_last_layer_only(monkeypatch, fused):
     assert all(seen[layer] == [True] * (2 * LAYERS) for layer in range(LAYERS - 1))   # untouched until the last
     assert seen[-1] == [False] * (2 * LAYERS)                          # then every layer's key and value page
     assert cache.stats()["pages_quantized"] == quantized + 1
-    assert cache.slots.slot_of_page[page] < 0                          # end_step returned its staging slot
+    assert cache.slots.blocks(page)[0] < 0                          # end_step returned its staging slot

@@ -17,10 +17,11 @@ from moekv.kvcache.base import KVCacheSpec
 from moekv.kvcache.formats.lowbit import LowBitKVCache
 from moekv.kvcache.formats.lowbit_plan import DecodePlan
 from moekv.ops import dispatch
+from moekv.ops.reference.lowbit import staged_page_rows
 from tests.helpers import BACKENDS, ops_backend
 
 PAGE, HEADS, Q_HEADS, DIM, LAYERS, SCALE = 16, 2, 4, 32, 2, 0.18
-NUM_PAGES, STAGING, MAX_BATCH, BUCKET = 24, 12, 8, 6
+NUM_PAGES, STAGING_PAGES, MAX_BATCH, BUCKET = 24, 12, 8, 6
 SCRATCH = "<scratch>"          # the runner's page for padding sequences, reserved for the cache's lifetime
 
 
@@ -34,14 +35,15 @@ class Pair:
     """Two caches fed the same tokens: `hooked` through begin_step/attention/end_step, decode steps padded
     to BUCKET with dummy sequences on a scratch page; `lazy` without hooks and without padding."""
 
-    def __init__(self, seed=0, key_axis="channel"):
+    def __init__(self, seed=0, key_axis="channel", **staging):
         spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.float32)
-        config = CacheConfig(kv_cache_dtype="int3", page_size=PAGE, staging_pages=STAGING, outlier_fraction=0.02,
-                             key_axis=key_axis)
+        config = CacheConfig(kv_cache_dtype="int3", page_size=PAGE, staging_pages=STAGING_PAGES, outlier_fraction=0.02,
+                             key_axis=key_axis, **staging)
         self.hooked = LowBitKVCache(spec, NUM_PAGES, "cpu", config)
         self.lazy = LowBitKVCache(spec, NUM_PAGES, "cpu", config)
         self.hooked.reserve_graph_decode(MAX_BATCH)
-        self.managers = {id(c): KVCacheManager(NUM_PAGES, PAGE, on_pages_freed=c.pages_freed)
+        self.managers = {id(c): KVCacheManager(NUM_PAGES, PAGE, on_pages_freed=c.pages_freed,
+                                               staging_only_ids=c.staging_only_ids(), on_page_renamed=c.page_renamed)
                          for c in (self.hooked, self.lazy)}
         self.scratch_page: int | None = None     # reserved at the first padded step, after the first prefill:
         # not page 0, which a real sequence then fills (a skipped entry's clamped page id must not matter)
@@ -147,14 +149,14 @@ class Pair:
     def check_same_contents(self) -> None:
         """Every real sequence's pages: quantized pages bit-equal, staged rows (its partial pages) equal."""
         hooked, lazy = self.hooked, self.lazy
-        hooked_map, lazy_map = hooked.staging_slot_of_page.tolist(), lazy.staging_slot_of_page.tolist()
-        assert hooked_map == hooked.slots.slot_of_page and lazy_map == lazy.slots.slot_of_page
+        hooked_map, lazy_map = hooked.staging_block_map.tolist(), lazy.staging_block_map.tolist()
+        assert hooked_map == hooked.slots.host_map() and lazy_map == lazy.slots.host_map()
         for seq, length in self.lengths.items():
             table = self.manager(hooked).block_table(seq)
             assert table == self.manager(lazy).block_table(seq)
             for index, page in enumerate(table[:-(-length // PAGE)]):
                 rows = min(PAGE, length - index * PAGE)
-                assert (hooked_map[page] >= 0) == (lazy_map[page] >= 0) == (rows < PAGE), (seq, index)
+                assert (hooked_map[page][0] >= 0) == (lazy_map[page][0] >= 0) == (rows < PAGE), (seq, index)
                 for layer in range(LAYERS):
                     if rows == PAGE:
                         for mine, theirs in ((hooked.key_pages[layer], lazy.key_pages[layer]),
@@ -164,15 +166,21 @@ class Pair:
                     else:
                         for mine, theirs in ((hooked.staging_keys[layer], lazy.staging_keys[layer]),
                                              (hooked.staging_values[layer], lazy.staging_values[layer])):
-                            assert torch.equal(mine[hooked_map[page], :rows], theirs[lazy_map[page], :rows])
-        scratch = int(self.scratch_page is not None and hooked_map[self.scratch_page] >= 0)
+                            mine_rows = staged_page_rows(mine, torch.tensor([hooked_map[page]]))[0, :rows]
+                            theirs_rows = staged_page_rows(theirs, torch.tensor([lazy_map[page]]))[0, :rows]
+                            assert torch.equal(mine_rows, theirs_rows)
+        scratch = int(self.scratch_page is not None and hooked_map[self.scratch_page][0] >= 0)
         assert hooked.slots.num_used == lazy.slots.num_used + scratch
         if self.same_counters:
             assert torch.equal(hooked._counters, lazy._counters)  # masked device counters: same totals
 
 
-def test_decode_steps_match_the_lazy_path(backend):
-    pair = Pair(key_axis="channel" if backend == "reference" else "token")
+STAGING = [dict(), dict(staging_block_size=4, lazy_partial_page=True), dict(staging_block_size=8)]
+
+
+@pytest.mark.parametrize("staging", STAGING)
+def test_decode_steps_match_the_lazy_path(backend, staging):
+    pair = Pair(key_axis="channel" if backend == "reference" else "token", **staging)
     pair.step({"a": 13, "b": 12, "c": 30, "d": 28}, decode_plan=False)      # ragged prefill: hooked, variable plan
     real = ["a", "b", "c", "d"]
     # pages fill in padded steps (c at step 1, a at 2, e at 4) and in an unpadded one (b and d together at 3)
@@ -187,14 +195,15 @@ def test_decode_steps_match_the_lazy_path(backend):
     stats = pair.hooked.stats()
     assert stats["pages_quantized"] == sum(n // PAGE for n in pair.lengths.values()) + 1   # + b's first page
     assert stats["key_outliers_per_page_head"] > 0
-    assert pair.hooked.staging_slot_of_page[pair.scratch_page] >= 0    # the scratch page keeps its one slot
+    assert pair.hooked.staging_block_map[pair.scratch_page, 0] >= 0    # the scratch page keeps its one slot
 
 
-def test_decode_steps_in_a_graph_bucket_buffer_match_the_lazy_path(backend):
+@pytest.mark.parametrize("staging", STAGING)
+def test_decode_steps_in_a_graph_bucket_buffer_match_the_lazy_path(backend, staging):
     """The graph runner's path: the decode rows and flags live in the bucket's buffer (bind_graph_step) and ride
     in its one copy; same outputs and cache contents as the lazy path, pages filling and quantizing, a
     non-finite key reported through the bucket's flags."""
-    pair = Pair()
+    pair = Pair(**staging)
     pair.step({"a": 13, "b": 2, "c": 30}, decode_plan=False)
     for step in range(4):                        # c crosses 32 (padded step), a 16 (unpadded); padded to BUCKET
         pad = BUCKET if step % 2 else 3
@@ -275,7 +284,7 @@ def test_non_finite_decode_raises_at_end_step_and_commits_nothing(backend):
     pair = Pair()
     pair.step({"a": 15, "b": 15, "c": 6})
     hooked = pair.hooked
-    before_map = hooked.staging_slot_of_page.clone()
+    before_map = hooked.staging_block_map.clone()
     before_used = hooked.slots.num_used
     data, meta = poisoned_step(pair)
     assert isinstance(hooked._plan, DecodePlan)
@@ -288,7 +297,7 @@ def test_non_finite_decode_raises_at_end_step_and_commits_nothing(backend):
     pair.same_counters = False                   # statistics of the failed step stay counted
     # not committed: a's and b's filled pages keep their slots (read from staging, as before the step); only
     # the scratch page's slot, taken by begin_step for the padding, is new (it keeps it for good)
-    after_map = hooked.staging_slot_of_page.clone()
+    after_map = hooked.staging_block_map.clone()
     assert before_map[pair.scratch_page] == -1 and after_map[pair.scratch_page] >= 0
     after_map[pair.scratch_page] = -1
     assert torch.equal(after_map, before_map) and hooked.slots.num_used == before_used + 1
@@ -333,11 +342,11 @@ def test_pages_freed_while_a_step_is_pending_keeps_the_others_commit(decode, fre
     assert cache._plan is None
     a_pages = pair.manager(cache).block_table("a")
     c_pages = pair.manager(cache).block_table("c")
-    assert cache.slots.slot_of_page[a_pages[0]] == -1          # a's page filled: its slot returned
-    assert cache.slots.slot_of_page[c_pages[0]] >= 0           # c's page is still partial
-    live = {p for p, s in enumerate(cache.slots.slot_of_page) if s >= 0}
+    assert cache.slots.blocks(a_pages[0])[0] == -1          # a's page filled: its slot returned
+    assert cache.slots.blocks(c_pages[0])[0] >= 0           # c's page is still partial
+    live = {p for p, s in enumerate(cache.slots.host_map()) if s[0] >= 0}
     assert live == {c_pages[0]} and cache.slots.num_used == 1
-    assert cache.staging_slot_of_page.tolist() == cache.slots.slot_of_page
+    assert cache.staging_block_map.tolist() == cache.slots.host_map()
 
 
 def test_padding_on_the_scratch_page_is_never_quantized_or_counted_page_size_1():
@@ -358,5 +367,5 @@ def test_padding_on_the_scratch_page_is_never_quantized_or_counted_page_size_1()
                             torch.randn(4, HEADS, DIM, generator=gen), meta, SCALE)
         cache.end_step(meta)
     assert cache.stats()["pages_quantized"] == 2                 # a's two pages, not the scratch page 6 times
-    assert cache.slots.slot_of_page[real[0]] == cache.slots.slot_of_page[real[1]] == -1
-    assert cache.slots.slot_of_page[scratch] >= 0 and cache.slots.num_used == 1
+    assert cache.slots.blocks(real[0])[0] == cache.slots.blocks(real[1])[0] == -1
+    assert cache.slots.blocks(scratch)[0] >= 0 and cache.slots.num_used == 1

@@ -132,3 +132,25 @@ def test_decode_fragment_order(device, bits, key_axis):
     # that end inside a chunk, on a chunk boundary and past a page
     check(build_case([33, 64, 70], [1, 1, 1], 2, 4, 128, bits, 32, key_axis=key_axis, kind="outlier_channels", seed=9,
                      device=device), torch.float32)
+
+
+@pytest.mark.parametrize("staging_block,staging_only", [(16, False), (16, True), (32, True), (64, False)])
+@pytest.mark.parametrize("kind", ["spikes", "heavy_tail"])
+def test_staging_blocks_and_staging_only_ids(device, staging_block, staging_only, kind):
+    # staging in blocks handed out in shuffled order (a partial page holds only the blocks its rows need), the
+    # partial page as an id beyond the low-bit pages; ragged lengths around page and block boundaries, sinks
+    case = build_case([1, 17, 63, 64, 65, 129, 200], [1] * 7, 2, 4, 64, 3, 64, kind=kind, sink_pages=1,
+                      seed=12, device=device, staging_block=staging_block, staging_only=staging_only)
+    if staging_only:
+        assert case.block_map.shape[0] > case.key_pages.codes.shape[0]
+    check(case, torch.float32, num_splits=2)
+    check(case, torch.float32, config={"BLOCK_N": 16})
+
+
+def test_staging_blocks_match_whole_page_staging(device):
+    # the same data staged in whole pages and in blocks of 16: the kernel's outputs are bit-identical
+    args = dict(context_lens=[40, 100, 7], query_lens=[1, 1, 1], num_kv_heads=2, group=4, head_dim=64, bits=3,
+                page_size=64, kind="outlier_channels", seed=13, device=device)
+    whole = kernel(*build_case(**args).args(), SCALE)
+    blocks = kernel(*build_case(**args, staging_block=16, staging_only=True).args(), SCALE)
+    assert torch.equal(whole, blocks)

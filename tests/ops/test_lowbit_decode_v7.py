@@ -264,3 +264,18 @@ def test_rejects_prefill_and_large_groups():
     args[0], args[1], args[2], args[-1] = q, kv, kv, meta
     with pytest.raises(ValueError, match="GQA group"):
         lowbit_decode.paged_attention_lowbit_decode(*args, SCALE)
+
+
+@needs_cuda
+@pytest.mark.parametrize("staging_block", [32, 64])
+@pytest.mark.parametrize("staging_only", [False, True])
+@pytest.mark.parametrize("warps", [4, 8])
+def test_staging_blocks_and_staging_only_ids(staging_block, staging_only, warps):
+    # staging in shuffled blocks (a partial page holds only the blocks its rows need), the partial page as an id
+    # beyond the low-bit pages (its low-bit prefetches read page 0's storage), sinks, lengths at block boundaries
+    for context, sinks in (([1, 31, 32, 33, 127, 128, 129, 300, 1000], 0), ([600, 129, 65], 1)):
+        case = to_device(build_case(context, [1] * len(context), 2, 4, 128, 3, 128, dtype=torch.bfloat16,
+                                    kind="spikes", outlier_fraction=0.0025, sink_pages=sinks, seed=staging_block,
+                                    key_outlier_fraction=0.0, staging_block=staging_block,
+                                    staging_only=staging_only), "cuda")
+        _check(case, torch.bfloat16, warps=warps)

@@ -116,3 +116,28 @@ def test_staged_int32_indices_and_dispatch(device, triton_backend):
         if device == "cpu":
             for name, t in want.tensors().items():
                 assert torch.equal(got.tensors()[name], t), name
+
+
+@pytest.mark.parametrize("block", [4, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_staged_blocks_match_whole_page_staging(device, block, axis):
+    # the same pages staged in shuffled blocks of `block` rows ([B, P / block] block ids per entry): the same
+    # codes as from whole staging pages, the reference and the kernel alike
+    spec = QuantSpec(bits=3, axis=axis, head_dim=64, page_size=16, outlier_capacity=QuantSpec.capacity_for(0.02, 16, 64))
+    staging = spiky((SLOTS, 16, HEADS, 64), torch.float32, 11)                     # [S, P, H, D]
+    per_page = 16 // block
+    order = torch.randperm(SLOTS * per_page, generator=torch.Generator().manual_seed(block))
+    blocks = torch.empty((SLOTS * per_page, block, HEADS, 64))
+    blocks[order] = staging.reshape(SLOTS * per_page, block, HEADS, 64)          # block j of slot s -> order[s*nb+j]
+    pages = torch.tensor([3, -1, 0, 6])
+    slots = torch.tensor([4, 2, 0, 1])
+    entry_blocks = order.view(SLOTS, per_page)[slots]
+    entry_blocks[1] = -1                                                            # skipped: never read
+    _, want, want_q, _, _ = run_both(staging.to(device), slots, pages, spec, device, seed=3)
+    _, got_ref, got_ref_q, got, got_q = run_both(blocks.to(device), entry_blocks, pages, spec, device, seed=3)
+    assert torch.equal(got_ref_q, want_q) and torch.equal(got_q.cpu(), want_q)
+    exact = device == "cpu" or axis == "channel"
+    for name, want_t in want.tensors().items():
+        assert torch.equal(got_ref.tensors()[name], want_t), name
+        if exact:
+            assert torch.equal(got.tensors()[name].cpu(), want_t), name

@@ -142,7 +142,7 @@ def test_bad_shapes_raise(device):
     counters = torch.zeros(7, dtype=torch.int64, device=device)
     slots, pages = torch.zeros(2, dtype=torch.long, device=device), torch.zeros(2, dtype=torch.long, device=device)
     for module in (lowbit_quantize, reference):
-        with pytest.raises(ValueError, match=r"\[L, S, P, H, D\]"):
+        with pytest.raises(ValueError, match=r"\[L, num_blocks, SB, H, D\]"):
             module.quantize_staged_kv_counted_layers(keys[0], keys[0], slots, pages, key_spec, value_spec, *outs,
                                                      counters, *INDICES)
         with pytest.raises(ValueError, match="layers|expected"):

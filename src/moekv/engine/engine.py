@@ -100,7 +100,9 @@ class Engine(TokenOutputs):
         prefix_cache = PrefixCache(spec.page_size, self._prefix_salt(spec)) \
             if self.cache_config.enable_prefix_caching else None
         self.kv_manager = KVCacheManager(num_pages, spec.page_size, on_pages_freed=self.kv_cache.pages_freed,
-                                         prefix_cache=prefix_cache, keeps_freed_page=self.kv_cache.keeps_freed_page)
+                                         prefix_cache=prefix_cache, keeps_freed_page=self.kv_cache.keeps_freed_page,
+                                         staging_only_ids=self.kv_cache.staging_only_ids(),
+                                         on_page_renamed=self.kv_cache.page_renamed)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager, self.device,
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
         self.runner.step_hooks = self.routing      # graph steps capture the device half of its per-step hook

@@ -61,13 +61,23 @@ def format_bits_per_value(key_spec: QuantSpec, value_spec: QuantSpec) -> float:
     return sum(bits_breakdown(key_spec, value_spec).values())
 
 
-def pages_held(num_tokens: int, page_size: int, fp_sink_pages: int = 0) -> tuple[int, int]:
-    """(pages, staged pages) a sequence of `num_tokens` holds: every page has low-bit storage; the
-    partly filled last page and the first `fp_sink_pages` pages also hold a staging slot."""
-    pages = -(-num_tokens // page_size)
-    sinks = min(fp_sink_pages, pages)
-    partial_not_sink = num_tokens % page_size != 0 and pages - 1 >= sinks
-    return pages, sinks + int(partial_not_sink)
+def pages_held(num_tokens: int, page_size: int, fp_sink_pages: int = 0, staging_block: int | None = None,
+               lazy_partial_page: bool = False) -> tuple[int, int]:
+    """(pages with low-bit storage, staging blocks) a sequence of `num_tokens` holds. Every page has low-bit
+    storage, except with `lazy_partial_page` the partly filled last page (its storage is taken when it fills).
+    Staging (blocks of `staging_block` tokens, None: whole pages): all blocks of each of the first
+    `fp_sink_pages` pages (ceil(rows / block) of a partly filled sink page), and ceil(rows / block) of the
+    partly filled last page. With whole-page blocks the second number is the staging pages held."""
+    block = staging_block or page_size
+    per_page = page_size // block
+    pages, tail = -(-num_tokens // page_size), num_tokens % page_size
+    full = num_tokens // page_size
+    sinks_full = min(fp_sink_pages, full)
+    blocks = sinks_full * per_page
+    if tail:                                             # the partly filled last page, sink or not
+        blocks += -(-tail // block)
+    lowbit = full + (0 if lazy_partial_page or not tail else 1)
+    return lowbit, blocks
 
 
 def full_precision_tokens(num_tokens: int, page_size: int, fp_sink_pages: int = 0) -> int:
@@ -80,15 +90,29 @@ def full_precision_tokens(num_tokens: int, page_size: int, fp_sink_pages: int = 
 
 
 def cache_bits_per_value(key_spec: QuantSpec, value_spec: QuantSpec, num_kv_heads: int, element_size: int,
-                         num_tokens_per_seq: list[int], fp_sink_pages: int = 0) -> float:
+                         num_tokens_per_seq: list[int], fp_sink_pages: int = 0, staging_block: int | None = None,
+                         lazy_partial_page: bool = False) -> float:
     """All-in bits per value of a cache holding sequences of these lengths: low-bit storage of every page
-    held, plus a full staging page (in the model dtype, `element_size` bytes) per staging slot held."""
+    held, plus each staging block held (`staging_block` tokens in the model dtype, `element_size` bytes; None:
+    whole staging pages), as `pages_held` counts them."""
     page_size, head_dim = key_spec.page_size, key_spec.head_dim
+    block = staging_block or page_size
     lowbit = lowbit_page_bytes(key_spec, value_spec, num_kv_heads, 1)
-    staging = staging_page_bytes(page_size, num_kv_heads, head_dim, element_size, 1)
+    staging = staging_page_bytes(block, num_kv_heads, head_dim, element_size, 1)
     total_bytes = total_values = 0
     for num_tokens in num_tokens_per_seq:
-        pages, staged = pages_held(num_tokens, page_size, fp_sink_pages)
-        total_bytes += pages * lowbit + staged * staging
+        pages, blocks = pages_held(num_tokens, page_size, fp_sink_pages, block, lazy_partial_page)
+        total_bytes += pages * lowbit + blocks * staging
         total_values += 2 * num_tokens * num_kv_heads * head_dim
     return 8.0 * total_bytes / total_values if total_values else 0.0
+
+
+def page_cycle_bits(key_spec: QuantSpec, value_spec: QuantSpec, num_kv_heads: int, element_size: int,
+                    context: int, fp_sink_pages: int = 0, staging_block: int | None = None,
+                    lazy_partial_page: bool = False) -> float:
+    """cache_bits_per_value averaged over one page's fill cycle from `context` (page-aligned down): lengths
+    start .. start + P - 1, the mean a decoding sequence near `context` holds."""
+    start = context - context % key_spec.page_size
+    lengths = range(max(start, 1), start + key_spec.page_size)
+    return sum(cache_bits_per_value(key_spec, value_spec, num_kv_heads, element_size, [n], fp_sink_pages,
+                                    staging_block, lazy_partial_page) for n in lengths) / len(lengths)

@@ -169,6 +169,17 @@ class KVCache(ABC):
     def pages_freed(self, pages: list[int]) -> None:
         """The block pool released these pages (a format with per-page side state resets it)."""
 
+    def staging_only_ids(self) -> range | None:
+        """Page ids beyond the pool's `num_pages` that hold a sequence's partly filled last page in staging only
+        (CacheConfig.lazy_partial_page: its low-bit storage is taken when it fills), or None (every page id has
+        storage). The manager hands them out and calls `page_renamed` when such a page gets its real id."""
+        return None
+
+    def page_renamed(self, old: int, new: int) -> None:
+        """The partly filled page `old` (a staging-only id) is page `new` from now on, before the step that
+        fills it: whatever the format holds for `old` now belongs to `new`."""
+        raise NotImplementedError(f"{type(self).__name__} has no staging-only page ids")
+
     def keeps_freed_page(self, page: int) -> bool:
         """Whether a full page's keys/values stay readable after its last holder frees it, until
         pages_freed (prefix caching retains such pages; a format answers False for pages whose

@@ -8,6 +8,11 @@ cached prefix (`match_prefix`), then `admit` takes a reference on those pages an
 `cache_computed` registers a sequence's full, computed pages. A freed registered page stays readable in
 the pool's evictable LRU (if the format keeps its contents: `keeps_freed_page`) until an allocation
 evicts it; only then is the format told (`on_pages_freed`). Pages with holders are never evicted.
+
+With `staging_only_ids` (a low-bit cache with CacheConfig.lazy_partial_page), a sequence's partly filled last
+page is one of those ids (beyond the pool's pages: no low-bit storage, held in staging) instead of a pool page;
+`grow` gives it a pool page when a step fills it (the format is told, `on_page_renamed`, before that step is
+planned) and it returns to its own free list. Such ids are never shared, cached or counted as pool usage.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import weakref
 from typing import Callable
 
+from moekv.errors import OutOfKVCacheError
 from moekv.kvcache.block_pool import BlockPool
 from moekv.kvcache.prefix_cache import CachedPage, PrefixCache, TokenSlice
 
@@ -40,7 +46,9 @@ class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int,
                  on_pages_freed: Callable[[list[int]], None] | None = None,
                  prefix_cache: PrefixCache | None = None,
-                 keeps_freed_page: Callable[[int], bool] | None = None):
+                 keeps_freed_page: Callable[[int], bool] | None = None,
+                 staging_only_ids: range | None = None,
+                 on_page_renamed: Callable[[int, int], None] | None = None):
         if prefix_cache is not None and prefix_cache.page_size != page_size:
             raise ValueError(f"the prefix cache names pages of {prefix_cache.page_size} tokens, the manager "
                              f"holds pages of {page_size}")
@@ -52,6 +60,11 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._on_pages_freed = on_pages_freed
         self._keeps_freed_page = keeps_freed_page
+        if staging_only_ids is not None and (staging_only_ids.start < num_pages or on_page_renamed is None):
+            raise ValueError("staging-only page ids start after the pool's pages and need on_page_renamed")
+        self._staging_only = staging_only_ids
+        self._tails_free: list[int] = list(reversed(staging_only_ids)) if staging_only_ids is not None else []
+        self._on_page_renamed = on_page_renamed
 
     @property
     def num_free_pages(self) -> int:
@@ -68,19 +81,64 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 
+    @property
+    def lazy_partial_page(self) -> bool:
+        return self._staging_only is not None
+
+    @property
+    def num_free_tails(self) -> int:
+        """Staging-only ids free for new partly filled pages (unbounded without them)."""
+        return len(self._tails_free) if self._staging_only is not None else 1 << 30
+
+    def _is_tail(self, page: int) -> bool:
+        return self._staging_only is not None and page in self._staging_only
+
+    def _pool_pages_needed(self, total_tokens: int) -> int:
+        """Pool pages a sequence of `total_tokens` holds (lazy: its full pages only)."""
+        if self._staging_only is None:
+            return pages_needed(total_tokens, self.page_size)
+        return total_tokens // self.page_size
+
+    def _pool_pages_held(self, table: list[int] | tuple) -> int:
+        return len(table) - (1 if table and self._is_tail(table[-1]) else 0)
+
     def num_new_pages(self, seq_id: str, total_tokens: int) -> int:
-        """Pages a sequence must add to hold `total_tokens` tokens."""
-        return max(0, pages_needed(total_tokens, self.page_size) - len(self._tables.get(seq_id, ())))
+        """Pool pages a sequence must add to hold `total_tokens` tokens."""
+        held = self._pool_pages_held(self._tables.get(seq_id, ()))
+        return max(0, self._pool_pages_needed(total_tokens) - held)
+
+    def needs_tail(self, seq_id: str, total_tokens: int) -> bool:
+        """Whether holding `total_tokens` takes a new staging-only id (lazy: a partly filled page that has none)."""
+        if self._staging_only is None or total_tokens % self.page_size == 0:
+            return False
+        table = self._tables.get(seq_id, ())
+        index = total_tokens // self.page_size
+        return not (len(table) > index and self._is_tail(table[index]))
 
     def can_grow(self, seq_id: str, total_tokens: int, reserve: int = 0) -> bool:
+        if self.needs_tail(seq_id, total_tokens) and not self._tails_free:
+            return False
         return self.num_new_pages(seq_id, total_tokens) + reserve <= self.pool.num_free
 
     def grow(self, seq_id: str, total_tokens: int) -> list[int]:
-        """Make the sequence's table hold `total_tokens` tokens; returns its table."""
+        """Make the sequence's table hold `total_tokens` tokens; returns its table. Lazy: a staging-only last
+        page that is full now takes the first new pool page (the format is told), and a partly filled last page
+        that has no id takes a staging-only one."""
         extra = self.num_new_pages(seq_id, total_tokens)
+        tail = self.needs_tail(seq_id, total_tokens)
+        if tail and not self._tails_free:
+            raise OutOfKVCacheError(f"all {len(self._staging_only)} staging-only page ids are in use (one per "
+                                    "running sequence's partly filled page): raise CacheConfig.staging_pages")
         new_pages = self.pool.allocate(extra) if extra else []   # raises before any state changes
         table = self._tables.setdefault(seq_id, [])
+        if new_pages and table and self._is_tail(table[-1]):     # the staging-only page fills: its pool page
+            old, table[-1] = table[-1], new_pages[0]
+            self._on_page_renamed(old, new_pages[0])
+            self._tails_free.append(old)
+            new_pages = new_pages[1:]
         table.extend(new_pages)
+        if tail:
+            table.append(self._tails_free.pop())
         return table
 
     # -- prefix caching ---------------------------------------------------------------------------
@@ -94,7 +152,9 @@ class KVCacheManager:
         """Whether a sequence starting from `hits` can hold `total_tokens` (hit pages waiting in the LRU are
         taken by the hit itself, so they do not count as free for the rest)."""
         retained_hits = sum(1 for entry in hits if self.pool.ref_count(entry.page) == 0)
-        needed = pages_needed(total_tokens, self.page_size) - len(hits)
+        needed = self._pool_pages_needed(total_tokens) - len(hits)
+        if self._staging_only is not None and total_tokens % self.page_size and not self._tails_free:
+            return False
         return needed <= self.pool.num_free - retained_hits
 
     def admit(self, seq_id: str, hits: list[CachedPage], total_tokens: int, num_tokens: int) -> list[int]:
@@ -153,6 +213,11 @@ class KVCacheManager:
         """Release a sequence's pages; returns how many lost their last holder. With prefix caching, those
         that are registered stay retained (the tail first in line for eviction); the rest are freed."""
         table = self._tables.pop(seq_id, None)
+        if table and self._is_tail(table[-1]):                    # its staging-only page: never cached
+            tail = table.pop()
+            self._tails_free.append(tail)
+            if self._on_pages_freed is not None:
+                self._on_pages_freed([tail])
         if self.prefix_cache is None:
             if not table:
                 return 0

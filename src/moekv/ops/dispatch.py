@@ -245,11 +245,11 @@ def paged_attention_full_precision(query, key_pages, value_pages, meta, scale):
 
 
 def paged_attention_lowbit(query, key, value, key_pages, value_pages, key_spec, value_spec,
-                           staging_keys, staging_values, staging_slot_of_page, meta, scale):
+                           staging_keys, staging_values, staging_block_map, meta, scale):
     """See ops.reference.lowbit.paged_attention_lowbit (Triton: the decode kernel of LOWBIT_DECODE_KERNELS for
     decode steps, else ops.triton.lowbit.attention)."""
     return _call("paged_attention_lowbit", query, key, value, key_pages, value_pages, key_spec, value_spec,
-                 staging_keys, staging_values, staging_slot_of_page, meta, scale)
+                 staging_keys, staging_values, staging_block_map, meta, scale)
 
 
 def quantize_pages(x, spec):

@@ -142,7 +142,8 @@ class Scheduler:
         if any(r.num_tokens - r.num_computed_tokens != 1 for r in decoding):
             return None
         needed = sum(self.kv.num_new_pages(r.request_id, r.num_computed_tokens + 1) for r in decoding)
-        if needed > self.kv.pool.num_unused:
+        tails = sum(self.kv.needs_tail(r.request_id, r.num_computed_tokens + 1) for r in decoding)
+        if needed > self.kv.pool.num_unused or tails > self.kv.num_free_tails:
             return None
         self._register_completed(len(self._completing) - 1)     # all but the step in flight
         self._completing.append([])

@@ -43,14 +43,14 @@ class LowBitCase:
     value_pages: PackedPages
     key_spec: QuantSpec
     value_spec: QuantSpec
-    staging_keys: torch.Tensor      # [S, P, Hkv, D]
+    staging_keys: torch.Tensor      # [num_blocks, SB, Hkv, D]
     staging_values: torch.Tensor
-    slot_of_page: torch.Tensor      # [num_pages] int32
+    block_map: torch.Tensor         # [num_ids, P / SB] int32 (num_ids: the pages plus any staging-only ids)
     meta: AttentionMetadata
 
     def args(self):
         return (self.query, self.key, self.value, self.key_pages, self.value_pages, self.key_spec,
-                self.value_spec, self.staging_keys, self.staging_values, self.slot_of_page, self.meta)
+                self.value_spec, self.staging_keys, self.staging_values, self.block_map, self.meta)
 
 
 DATA_KINDS = ("normal", "outlier_channels", "large", "spikes", "heavy_tail", "constant", "near_max")
@@ -87,8 +87,14 @@ def build_case(context_lens: list[int], query_lens: list[int], num_kv_heads: int
                bits: int, page_size: int, dtype: torch.dtype = torch.float32, kind: str = "normal",
                key_axis: str = "channel", group_size: int | None = None, outlier_fraction: float = 0.02,
                sink_pages: int = 0, seed: int = 0, device: str = "cpu",
-               key_outlier_fraction: float | None = None) -> LowBitCase:
+               key_outlier_fraction: float | None = None, staging_block: int | None = None,
+               staging_only: bool = False) -> LowBitCase:
+    """A random low-bit attention case. Staging in blocks of `staging_block` rows (None: whole pages), handed
+    out in a shuffled order, a partly filled page holding only the blocks its rows need; `staging_only`: each
+    partly filled last page is an id beyond the low-bit pages (CacheConfig.lazy_partial_page)."""
     gen = torch.Generator().manual_seed(seed)
+    block = staging_block or page_size
+    per_page = page_size // block
     # "large": values ~1e4; keys ~1e4 only in fp32 -- with 16-bit queries, logits that large make the softmax
     # an argmax that any rounding of q may flip (an ill-posed comparison), so keys stay normal there
     key_kind = "normal" if kind in ("large", "near_max") and dtype != torch.float32 else kind
@@ -103,15 +109,21 @@ def build_case(context_lens: list[int], query_lens: list[int], num_kv_heads: int
     perm = torch.randperm(num_pages, generator=gen).tolist()
     key_pages = PackedPages.empty(key_spec, num_pages, num_kv_heads, "cpu")
     value_pages = PackedPages.empty(value_spec, num_pages, num_kv_heads, "cpu")
-    num_slots = sum(pages_needed) + 1
-    staging_shape = (num_slots, page_size, num_kv_heads, head_dim)
+    num_blocks = (sum(pages_needed) + 1) * per_page
+    block_gen = torch.Generator().manual_seed(seed + 7919)         # its own stream: the data do not change
+    block_order = torch.randperm(num_blocks, generator=block_gen).tolist() if per_page > 1 else list(range(num_blocks))
+    staging_shape = (num_blocks, block, num_kv_heads, head_dim)
     staging_keys = torch.zeros(staging_shape, dtype=dtype)
     staging_values = torch.zeros(staging_shape, dtype=dtype)
-    slot_of_page = torch.full((num_pages,), -1, dtype=torch.int32)
-    tables, next_page, next_slot = [], 0, 0
+    num_ids = num_pages + (len(context_lens) + 2 if staging_only else 0)
+    block_map = torch.full((num_ids, per_page), -1, dtype=torch.int32)
+    tables, next_page, next_slot, next_tail = [], 0, 0, num_pages + 1
     for ctx, pages in zip(context_lens, pages_needed):
         table = perm[next_page:next_page + pages]
         next_page += pages
+        if staging_only and ctx % page_size and (ctx - 1) // page_size >= sink_pages:
+            table[(ctx - 1) // page_size] = next_tail          # the partly filled page: a staging-only id
+            next_tail += 1
         tables.append(table)
         keys = make_data((pages * page_size, num_kv_heads, head_dim), dtype, key_kind, gen)
         values = make_data((pages * page_size, num_kv_heads, head_dim), dtype, kind, gen)
@@ -124,17 +136,22 @@ def build_case(context_lens: list[int], query_lens: list[int], num_kv_heads: int
                     packed, _ = reference.quantize_pages(x[rows].transpose(0, 1).unsqueeze(0), spec)
                     pages_of.store(ids, packed)
             elif index * page_size < ctx or index < sink_pages:
-                slot_of_page[page] = next_slot
-                staging_keys[next_slot] = keys[rows]
-                staging_values[next_slot] = values[rows]
-                next_slot += 1
+                held = per_page if full or index < sink_pages and ctx >= (index + 1) * page_size else \
+                    max(1, -(-(ctx - index * page_size) // block))
+                for j in range(held):
+                    blk = block_order[next_slot]
+                    next_slot += 1
+                    block_map[page, j] = blk
+                    sub = slice(index * page_size + j * block, index * page_size + (j + 1) * block)
+                    staging_keys[blk] = keys[sub]
+                    staging_values[blk] = values[sub]
     total = sum(query_lens)
     query = make_data((total, num_kv_heads * group, head_dim), dtype, "normal", gen)
     key = make_data((total, num_kv_heads, head_dim), dtype, key_kind, gen)
     value = make_data((total, num_kv_heads, head_dim), dtype, kind, gen)
     meta = AttentionMetadata.build(query_lens, context_lens, tables, page_size, "cpu")
     case = LowBitCase(query, key, value, key_pages, value_pages, key_spec, value_spec, staging_keys,
-                      staging_values, slot_of_page, meta)
+                      staging_values, block_map, meta)
     return to_device(case, device) if device != "cpu" else case
 
 
@@ -148,4 +165,4 @@ def to_device(case: LowBitCase, device) -> LowBitCase:
                                    case.key_spec.page_size, device)
     return LowBitCase(case.query.to(device), case.key.to(device), case.value.to(device), move(case.key_pages),
                       move(case.value_pages), case.key_spec, case.value_spec, case.staging_keys.to(device),
-                      case.staging_values.to(device), case.slot_of_page.to(device), meta)
+                      case.staging_values.to(device), case.block_map.to(device), meta)

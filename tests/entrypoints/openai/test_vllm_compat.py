@@ -41,10 +41,17 @@ def test_positional_model_and_model_flag(monkeypatch):
     (["--enable-expert-parallel", "--data-parallel-size", "2"], ("parallel", "expert_parallel_size"), 2),
     (["--enable-expert-parallel", "-dp", "4", "--num-redundant-experts", "2"],
      ("parallel", "num_redundant_experts"), 2),
+    (["--kv-cache-dtype", "int3", "--staging-block-size", "32"], ("cache", "staging_block_size"), 32),
+    (["--kv-cache-dtype", "int3", "--lazy-partial-page"], ("cache", "lazy_partial_page"), True),
 ])
 def test_vllm_flag_sets_the_config(argv, field, value):
     config, _ = config_of(default_model_dir(), *argv)
     assert getattr(getattr(config, field[0]), field[1]) == value
+
+
+def test_bad_staging_block_size_is_a_config_error():
+    with pytest.raises(ConfigError, match="staging_block_size must be a power of two"):
+        config_of(default_model_dir(), "--kv-cache-dtype", "int3", "--staging-block-size", "48")
 
 
 def test_gpu_memory_utilization_is_checked():

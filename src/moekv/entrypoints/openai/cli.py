@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     parser.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from memory)")
     parser.add_argument("--page-size", "--block-size", type=int, default=None, help="tokens per KV page")
+    parser.add_argument("--staging-block-size", type=int, default=None, help="low-bit KV: hold a partly filled page's "
+                        "full-precision rows in blocks of this many tokens (default: whole pages; docs/kv-format.md)")
+    parser.add_argument("--lazy-partial-page", action="store_true", help="low-bit KV: a partly filled page takes "
+                        "its low-bit storage only when it fills (docs/kv-format.md)")
     parser.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs "
                         "for decode steps)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -174,8 +178,11 @@ def engine_config_from_args(args: argparse.Namespace):
     model = args.model_tag or args.model or default_model_dir()
     extra = {key: value for key, value in (("max_num_seqs", args.max_num_seqs),
                                            ("max_num_batched_tokens", args.max_num_batched_tokens),
-                                           ("num_pages", args.num_pages), ("page_size", args.page_size))
+                                           ("num_pages", args.num_pages), ("page_size", args.page_size),
+                                           ("staging_block_size", args.staging_block_size))
              if value is not None}
+    if args.lazy_partial_page:
+        extra["lazy_partial_page"] = True
     extra.update(cpu_offload_experts=args.cpu_offload_experts, prefetch=not args.no_prefetch,
                  prefetch_threshold=parse_prefetch_threshold(args.prefetch_threshold), host_format=args.host_format,
                  staging=args.expert_staging, cpu_compute_fraction=args.cpu_compute_fraction,

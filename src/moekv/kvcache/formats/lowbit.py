@@ -1,11 +1,14 @@
 """The low-bit page format (int4 / int3 / int2 with sparse fp16 outliers) and its full-precision tail.
 
-Every page id owns low-bit storage (`key_pages[layer]`, `value_pages[layer]`: PackedPages indexed
-[num_pages, Hkv, ...]). A small pool of full-precision *staging* pages holds the partly filled last
-page of each sequence (and the first `fp_sink_pages` pages, if asked): `staging_slot_of_page[page]`
-is its slot, or -1 when the page is read from low-bit storage. A page is quantized once, when a
-step's write fills it (prefill quantizes whole pages straight from the incoming tokens), and its
-slot returns to the pool. Layout and formulas: lowbit_layout.py and docs/kv-format.md; the formats a
+Every page id below num_pages owns low-bit storage (`key_pages[layer]`, `value_pages[layer]`: PackedPages
+indexed [num_pages, Hkv, ...]). A small pool of full-precision *staging* blocks (CacheConfig.staging_block_size
+tokens each; the whole page by default) holds the partly filled last page of each sequence (and the first
+`fp_sink_pages` pages, if asked): `staging_block_map[page]` lists its blocks ([P / block], -1 where none is
+held; all -1 when the page is read from low-bit storage). A page is quantized once, when a step's write fills it
+(prefill quantizes whole pages straight from the incoming tokens), and its blocks return to the pool. With
+CacheConfig.lazy_partial_page the partly filled page is a staging-only id (`staging_only_ids`, beyond
+num_pages: no low-bit storage) until the step that fills it, when the manager gives it a real id
+(`page_renamed`). Layout and formulas: lowbit_layout.py and docs/kv-format.md; the formats a
 config asks for and the byte counts the page pool is sized with: lowbit_capacity.py.
 
 Attention: each new token attends to its sequence's cached context (low-bit pages dequantized,
@@ -21,14 +24,14 @@ context is as before the step, so the engine may end the bad requests and re-run
 Step hooks (CUDA-graph decode): `begin_step(meta)` plans the step on the host before the forward and
 `end_step(meta)` checks and commits it after; `attention()` then does device work only. For a decode
 step of at most `reserve_graph_decode(max_batch)` sequences the plan is three fixed-size index rows in
-persistent device buffers (staging row of each new token, page it fills or -1, that page's slot) and
+persistent device buffers (staging row of each new token, page it fills or -1, that page's staging blocks) and
 a persistent per-sequence non-finite flag, all in one buffer (lowbit_plan.StepRows) whose host->device
 copy also clears the flags (no kernel). A graph bucket holds that buffer after its own rows
 (`graph_step_bytes`, `bind_graph_step`): begin_step then only writes the host rows and the bucket's one
 copy carries them (no copy, event or sync of the cache's own); other decode steps within the reservation
 use the cache's own buffer, copied by begin_step. `step_flags(meta)` is the flag row: the graph runner
 copies it into the outputs it reads back anyway and hands the values to `end_step(meta, flags)`, so the
-cache adds no host read of its own to an ordinary decode step (slots taken or returned when a page
+cache adds no host read of its own to an ordinary decode step (blocks taken or returned when a staging block
 starts or fills add a small map update on those steps only). The step's device work, layer by layer
 (lowbit_decode.py, `PreparedDecodeStep`): the staging write of the new tokens (`dispatch.stage_decode_tokens`,
 or, with the fused decode layer, the rotary launch itself through `fused_write_target`'s checked target, then
@@ -51,7 +54,7 @@ from moekv.kvcache.base import KVCache, KVCacheSpec
 from moekv.core.lowbit_layout import PackedPages, QuantSpec
 from moekv.kvcache.formats.lowbit_capacity import (STAGING_SHARE, LowBitCapacity, default_staging_pages,
                                                    quant_specs)
-from moekv.kvcache.formats.lowbit_plan import (DecodePlan, StagingSlots, StepPlan, StepRows, build_decode_plan,
+from moekv.kvcache.formats.lowbit_plan import (DecodePlan, StagingBlocks, StepPlan, StepRows, build_decode_plan,
                                                build_plan, step_bytes)
 from moekv.kvcache.formats.lowbit_decode import COUNTERS, PreparedDecodeStep
 from moekv.ops import dispatch
@@ -80,10 +83,17 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
         self.key_pages = [self.key_pages_stacked.layer(i) for i in range(spec.num_layers)]
         self.value_pages = [self.value_pages_stacked.layer(i) for i in range(spec.num_layers)]
         num_slots = num_staging_pages or default_staging_pages(num_pages, self.config)
-        staging_shape = (spec.num_layers, num_slots, spec.page_size, heads, spec.head_dim)
-        self.staging_keys = torch.zeros(staging_shape, dtype=spec.dtype, device=self.device)    # [L, S, P, H, D]
+        block = self.config.resolved_staging_block
+        if spec.page_size % block:
+            raise ValueError(f"staging blocks of {block} tokens do not divide pages of {spec.page_size}")
+        per_page = spec.page_size // block
+        num_blocks = num_slots * per_page                 # the same bytes as num_slots whole staging pages
+        self.num_staging_only = num_slots if self.config.lazy_partial_page else 0
+        staging_shape = (spec.num_layers, num_blocks, block, heads, spec.head_dim)
+        self.staging_keys = torch.zeros(staging_shape, dtype=spec.dtype, device=self.device)   # [L, NB, SB, H, D]
         self.staging_values = torch.zeros(staging_shape, dtype=spec.dtype, device=self.device)
-        self.slots = StagingSlots(num_slots, num_pages, self.device)
+        self.slots = StagingBlocks(num_blocks, num_pages + self.num_staging_only, per_page, block, self.device,
+                                   lowbit_pages=num_pages)
         self._plan: StepPlan | DecodePlan | None = None
         self._plan_hooked = False       # built by begin_step: end_step checks and commits it
         self._pending: list[StepPlan | DecodePlan] = []   # plans begin_step built, oldest first, until end_step
@@ -94,9 +104,18 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
         self._counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=self.device)
 
     @property
-    def staging_slot_of_page(self) -> torch.Tensor:
-        """[num_pages] int32 device map: staging slot of each page, -1 when it is read from low-bit storage."""
+    def staging_block_map(self) -> torch.Tensor:
+        """[num_ids, P / block] int32 device map: staging blocks of each page, all -1 when it is read from low-bit
+        storage (num_ids = num_pages plus the staging-only ids)."""
         return self.slots.device_map
+
+    def staging_only_ids(self) -> range | None:
+        return range(self.num_pages, self.num_pages + self.num_staging_only) if self.num_staging_only else None
+
+    def page_renamed(self, old: int, new: int) -> None:
+        if not self.num_staging_only:
+            raise RuntimeError("page_renamed without lazy_partial_page")
+        self.slots.rename(old, new)
 
     # -- step hooks (CUDA-graph decode) ---------------------------------------------------------
     def reserve_graph_decode(self, max_batch: int) -> None:
@@ -110,31 +129,33 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
                                    f"cannot grow to {max_batch} (captured graphs hold their addresses)")
             return
         cuda = self.device.type == "cuda"
-        width = step_bytes(max_batch)
+        width = step_bytes(max_batch, self.slots.per_page)
         self._rows = StepRows(torch.zeros(width, dtype=torch.uint8, pin_memory=cuda),      # pinned on CUDA
-                              torch.zeros(width, dtype=torch.uint8, device=self.device), max_batch)
+                              torch.zeros(width, dtype=torch.uint8, device=self.device), max_batch,
+                              self.slots.per_page)
         self._rows.index.fill_(-1)
+        self._rows.blocks.fill_(-1)
         self._graph_batch = max_batch
         self._new_token_buffers(self.spec.dtype, self.spec.dtype)
         self._index_copied = torch.cuda.Event() if cuda else None
 
     def graph_step_bytes(self, batch: int) -> int:
         """A graph bucket's share for this cache: the decode step's index rows and flags (lowbit_plan.step_bytes)."""
-        return step_bytes(batch) if self._graph_batch and batch <= self._graph_batch else 0
+        return step_bytes(batch, self.slots.per_page) if self._graph_batch and batch <= self._graph_batch else 0
 
     def bind_graph_step(self, meta: AttentionMetadata, host: torch.Tensor, device: torch.Tensor) -> None:
         """The bucket of `meta` holds this decode step's rows and flags: begin_step(meta) writes `host` only."""
-        meta.step_state = StepRows(host, device, meta.num_seqs)
+        meta.step_state = StepRows(host, device, meta.num_seqs, self.slots.per_page)
 
     def begin_step(self, meta: AttentionMetadata, overlapped: bool = False) -> None:
-        """Plan the step before its forward (host work, no sync): take staging slots, and for a decode step
+        """Plan the step before its forward (host work, no sync): take staging blocks, and for a decode step
         within the reserved size write the fixed-size index rows (and zeroed non-finite flags): into the graph
         bucket's host buffer (its copy carries them), else into the cache's own buffer, copied here (one
-        host->device copy, no kernel). Staging slots taken or returned add a map update. Replaces a plan
+        host->device copy, no kernel). Staging blocks taken or returned add a map update. Replaces a plan
         still pending (a forward that failed before end_step), unless `overlapped`: the pending decode plans
-        (steps launched before, ended later) stay, and the slots of the pages they fill return now, as their
+        (steps launched before, ended later) stay, and the blocks of the pages they fill return now, as their
         end_step would have returned them before this plan (the pages were quantized in those steps, which run
-        first on the device), so this step reads them from low-bit storage and takes the same slots."""
+        first on the device), so this step reads them from low-bit storage and may take the same blocks."""
         if overlapped:
             for plan in self._pending:
                 if not isinstance(plan, DecodePlan):
@@ -174,7 +195,7 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
 
     def end_step(self, meta: AttentionMetadata, flags: list[bool] | None = None) -> None:
         """After a completed forward: raise KVCacheCorruptionError for non-finite sequences (uncommitted),
-        else commit (staging slots of pages that filled return). One host read, the step's sync, unless the
+        else commit (staging blocks of pages that filled return). One host read, the step's sync, unless the
         caller passes the flags of step_flags(meta) it read back itself. No-op when no plan of `meta` is
         pending from begin_step (of several, the oldest ends: overlapped steps)."""
         plan = next((p for p in self._pending if p.meta is meta), None)
@@ -240,7 +261,7 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
             counters[COUNTERS.index("page_heads_quantized")] += qualifying.numel()
 
     def _finish_step(self, plan: StepPlan) -> None:
-        """After the last layer: report non-finite sequences (uncommitted), else return released slots."""
+        """After the last layer: report non-finite sequences (uncommitted), else return released blocks."""
         if plan is self._plan:
             self._plan, self._plan_hooked = None, False
         bad = plan.bad_tokens
@@ -252,7 +273,7 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
 
     def _finish_decode(self, plan: DecodePlan, flags: list[bool] | None = None) -> None:
         """end_step of a decode plan: one read of the per-sequence flags (unless given), then report or commit
-        (an overlapped step's successor returned its slots already)."""
+        (an overlapped step's successor returned its blocks already)."""
         if flags is None:
             flags = plan.rows.flags[:plan.meta.num_seqs].tolist()     # the one host sync of a step
         elif len(flags) != plan.meta.num_seqs:
@@ -283,18 +304,18 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
             seq_indices=seq_indices, request_ids=names)
 
     def _release(self, release: list[tuple[int, int]]) -> None:
-        """Commit: pages that filled give their staging slot back (if they still hold the one planned)."""
-        pages = dict.fromkeys(page for page, slot in release if self.slots.slot_of_page[page] == slot)
+        """Commit: pages that filled give their staging blocks back (if they still hold the ones planned)."""
+        pages = dict.fromkeys(page for page, blocks in release if tuple(self.slots.blocks(page)) == blocks)
         self.slots.give_back(list(pages))
 
     # -- lifecycle ----------------------------------------------------------------------------
     def pages_freed(self, pages: list[int]) -> None:
-        """Freed pages give back their staging slots; their low-bit storage is overwritten when refilled.
+        """Freed pages give back their staging blocks; their low-bit storage is overwritten when refilled.
 
         A plan pending from begin_step stays (a request aborted between begin_step and end_step): the
         step's forward may still run it (a captured graph holds its index rows) and end_step still checks
-        and commits the other sequences. Its writes for the freed pages land in slots now free and in
-        free pages (neither read before they are taken and refilled), its commit skips them (their slot
+        and commits the other sequences. Its writes for the freed pages land in blocks now free and in
+        free pages (neither read before they are taken and refilled), its commit skips them (their blocks
         is no longer the one planned) and sequences holding a freed page are not reported. A lazy plan
         (no begin_step) is dropped, as before."""
         for plan in self._pending:
@@ -304,14 +325,15 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
         self.slots.give_back(list(pages))
 
     def keeps_freed_page(self, page: int) -> bool:
-        """Quantized pages do; a page still in a staging slot (an fp sink page) gives the slot back when freed."""
-        return self.slots.slot_of_page[page] < 0
+        """Quantized pages do; a page still in staging (an fp sink page) gives its blocks back when freed."""
+        return not self.slots.staged(page)
 
     # -- accounting ---------------------------------------------------------------------------
     def bits_per_value(self, num_tokens_per_seq: list[int]) -> float:
         element = torch.empty((), dtype=self.spec.dtype).element_size()
         return accounting.cache_bits_per_value(self.key_spec, self.value_spec, self.spec.num_kv_heads, element,
-                                               num_tokens_per_seq, self.config.fp_sink_pages)
+                                               num_tokens_per_seq, self.config.fp_sink_pages, self.slots.block,
+                                               bool(self.num_staging_only))
 
     def page_bits_per_value(self) -> float:
         return accounting.format_bits_per_value(self.key_spec, self.value_spec)
@@ -335,7 +357,7 @@ class LowBitKVCache(LowBitCapacity, PreparedDecodeStep, KVCache):
             "value_qualifying_per_page_head": counts["value_qualifying"] / page_heads,
             "key_outlier_capacity": float(self.key_spec.outlier_capacity),      # slots per (page, head)
             "value_outlier_capacity": float(self.value_spec.outlier_capacity),
-            "staging_pages_used": float(self.slots.num_used),
-            "staging_pages": float(self.slots.num_slots),
+            "staging_pages_used": self.slots.num_used / self.slots.per_page,     # in whole pages' bytes
+            "staging_pages": self.slots.num_blocks / self.slots.per_page,
             "format_bits_per_value": accounting.format_bits_per_value(self.key_spec, self.value_spec),
         }

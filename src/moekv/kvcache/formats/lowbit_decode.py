@@ -1,7 +1,7 @@
 """The low-bit cache's prepared decode step (a DecodePlan that begin_step built): its device work, layer by layer.
 
 `PreparedDecodeStep` is a mixin of `LowBitKVCache` (kvcache/formats/lowbit.py), which holds the state it reads
-(the specs, the stacked low-bit pages and their per-layer views, the staging pools, the slot map, the step's
+(the specs, the stacked low-bit pages and their per-layer views, the staging pools, the block map, the step's
 plan and its persistent rows, the new-token buffers and the device counters). Everything here is device work on
 persistent buffers sliced to [:B]: fixed shapes, no host reads, so a CUDA graph can capture it.
 
@@ -17,11 +17,11 @@ A layer of a prepared decode step:
   2. the attention (`dispatch.paged_attention_lowbit`) over the cached context and the checked copies;
   3. `_after_attention`: nothing, except after the last layer: one masked, fixed-shape launch for every layer
      (`dispatch.quantize_staged_kv_counted_layers`, grid [B, Hkv, 2 * L] on `key_pages_stacked` /
-     `value_pages_stacked`) quantizes the key and value pages that filled from their staging slots and adds
+     `value_pages_stacked`) quantizes the key and value pages that filled from their staging blocks and adds
      the statistics to the device counters. Safe: every layer's attention of this step reads those pages from
-     staging (their slots return only at end_step), and the launch is part of the step's forward, so the
+     staging (their blocks return only at end_step), and the launch is part of the step's forward, so the
      device runs it before the next step's kernels (also for overlapped steps, whose begin_step returns the
-     slots early).
+     blocks early).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class PreparedDecodeStep:
 
     def fused_write_target(self, layer: int, meta: AttentionMetadata) -> FusedWriteTarget | None:
         """A decode step prepared by begin_step(meta) (a DecodePlan with its rows): the checked target -- the
-        layer's staging pools as flat rows [S * P, Hkv, D], the new tokens' staging rows, the step's flags and
+        layer's staging pools as flat rows [blocks * block, Hkv, D], the new tokens' staging rows, the step's flags and
         the persistent new-token copies -- so the rotary kernel does stage_decode_tokens' work (one launch fewer
         a layer). The rows are of the staging dtype: a model of another dtype gets them too and the dispatch
         rounds to it before checking (its unfused fallback: rotary, then stage_decode_tokens). Other steps
@@ -106,15 +106,15 @@ class PreparedDecodeStep:
 
     def _after_attention(self, layer: int, count: int) -> None:
         """A prepared decode step, after layer `layer`'s attention: at the last layer, one launch for every
-        layer, keys and values: pages that filled (page id >= 0) are quantized from their staging slots, the
+        layer, keys and values: pages that filled (page id >= 0) are quantized from their staging blocks, the
         statistics added to the counters by the kernel (masked: skipped entries add nothing). Every layer's
-        attention of this step read those pages from staging (their slots return at end_step), so quantizing
+        attention of this step read those pages from staging (their blocks return at end_step), so quantizing
         them after the last one changes nothing the step reads; the next step reads the low-bit pages."""
         if layer != self.spec.num_layers - 1:
             return
         rows = self._plan.rows
         dispatch.quantize_staged_kv_counted_layers(
-            self.staging_keys, self.staging_values, rows.index[2, :count], rows.index[1, :count], self.key_spec,
+            self.staging_keys, self.staging_values, rows.blocks[:count], rows.index[1, :count], self.key_spec,
             self.value_spec, self.key_pages_stacked, self.value_pages_stacked, self._counters, *DECODE_COUNTERS)
 
     def _new_token_buffers(self, key_dtype: torch.dtype, value_dtype: torch.dtype):

@@ -48,9 +48,10 @@ def supports(key_spec, value_spec, head_dim: int) -> bool:
 
 
 def runs_on(query: torch.Tensor, staging: torch.Tensor) -> bool:
-    """fp16 / bf16 queries with staging pages of the same dtype on a CUDA device of compute capability >= 8.0."""
+    """fp16 / bf16 queries with staging blocks of the same dtype (of 32, 64 or 128 rows: [blocks, rows, Hkv, D])
+    on a CUDA device of compute capability >= 8.0."""
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and staging.dtype == query.dtype
-            and torch.cuda.get_device_capability(query.device)[0] >= 8)
+            and staging.shape[-3] in (32, 64, 128) and torch.cuda.get_device_capability(query.device)[0] >= 8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +129,7 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 
 def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages,
                                   value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
-                                  staging_values: torch.Tensor, staging_slot_of_page: torch.Tensor, meta,
+                                  staging_values: torch.Tensor, staging_block_map: torch.Tensor, meta,
                                   scale: float, num_splits: int | None = None,
                                   warps: int | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over low-bit pages; query [B, Hq, D] -> [B, Hq, D].
@@ -185,7 +186,7 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         query, key, value, out, partial, lse, counters,
         kp.codes, kp.scale, kp.zero, kp.outlier_vals, kp.outlier_idx, kp.outlier_count,
         vp.codes, vp.scale, vp.zero, vp.scale_base, vp.outlier_vals, vp.outlier_idx, vp.outlier_count,
-        staging_keys, staging_values, staging_slot_of_page, meta.block_tables, meta.query_start_loc,
+        staging_keys, staging_values, staging_block_map, meta.block_tables, meta.query_start_loc,
         meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits, warps,
         pdl.active_on(query))
     return out

@@ -245,22 +245,40 @@ def quantize_pages(x: torch.Tensor, spec: QuantSpec) -> tuple[PackedPages, torch
     return packed, num_qualifying
 
 
+def staged_page_rows(staging: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The rows of staged pages: staging [num_blocks, SB, H, D] (blocks of SB tokens), blocks [m, P / SB] int
+    (a page's blocks in row order; -1 where none is held, read as block 0: rows past the page's tokens)
+    -> [m, P, H, D]."""
+    rows = staging.index_select(0, blocks.reshape(-1).long().clamp(min=0))          # [m * nb, SB, H, D]
+    return rows.reshape(blocks.shape[0], blocks.shape[1] * staging.shape[1], *staging.shape[2:])
+
+
+def block_rows(slots: torch.Tensor) -> torch.Tensor:
+    """Staging blocks per entry as [B, P / SB]: [B] (whole-page blocks, a slot each) or [B, nb] as given."""
+    return slots[:, None] if slots.dim() == 1 else slots
+
+
 def quantize_staged_pages(staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, spec: QuantSpec,
                           out: PackedPages) -> torch.Tensor:
-    """Quantize whole staging pages straight into low-bit storage, skipping entries whose page is -1.
+    """Quantize whole staged pages straight into low-bit storage, skipping entries whose page is -1.
 
-    staging [S, P, Hkv, D] (one layer's staging pool, any float dtype); slots [B], pages [B] (int):
-    entry i quantizes the P rows of staging slot slots[i] into page pages[i] of `out` (one layer's
-    PackedPages [num_pages, Hkv, ...], written in place); entries with pages[i] < 0 are skipped (their
-    slot is not read). Returns num_qualifying [B, Hkv] int32 (0 for skipped entries). Entries naming the
-    same page must name the same slot (they then store the same result).
+    staging [num_blocks, SB, Hkv, D] (one layer's staging pool in blocks of SB tokens; SB = P: whole pages,
+    any float dtype); slots [B, P / SB] (or [B] when SB = P), pages [B] (int): entry i quantizes the P rows
+    held in blocks slots[i] (in row order) into page pages[i] of `out` (one layer's PackedPages
+    [num_pages, Hkv, ...], written in place); entries with pages[i] < 0 are skipped (their blocks are not
+    read). Returns num_qualifying [B, Hkv] int32 (0 for skipped entries). Entries naming the same page must
+    name the same blocks (they then store the same result).
     """
+    slots = block_rows(slots)
     count = slots.shape[0]
+    if slots.shape[1] * staging.shape[1] != spec.page_size:
+        raise ValueError(f"{slots.shape[1]} staging blocks of {staging.shape[1]} rows do not make a page of "
+                         f"{spec.page_size}")
     qualifying = torch.zeros((count, staging.shape[2]), dtype=torch.int32, device=staging.device)
     chosen = (pages >= 0).nonzero().flatten()                                      # host sync: reference only
     if chosen.numel() == 0:
         return qualifying
-    x = staging.index_select(0, slots.index_select(0, chosen).long()).transpose(1, 2)   # [m, Hkv, P, D]
+    x = staged_page_rows(staging, slots.index_select(0, chosen)).transpose(1, 2)   # [m, Hkv, P, D]
     packed, chosen_qualifying = quantize_pages(x, spec)
     out.store(pages.index_select(0, chosen).long(), packed)
     qualifying.index_copy_(0, chosen, chosen_qualifying)
@@ -283,14 +301,20 @@ def dequantize_pages(packed: PackedPages, spec: QuantSpec) -> torch.Tensor:
     return x
 
 
-def gather_context(pages: PackedPages, spec: QuantSpec, staging: torch.Tensor, slot_of_page: list[int],
+def gather_context(pages: PackedPages, spec: QuantSpec, staging: torch.Tensor, block_map: list,
                    block_table: list[int], num_tokens: int) -> torch.Tensor:
     """One sequence's first `num_tokens` cached rows [num_tokens, H, D] fp32: low-bit pages dequantized,
-    pages with a staging slot read from `staging` [S, P, H, D]."""
+    staged pages read from `staging` [num_blocks, SB, H, D] through block_map[page] (its blocks [P / SB], -1
+    where not held; a page whose first block is -1 is read from low-bit storage; an int per page: SB = P)."""
     count = -(-num_tokens // spec.page_size)
     table = block_table[:count]
+
+    def blocks(page: int) -> list[int]:
+        entry = block_map[page]
+        return entry if isinstance(entry, list) else [entry]
+
     rows: list[torch.Tensor | None] = [None] * count
-    lowbit = [i for i, page in enumerate(table) if slot_of_page[page] < 0]
+    lowbit = [i for i, page in enumerate(table) if blocks(page)[0] < 0]
     if lowbit:
         ids = torch.tensor([table[i] for i in lowbit], dtype=torch.long, device=staging.device)
         dequantized = dequantize_pages(pages.select(ids), spec).transpose(1, 2)   # [n, P, H, D]
@@ -298,7 +322,8 @@ def gather_context(pages: PackedPages, spec: QuantSpec, staging: torch.Tensor, s
             rows[i] = dequantized[j]
     for i, page in enumerate(table):
         if rows[i] is None:
-            rows[i] = staging[slot_of_page[page]].float()                          # [P, H, D]
+            held = torch.tensor([blocks(page)], dtype=torch.long, device=staging.device)
+            rows[i] = staged_page_rows(staging, held)[0].float()                   # [P, H, D]
     if not rows:
         return staging.new_zeros((0,) + tuple(staging.shape[2:]), dtype=torch.float32)
     return torch.cat(rows, dim=0)[:num_tokens]
@@ -308,23 +333,25 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
                            key_pages: PackedPages, value_pages: PackedPages,
                            key_spec: QuantSpec, value_spec: QuantSpec,
                            staging_keys: torch.Tensor, staging_values: torch.Tensor,
-                           staging_slot_of_page: torch.Tensor, meta: AttentionMetadata,
+                           staging_block_map: torch.Tensor, meta: AttentionMetadata,
                            scale: float) -> torch.Tensor:
     """Causal attention of the step's new tokens over their cached context plus themselves.
 
     query [T, Hq, D]; key/value [T, Hkv, D]: the new tokens, used in full precision (not yet cached);
     key/value_pages: the layer's low-bit storage [num_pages, Hkv, ...]; staging_keys/values
-    [S, P, Hkv, D]; staging_slot_of_page [num_pages] int32 (-1: read the low-bit page, else that slot).
-    Context of sequence i = its first context_lens[i] tokens. Returns [T, Hq, D] in query's dtype.
+    [num_blocks, SB, Hkv, D] (blocks of SB tokens); staging_block_map [num_ids, P / SB] int32 (a page's
+    blocks; first -1: read the low-bit page), or [num_ids] when SB = P (a slot per page). Page ids at or
+    beyond num_pages (staging-only pages) are always staged. Context of sequence i = its first
+    context_lens[i] tokens. Returns [T, Hq, D] in query's dtype.
     """
     out = torch.empty_like(query)
-    slot_of_page = staging_slot_of_page.tolist()
+    block_map = staging_block_map.tolist()
     start = 0
     for seq, (num_new, context_len) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
         rows = slice(start, start + num_new)
         table = meta.block_tables_host[seq]
-        keys = gather_context(key_pages, key_spec, staging_keys, slot_of_page, table, context_len)
-        values = gather_context(value_pages, value_spec, staging_values, slot_of_page, table, context_len)
+        keys = gather_context(key_pages, key_spec, staging_keys, block_map, table, context_len)
+        values = gather_context(value_pages, value_spec, staging_values, block_map, table, context_len)
         keys = torch.cat([keys, key[rows].float()], dim=0)                        # [L, Hkv, D]
         values = torch.cat([values, value[rows].float()], dim=0)
         out[rows] = causal_attention_reference(query[rows], keys, values, context_len, scale).to(query.dtype)
@@ -337,8 +364,8 @@ def stage_decode_tokens(key: torch.Tensor, value: torch.Tensor, staging_keys: to
                         key_out: torch.Tensor, value_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode step's staging write of one layer (no host reads).
 
-    key/value [B, Hkv, D]: the step's new tokens; staging_keys/values [S, P, Hkv, D]: the layer's staging
-    pools, written at flat row stage_rows[i] (slot * P + row) for token i; flags [B] bool: set (never
+    key/value [B, Hkv, D]: the step's new tokens; staging_keys/values [num_blocks, SB, Hkv, D]: the layer's
+    staging pools, written at flat row stage_rows[i] (block * SB + row within the block) for token i; flags [B] bool: set (never
     cleared) for each token whose key or value row holds a NaN or Inf; such a token is written as zeros
     (key and value both). key_out/value_out [B, Hkv, D]: receive the rows as written (zeroed where
     non-finite, in their own dtype); returned, for the attention call. Tokens sharing a staging row
@@ -350,7 +377,7 @@ def stage_decode_tokens(key: torch.Tensor, value: torch.Tensor, staging_keys: to
     key_out.copy_(torch.where(keep, key, torch.zeros((), dtype=key.dtype, device=key.device)))
     value_out.copy_(torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device)))
     for new, staging in ((key_out, staging_keys), (value_out, staging_values)):
-        flat = staging.view(-1, *staging.shape[2:])                                # [S * P, Hkv, D]
+        flat = staging.view(-1, *staging.shape[2:])                                # [blocks * SB, Hkv, D]
         flat.index_copy_(0, stage_rows.long(), new.to(flat.dtype))
     return key_out, value_out
 
@@ -391,12 +418,12 @@ def quantize_staged_kv_counted_layers(staging_keys: torch.Tensor, staging_values
                                       key_out: PackedPages, value_out: PackedPages, counters: torch.Tensor,
                                       key_counters: tuple[int, int, int, int],
                                       value_counters: tuple[int, int, int, int]) -> None:
-    """The decode step's page quantization of every layer at once: staging_keys/values [L, S, P, Hkv, D],
+    """The decode step's page quantization of every layer at once: staging_keys/values [L, num_blocks, SB, Hkv, D],
     key_out/value_out stacked PackedPages [L, N, Hkv, ...] (PackedPages.empty(..., num_layers=L)); the same
     as quantize_staged_kv_counted of layer l (staging[l], out.layer(l)) for l = 0..L-1, same slots, pages
     and counter indices (every layer's statistics added to the same counters)."""
     if staging_keys.dim() != 5 or staging_values.shape != staging_keys.shape:
-        raise ValueError(f"staging pages must be [L, S, P, H, D] (keys and values alike), got "
+        raise ValueError(f"staging pools must be [L, num_blocks, SB, H, D] (keys and values alike), got "
                          f"{tuple(staging_keys.shape)} and {tuple(staging_values.shape)}")
     num_layers = staging_keys.shape[0]
     if key_out.codes.dim() != 5 or key_out.codes.shape[0] != num_layers or value_out.codes.shape[0] != num_layers:

@@ -40,7 +40,8 @@ static void meta_pieces(Params& p, std::initializer_list<const torch::Tensor*> a
   const int nk = ocK / 16, nv = ocV / 16;
   const int dst[MARRAYS] = {L::K_SCALE, L::K_ZERO, L::V_SCALE, L::V_ZERO, L::V_BASE, L::K_COUNT, L::V_COUNT, L::SLOT,
                             L::FIXED, L::FIXED + nk * 16, L::FIXED + 2 * ocK, L::FIXED + 2 * ocK + nv * 16};
-  const int stride[MARRAYS] = {2 * D, 2 * D, P, P, 2, 2, 2, 4, 2 * p.k_cap, 2 * p.k_cap, 2 * p.v_cap, 2 * p.v_cap};
+  const int stride[MARRAYS] = {2 * D, 2 * D, P, P, 2, 2, 2, 4 * p.stage_nb, 2 * p.k_cap, 2 * p.k_cap, 2 * p.v_cap,
+                               2 * p.v_cap};
   const int pieces[MARRAYS] = {16, 16, 8, 8, 1, 1, 1, 1, p.k_cap > 0 ? nk : 0, p.k_cap > 0 ? nk : 0,
                                p.v_cap > 0 ? nv : 0, p.v_cap > 0 ? nv : 0};
   int a = 0, q = 0;
@@ -66,14 +67,14 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
             torch::Tensor k_ovals, torch::Tensor k_oidx, torch::Tensor k_ocount,
             torch::Tensor v_codes, torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor v_base,
             torch::Tensor v_ovals, torch::Tensor v_oidx, torch::Tensor v_ocount,
-            torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor slot_of_page,
+            torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor block_map,
             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
             double qk_scale, int64_t group, int64_t num_splits, int64_t pages_per_split,
             int64_t bits, int64_t warps, bool pdl) {
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(q.size(-1) == D && k_codes.size(2) == P, "lowbit decode v7: head_dim and page size must be 128");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32 &&
-              query_start_loc.dtype() == torch::kInt32 && slot_of_page.dtype() == torch::kInt32,
+              query_start_loc.dtype() == torch::kInt32 && block_map.dtype() == torch::kInt32,
               "lowbit decode v7: metadata must be int32");
   for (const torch::Tensor* t : {&k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_oidx, &k_ovals, &v_oidx,
                                  &v_ovals}) {
@@ -96,7 +97,14 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   p.v_oidx = reinterpret_cast<const int16_t*>(v_oidx.data_ptr());
   p.v_ocount = reinterpret_cast<const int16_t*>(v_ocount.data_ptr());
   p.staging_k = staging_k.data_ptr(); p.staging_v = staging_v.data_ptr();
-  p.slot_of_page = slot_of_page.data_ptr<int>();
+  p.block_map = block_map.data_ptr<int>();
+  // staging in blocks of P / stage_nb rows: staging_k [blocks, rows, Hkv, D], block_map [ids, stage_nb] (or [ids])
+  p.stage_nb = block_map.dim() == 2 ? static_cast<int>(block_map.size(1)) : 1;
+  const int64_t block_rows = staging_k.size(-3);
+  TORCH_CHECK(block_map.is_contiguous() && (p.stage_nb == 1 || p.stage_nb == 2 || p.stage_nb == 4) &&
+              block_rows * p.stage_nb == P, "lowbit decode v7: staging blocks of 32, 64 or 128 rows per page of ", P);
+  p.stage_shift = block_rows == 128 ? 7 : block_rows == 64 ? 6 : 5;
+  p.lowbit_pages = static_cast<int>(k_codes.size(0));
   p.block_tables = block_tables.data_ptr<int>(); p.query_start_loc = query_start_loc.data_ptr<int>();
   p.context_lens = context_lens.data_ptr<int>();
   p.qk_scale = static_cast<float>(qk_scale);
@@ -108,7 +116,7 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   p.pages_per_split = static_cast<int>(pages_per_split);
   p.k_cap = static_cast<int>(k_ovals.size(-1));
   p.v_cap = static_cast<int>(v_ovals.size(-1));
-  meta_pieces(p, {&k_scale, &k_zero, &v_scale, &v_zero, &v_base, &k_ocount, &v_ocount, &slot_of_page, &k_oidx, &k_ovals,
+  meta_pieces(p, {&k_scale, &k_zero, &v_scale, &v_zero, &v_base, &k_ocount, &v_ocount, &block_map, &k_oidx, &k_ovals,
                   &v_oidx, &v_ovals});
   p.stride_qt = q.stride(0); p.stride_qh = q.stride(1);
   p.stride_kt = new_k.stride(0); p.stride_kh = new_k.stride(1);

@@ -76,11 +76,14 @@ struct Params {
   const __half* k_ovals; const int16_t* k_oidx; const int16_t* k_ocount;
   const int* v_codes; const uint8_t* v_scale; const uint8_t* v_zero; const __half* v_base;
   const __half* v_ovals; const int16_t* v_oidx; const int16_t* v_ocount;
-  const void* staging_k; const void* staging_v; const int* slot_of_page;
+  const void* staging_k; const void* staging_v;
+  const int* block_map;             // [ids, stage_nb] int32: a page's staging blocks (first -1: read its low-bit page)
   const int* block_tables; const int* query_start_loc; const int* context_lens;
   float qk_scale;                   // softmax scale * log2(e)
   int num_kv_heads, group, num_splits, pages_per_split;   // pages_per_split 0: ceil(pages / splits) on the device
   int k_cap, v_cap;                 // outlier slots per page-head
+  int stage_nb, stage_shift;        // staging blocks per page (1, 2 or 4) and log2 of their rows (P / stage_nb)
+  int lowbit_pages;                 // pages with low-bit storage; ids beyond are staging-only (always staged)
   // a page's small arrays as uniform 16-byte pieces (built by the host, lowbit_decode.cu: meta_pieces): piece q
   // copies bytes [(index * stride) & ~15 + 16 k, +16) of array a (clamped to its end) to meta-stage offset
   // dst[a] + 16 k; index = the page-head, or the page for the slot array
@@ -127,7 +130,7 @@ template <int B> struct Layout {
   static constexpr int V_BASE = V_ZERO + P;       // 16-byte chunk holding the page-head's fp16 base
   static constexpr int K_COUNT = V_BASE + 16;     // chunk holding the key outlier count
   static constexpr int V_COUNT = K_COUNT + 16;
-  static constexpr int SLOT = V_COUNT + 16;       // int32 staging slot of the page (-1: low-bit)
+  static constexpr int SLOT = V_COUNT + 16;       // int32 staging blocks of the page (<= 4; first -1: low-bit)
   static constexpr int FIXED = SLOT + 16;         // then k_oidx, k_oval, v_oidx, v_oval (oc bytes each)
 };
 

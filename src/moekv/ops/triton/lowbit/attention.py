@@ -12,7 +12,7 @@ are unpacked once for the whole group. Per page (BLOCK_N = page_size tokens):
       scale folds into the probabilities.
   other axes / groupings: scales applied after the dot, or (token groups) dequantized in registers.
   outliers: sparse corrections, BLOCK_C at a time, up to each page's count (lowbit.unpack).
-  staging pages (staging_slot_of_page[page] >= 0): read as full-precision rows.
+  staged pages (staging_block_map[page, 0] >= 0; blocks of STAGE_BLOCK rows): read as full-precision rows.
 
 16-bit queries: the low-bit dots run in fp16 whatever the model dtype, on normalised operands so
 nothing overflows: q / max|q| of its row (once), times S / max S of the page (keys); p (<= 1) times
@@ -83,7 +83,7 @@ def _lowbit_attention_kernel(
     q_ptr, new_k_ptr, new_v_ptr, out_ptr, lse_ptr,
     k_codes, k_scale, k_zero, k_base, k_outlier_vals, k_outlier_idx, k_outlier_count,
     v_codes, v_scale, v_zero, v_base, v_outlier_vals, v_outlier_idx, v_outlier_count,
-    staging_k, staging_v, slot_of_page,
+    staging_k, staging_v, block_map,
     block_tables, query_start_loc, context_lens,
     qk_scale, pages_per_split, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -96,7 +96,7 @@ def _lowbit_attention_kernel(
     V_CAP: tl.constexpr,
     HALF: tl.constexpr, UPCAST: tl.constexpr, UNPACK_MODE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_C: tl.constexpr, SPLIT: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr,
-    GATHER_P: tl.constexpr, DEVICE_SPLITS: tl.constexpr,
+    GATHER_P: tl.constexpr, DEVICE_SPLITS: tl.constexpr, STAGE_BLOCK: tl.constexpr, STAGE_NB: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -144,11 +144,16 @@ def _lowbit_attention_kernel(
     for block in range(first_block, last_block):
         page_index = block // SUBS
         page = tl.load(table + page_index).to(tl.int64)
-        slot = tl.load(slot_of_page + page)
+        slot = tl.load(block_map + page * STAGE_NB)                      # the page's first staging block
         in_page = (block % SUBS) * BLOCK_N + offs_n                      # [N] token rows within the page
         n_valid = page_index * PAGE_SIZE + in_page < context_len
         kv_mask = n_valid[:, None] & d_mask[None, :]
-        staging_rows = (slot.to(tl.int64) * PAGE_SIZE + in_page) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        if STAGE_NB == 1:                                                # whole-page staging blocks
+            staging_rows = (slot.to(tl.int64) * PAGE_SIZE + in_page) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        else:                                                            # each row's own block
+            row_block = tl.load(block_map + page * STAGE_NB + in_page // STAGE_BLOCK, mask=n_valid, other=0)
+            staging_rows = ((row_block.to(tl.int64) * STAGE_BLOCK + in_page % STAGE_BLOCK) * (NUM_KV_HEADS * HEAD_DIM)
+                            + kv_head * HEAD_DIM)
         page_head = page * NUM_KV_HEADS + kv_head
         # ---- scores [M, N] ----
         if slot >= 0:
@@ -281,9 +286,10 @@ def unpack_mode(half: bool, unpack: str = "magic") -> int:
 
 def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pages, value_pages,
                            key_spec, value_spec, staging_keys: torch.Tensor, staging_values: torch.Tensor,
-                           staging_slot_of_page: torch.Tensor, meta, scale: float, num_splits: int | None = None,
+                           staging_block_map: torch.Tensor, meta, scale: float, num_splits: int | None = None,
                            config: dict | None = None) -> torch.Tensor:
-    """Same contract as ops.reference.lowbit.paged_attention_lowbit (query [T, Hq, D] -> [T, Hq, D]).
+    """Same contract as ops.reference.lowbit.paged_attention_lowbit (query [T, Hq, D] -> [T, Hq, D]; staging
+    [num_blocks, SB, Hkv, D] with staging_block_map [num_ids, P / SB], or [num_ids] when SB = P).
 
     `num_splits` None: chosen from the GPU size; `config` overrides launch parameters: num_warps,
     num_stages, BLOCK_M (prefill rows), BLOCK_N (tokens per step, <= page_size), BLOCK_C (outliers per
@@ -301,6 +307,11 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
     check_launchable(_lowbit_attention_kernel, query)
     assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
     assert staging_keys.is_contiguous() and staging_values.is_contiguous()
+    block_map = staging_block_map if staging_block_map.dim() == 2 else staging_block_map[:, None]
+    stage_block, stage_nb = staging_keys.shape[1], block_map.shape[1]
+    if stage_block * stage_nb != page_size or not block_map.is_contiguous():
+        raise ValueError(f"{stage_nb} staging blocks of {stage_block} rows per page do not make pages of {page_size} "
+                         "(or the block map is not contiguous)")
     cfg = {"num_warps": 4, "num_stages": 1, "BLOCK_M": 64, "BLOCK_C": 16, "unpack": "magic", "gather": False,
            "BLOCK_N": page_size, "waves": 2, "gather_p": True}
     cfg.update(config or {})
@@ -334,7 +345,7 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
     grid = (batch, q_blocks, num_kv_heads * num_splits)
     _lowbit_attention_kernel[grid](
         query, key, value, target, lse, *key_tensors, *value_tensors,
-        staging_keys, staging_values, staging_slot_of_page,
+        staging_keys, staging_values, block_map,
         meta.block_tables, meta.query_start_loc, meta.context_lens,
         scale * LOG2E, tokens_per_split // page_size, num_splits,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -345,7 +356,8 @@ def paged_attention_lowbit(query: torch.Tensor, key: torch.Tensor, value: torch.
         PRECISION="tf32x3" if query.is_cuda else "ieee", BLOCK_C=cfg["BLOCK_C"], SPLIT=num_splits > 1,
         GATHER=cfg["gather"], BLOCK_N=min(cfg["BLOCK_N"], page_size),
         GATHER_P=cfg["gather_p"],
-        DEVICE_SPLITS=device_splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        DEVICE_SPLITS=device_splits, STAGE_BLOCK=stage_block, STAGE_NB=stage_nb, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if num_splits > 1:
         combine_splits(partial, lse, out)
     return out

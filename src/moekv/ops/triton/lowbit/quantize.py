@@ -49,25 +49,26 @@ def _quantize_kernel(
     qualifying_ptr, tau, pages_ptr, slots_ptr, counters_ptr,
     COUNT: tl.constexpr, CNT_BUDGET: tl.constexpr, CNT_OUTLIERS: tl.constexpr, CNT_QUALIFYING: tl.constexpr,
     CNT_PAGES: tl.constexpr,
-    STAGED: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    STAGED: tl.constexpr, STAGE_NB: tl.constexpr, STAGE_BLOCK: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr, BLOCK_C: tl.constexpr, WORDS: tl.constexpr,
     CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr, OUTLIER_RANGE: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if STAGED:      # entry -> (page id, staging slot) from device tensors; page -1: nothing to do
+    blocks_ptr = slots_ptr + entry * STAGE_NB
+    if STAGED:      # entry -> (page id, its staging blocks) from device tensors; page -1: nothing to do
         page = tl.load(pages_ptr + entry).to(tl.int64)
         if page < 0:
             return
-        source = tl.load(slots_ptr + entry).to(tl.int64)
+        source = tl.load(blocks_ptr).to(tl.int64)
     else:           # entry n quantizes x[n] into output page n
         page = entry
         source = entry
     quantize_page_head(
         x_ptr, stride_xn, stride_xh, stride_xp,
         codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
-        qualifying_ptr, tau, counters_ptr, entry, head, page, source,
-        COUNT, CNT_BUDGET, CNT_OUTLIERS, CNT_QUALIFYING, CNT_PAGES,
+        qualifying_ptr, tau, counters_ptr, entry, head, page, source, blocks_ptr,
+        COUNT, CNT_BUDGET, CNT_OUTLIERS, CNT_QUALIFYING, CNT_PAGES, STAGE_NB, STAGE_BLOCK,
         NUM_HEADS, P, D, G, BITS, AXIS_CHANNEL, GROUP_LEN, CAPACITY, BLOCK_C, WORDS, CLIP_STEPS, CLIP_REFINE,
         OUTLIER_RANGE)
 
@@ -99,33 +100,41 @@ def quantize_pages(x: torch.Tensor, spec) -> tuple[PackedPages, torch.Tensor]:
     return packed, qualifying
 
 
-def quantize_staged_pages(staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, spec,
-                          out: PackedPages) -> torch.Tensor:
-    """Same contract as ops.reference.lowbit.quantize_staged_pages: staging [S, P, H, D], slots/pages [B]
-    (int32/int64 device tensors; pages[i] < 0 skips entry i) -> num_qualifying [B, H] int32 (0 when
-    skipped); the packed pages are stored straight into `out` at their page ids.
-
-    Fixed launch shape [B, H] and no host reads of the indices: safe to capture in a CUDA graph. Each
-    program reads its page id, returns at once for -1, loads the P rows of its staging slot through
-    the strided [S, P, H, D] view and writes codes / scale / zero / outliers at that page of `out`.
-    """
-    num_slots, page_size, num_heads, head_dim = staging.shape
-    if (page_size, head_dim) != (spec.page_size, spec.head_dim):
-        raise ValueError(f"staging pages of shape [P={page_size}, D={head_dim}] do not match the spec's "
-                         f"[{spec.page_size}, {spec.head_dim}]")
-    if slots.shape != pages.shape or pages.dim() != 1:
-        raise ValueError(f"slots {tuple(slots.shape)} and pages {tuple(pages.shape)} must both be [B]")
-    if out.codes.shape[1:] != (num_heads, page_size, spec.words_per_row):
+def _staged_blocks(staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, spec, out: PackedPages
+                   ) -> torch.Tensor:
+    """Checks of the staged quantizers' arguments; the entries' blocks as a contiguous [B, nb] tensor."""
+    num_blocks, block, num_heads, head_dim = staging.shape
+    slots = slots[:, None] if slots.dim() == 1 else slots
+    if slots.dim() != 2 or pages.dim() != 1 or slots.shape[0] != pages.shape[0]:
+        raise ValueError(f"slots {tuple(slots.shape)} must be [B] or [B, nb] and pages {tuple(pages.shape)} [B]")
+    if (slots.shape[1] * block, head_dim) != (spec.page_size, spec.head_dim):
+        raise ValueError(f"{slots.shape[1]} staging blocks of [{block}, D={head_dim}] do not make the spec's pages "
+                         f"[P={spec.page_size}, D={spec.head_dim}]")
+    if out.codes.shape[1:] != (num_heads, spec.page_size, spec.words_per_row):
         raise ValueError(f"out holds pages of shape {tuple(out.codes.shape[1:])}, expected "
-                         f"{(num_heads, page_size, spec.words_per_row)}")
+                         f"{(num_heads, spec.page_size, spec.words_per_row)}")
     assert staging.stride(-1) == 1
     assert all(t.is_contiguous() for t in out.tensors().values()), "out must be dense PackedPages"
+    return slots.contiguous()
+
+
+def quantize_staged_pages(staging: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, spec,
+                          out: PackedPages) -> torch.Tensor:
+    """Same contract as ops.reference.lowbit.quantize_staged_pages: staging [num_blocks, SB, H, D], slots [B, P / SB]
+    (or [B] when SB = P), pages [B] (int32/int64 device tensors; pages[i] < 0 skips entry i) -> num_qualifying
+    [B, H] int32 (0 when skipped); the packed pages are stored straight into `out` at their page ids.
+
+    Fixed launch shape [B, H] and no host reads of the indices: safe to capture in a CUDA graph. Each
+    program reads its page id, returns at once for -1, loads the P rows of its staging blocks through
+    the strided view and writes codes / scale / zero / outliers at that page of `out`.
+    """
+    slots = _staged_blocks(staging, slots, pages, spec, out)
     count = pages.shape[0]
-    qualifying = torch.zeros((count, num_heads), dtype=torch.int32, device=staging.device)
+    qualifying = torch.zeros((count, staging.shape[2]), dtype=torch.int32, device=staging.device)
     if count == 0:
         return qualifying
     _launch(staging, (staging.stride(0), staging.stride(2), staging.stride(1)), out, qualifying, spec, count,
-            num_heads, pages=pages, slots=slots)
+            staging.shape[2], pages=pages, slots=slots)
     return qualifying
 
 
@@ -135,33 +144,24 @@ def quantize_staged_pages_counted(staging: torch.Tensor, slots: torch.Tensor, pa
     """Same contract as ops.reference.lowbit.quantize_staged_pages_counted: quantize_staged_pages whose
     programs add their statistics to the int64 `counters` with atomics (integers: exact in any order),
     so the decode step needs no qualifying tensor and no counter kernels after it."""
-    num_slots, page_size, num_heads, head_dim = staging.shape
-    if (page_size, head_dim) != (spec.page_size, spec.head_dim):
-        raise ValueError(f"staging pages of shape [P={page_size}, D={head_dim}] do not match the spec's "
-                         f"[{spec.page_size}, {spec.head_dim}]")
-    if slots.shape != pages.shape or pages.dim() != 1:
-        raise ValueError(f"slots {tuple(slots.shape)} and pages {tuple(pages.shape)} must both be [B]")
-    if out.codes.shape[1:] != (num_heads, page_size, spec.words_per_row):
-        raise ValueError(f"out holds pages of shape {tuple(out.codes.shape[1:])}, expected "
-                         f"{(num_heads, page_size, spec.words_per_row)}")
+    slots = _staged_blocks(staging, slots, pages, spec, out)
     if counters.dtype != torch.int64 or not counters.is_contiguous():
         raise ValueError("counters must be a contiguous int64 tensor")
     if (min(budget_index, outliers_index, qualifying_index) < 0
             or max(budget_index, outliers_index, qualifying_index, pages_index) >= counters.numel()):
         raise ValueError("counter index out of range")
-    assert staging.stride(-1) == 1
-    assert all(t.is_contiguous() for t in out.tensors().values()), "out must be dense PackedPages"
     if pages.shape[0] == 0:
         return
     _launch(staging, (staging.stride(0), staging.stride(2), staging.stride(1)), out, counters, spec, pages.shape[0],
-            num_heads, pages=pages, slots=slots,
+            staging.shape[2], pages=pages, slots=slots,
             count_at=(budget_index, outliers_index, qualifying_index, pages_index))
 
 
 def _launch(x: torch.Tensor, strides: tuple[int, int, int], out: PackedPages, qualifying: torch.Tensor, spec,
             count: int, num_heads: int, pages: torch.Tensor | None, slots: torch.Tensor | None,
             count_at: tuple[int, int, int, int] | None = None) -> None:
-    """One program per (entry, head); `strides` are x's (source, head, row) strides. With `count_at`
+    """One program per (entry, head); `strides` are x's (source or block, head, row) strides; staged: slots
+    [B, nb] contiguous, x's blocks of x.shape[1] rows. With `count_at`
     (budget, outliers, qualifying, pages indices), `qualifying` is the int64 counters tensor instead."""
     check_launchable(_quantize_kernel, x)
     base = out.scale_base if out.scale_base is not None else out.scale
@@ -176,7 +176,8 @@ def _launch(x: torch.Tensor, strides: tuple[int, int, int], out: PackedPages, qu
         pages if staged else qualifying, slots if staged else qualifying,     # unread unless STAGED
         qualifying,                                                           # the counters when COUNT
         COUNT=counting, CNT_BUDGET=cnt[0], CNT_OUTLIERS=cnt[1], CNT_QUALIFYING=cnt[2], CNT_PAGES=cnt[3],
-        STAGED=staged, NUM_HEADS=num_heads, P=spec.page_size, D=spec.head_dim,
+        STAGED=staged, STAGE_NB=slots.shape[1] if staged else 1, STAGE_BLOCK=x.shape[1] if staged else 1,
+        NUM_HEADS=num_heads, P=spec.page_size, D=spec.head_dim,
         G=spec.num_groups if spec.axis == "token" else 1,
         BITS=spec.bits, AXIS_CHANNEL=spec.axis == "channel",
         GROUP_LEN=spec.page_size if spec.axis == "channel" else spec.group_size, CAPACITY=spec.outlier_capacity,

@@ -41,7 +41,7 @@ def _quantize_kv_staged_kernel(
     V_CLIP_REFINE: tl.constexpr, V_OUTLIER_RANGE: tl.constexpr,
     K_CNT_BUDGET: tl.constexpr, K_CNT_OUTLIERS: tl.constexpr, K_CNT_QUALIFYING: tl.constexpr,
     K_CNT_PAGES: tl.constexpr, V_CNT_BUDGET: tl.constexpr, V_CNT_OUTLIERS: tl.constexpr,
-    V_CNT_QUALIFYING: tl.constexpr, V_CNT_PAGES: tl.constexpr,
+    V_CNT_QUALIFYING: tl.constexpr, V_CNT_PAGES: tl.constexpr, STAGE_NB: tl.constexpr, STAGE_BLOCK: tl.constexpr,
 ):
     """Keys and values of the decode step, all layers, in one launch: grid [B, H, 2 * L], axis 2 = 2 * layer +
     (0 keys, 1 values). Layer l reads staging at l * stride_xl and writes each output tensor at l times its
@@ -52,15 +52,16 @@ def _quantize_kv_staged_kernel(
     page = tl.load(pages_ptr + entry).to(tl.int64)
     if page >= 0:
         layer = (tl.program_id(2) // 2).to(tl.int64)
-        source = tl.load(slots_ptr + entry).to(tl.int64)
+        blocks_ptr = slots_ptr + entry * STAGE_NB
+        source = tl.load(blocks_ptr).to(tl.int64)
         if tl.program_id(2) % 2 == 0:
             quantize_page_head(
                 kx_ptr + layer * stride_xl, stride_xn, stride_xh, stride_xp,
                 k_codes + layer * kl_codes, k_scale + layer * kl_scale, k_zero + layer * kl_zero,
                 k_base + layer * kl_base, k_ovals + layer * kl_ovals, k_oidx + layer * kl_oidx,
                 k_ocount + layer * kl_ocount,
-                counters_ptr, k_tau, counters_ptr, entry, head, page, source,
-                True, K_CNT_BUDGET, K_CNT_OUTLIERS, K_CNT_QUALIFYING, K_CNT_PAGES,
+                counters_ptr, k_tau, counters_ptr, entry, head, page, source, blocks_ptr,
+                True, K_CNT_BUDGET, K_CNT_OUTLIERS, K_CNT_QUALIFYING, K_CNT_PAGES, STAGE_NB, STAGE_BLOCK,
                 NUM_HEADS, P, D, K_G, K_BITS, K_AXIS_CHANNEL, K_GROUP_LEN, K_CAPACITY, K_BLOCK_C, K_WORDS,
                 K_CLIP_STEPS, K_CLIP_REFINE, K_OUTLIER_RANGE)
         else:
@@ -69,8 +70,8 @@ def _quantize_kv_staged_kernel(
                 v_codes + layer * vl_codes, v_scale + layer * vl_scale, v_zero + layer * vl_zero,
                 v_base + layer * vl_base, v_ovals + layer * vl_ovals, v_oidx + layer * vl_oidx,
                 v_ocount + layer * vl_ocount,
-                counters_ptr, v_tau, counters_ptr, entry, head, page, source,
-                True, V_CNT_BUDGET, V_CNT_OUTLIERS, V_CNT_QUALIFYING, V_CNT_PAGES,
+                counters_ptr, v_tau, counters_ptr, entry, head, page, source, blocks_ptr,
+                True, V_CNT_BUDGET, V_CNT_OUTLIERS, V_CNT_QUALIFYING, V_CNT_PAGES, STAGE_NB, STAGE_BLOCK,
                 NUM_HEADS, P, D, V_G, V_BITS, V_AXIS_CHANNEL, V_GROUP_LEN, V_CAPACITY, V_BLOCK_C, V_WORDS,
                 V_CLIP_STEPS, V_CLIP_REFINE, V_OUTLIER_RANGE)
 
@@ -82,7 +83,7 @@ def quantize_staged_kv_counted(staging_keys: torch.Tensor, staging_values: torch
     """Same contract as ops.reference.lowbit.quantize_staged_kv_counted: the key and the value
     quantize_staged_pages_counted of one decode step in one launch (grid [B, H, 2]; CUDA-graph safe)."""
     if staging_keys.dim() != 4 or staging_values.dim() != 4:
-        raise ValueError(f"staging pages must be [S, P, H, D], got {tuple(staging_keys.shape)}")
+        raise ValueError(f"staging pools must be [num_blocks, SB, H, D], got {tuple(staging_keys.shape)}")
     one = [PackedPages(**{name: t.unsqueeze(0) for name, t in out.tensors().items()},
                        **({"scale_base": None} if out.scale_base is None else {})) for out in (key_out, value_out)]
     quantize_staged_kv_counted_layers(staging_keys.unsqueeze(0), staging_values.unsqueeze(0), slots, pages,
@@ -95,11 +96,14 @@ def quantize_staged_kv_counted_layers(staging_keys: torch.Tensor, staging_values
                                       key_counters: tuple[int, int, int, int],
                                       value_counters: tuple[int, int, int, int]) -> None:
     """Same contract as ops.reference.lowbit.quantize_staged_kv_counted_layers: quantize_staged_kv_counted of
-    every layer (staging [L, S, P, H, D], stacked outputs [L, N, H, ...]) in one launch (grid [B, H, 2 * L])."""
+    every layer (staging [L, num_blocks, SB, H, D], slots [B, P / SB] or [B] when SB = P, stacked outputs
+    [L, N, H, ...]) in one launch (grid [B, H, 2 * L])."""
     if staging_keys.dim() != 5 or staging_values.shape != staging_keys.shape or staging_keys.shape[0] < 1:
-        raise ValueError(f"staging pages must be [L, S, P, H, D] (keys and values alike, L >= 1), got "
+        raise ValueError(f"staging pools must be [L, num_blocks, SB, H, D] (keys and values alike, L >= 1), got "
                          f"{tuple(staging_keys.shape)} and {tuple(staging_values.shape)}")
-    num_layers, num_slots, page_size, num_heads, head_dim = staging_keys.shape
+    num_layers, num_blocks, block, num_heads, head_dim = staging_keys.shape
+    slots = slots[:, None] if slots.dim() == 1 else slots
+    page_size = block * slots.shape[1]
     for spec, out in ((key_spec, key_out), (value_spec, value_out)):
         if (page_size, head_dim) != (spec.page_size, spec.head_dim):
             raise ValueError(f"staging pages of shape {tuple(staging_keys.shape)} do not match the spec's "
@@ -112,8 +116,8 @@ def quantize_staged_kv_counted_layers(staging_keys: torch.Tensor, staging_values
             "out must be stacked PackedPages of dense layers"
     if key_out.codes.shape[1] != value_out.codes.shape[1]:
         raise ValueError("key_out and value_out must hold the same number of pages")
-    if slots.shape != pages.shape or pages.dim() != 1:
-        raise ValueError(f"slots {tuple(slots.shape)} and pages {tuple(pages.shape)} must both be [B]")
+    if slots.dim() != 2 or pages.dim() != 1 or slots.shape[0] != pages.shape[0]:
+        raise ValueError(f"slots {tuple(slots.shape)} must be [B] or [B, nb] and pages {tuple(pages.shape)} [B]")
     if counters.dtype != torch.int64 or not counters.is_contiguous():
         raise ValueError("counters must be a contiguous int64 tensor")
     indices = (*key_counters, *value_counters)
@@ -122,7 +126,7 @@ def quantize_staged_kv_counted_layers(staging_keys: torch.Tensor, staging_values
     assert staging_keys.stride() == staging_values.stride() and staging_keys.stride(-1) == 1
     if pages.shape[0] == 0:
         return
-    _launch_kv(staging_keys, staging_values, slots, pages, key_spec, value_spec, key_out, value_out, counters,
+    _launch_kv(staging_keys, staging_values, slots.contiguous(), pages, key_spec, value_spec, key_out, value_out, counters,
                key_counters, value_counters)
 
 
@@ -158,4 +162,5 @@ def _launch_kv(staging_keys, staging_values, slots, pages, key_spec, value_spec,
         *out_args(key_out), *out_args(value_out), *layer_strides(key_out), *layer_strides(value_out),
         NUM_HEADS=num_heads, P=key_spec.page_size, D=key_spec.head_dim,
         **spec_args("K_", key_spec), **spec_args("V_", value_spec), **counter_args,
+        STAGE_NB=slots.shape[1], STAGE_BLOCK=staging_keys.shape[2],
         num_warps=8 if elements >= 8192 else 4, enable_fp_fusion=False)

@@ -263,21 +263,29 @@ def select_by_range(x, flat_index, AXIS_CHANNEL: tl.constexpr, P: tl.constexpr, 
 def quantize_page_head(
     x_ptr, stride_xn, stride_xh, stride_xp,
     codes_ptr, scale_ptr, zero_ptr, base_ptr, outlier_vals_ptr, outlier_idx_ptr, outlier_count_ptr,
-    qualifying_ptr, tau, counters_ptr, entry, head, page, source,
+    qualifying_ptr, tau, counters_ptr, entry, head, page, source, blocks_ptr,
     COUNT: tl.constexpr, CNT_BUDGET: tl.constexpr, CNT_OUTLIERS: tl.constexpr, CNT_QUALIFYING: tl.constexpr,
-    CNT_PAGES: tl.constexpr, NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    CNT_PAGES: tl.constexpr, STAGE_NB: tl.constexpr, STAGE_BLOCK: tl.constexpr,
+    NUM_HEADS: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     BITS: tl.constexpr, AXIS_CHANNEL: tl.constexpr, GROUP_LEN: tl.constexpr, CAPACITY: tl.constexpr,
     BLOCK_C: tl.constexpr, WORDS: tl.constexpr, CLIP_STEPS: tl.constexpr, CLIP_REFINE: tl.constexpr,
     OUTLIER_RANGE: tl.constexpr,
 ):
     """Quantize rows `source` of x (head `head`) into page `page` of the output: the body of every quantizer
     kernel (quantize.py's `_quantize_kernel`, quantize_layers.py's `_quantize_kv_staged_kernel`), so their
-    codes are the same bits. COUNT: statistics added to `counters_ptr` at the CNT_* indices with atomics,
-    else the qualifying count stored at qualifying_ptr[entry, head]."""
+    codes are the same bits. STAGE_NB > 1: the page's rows are in STAGE_NB blocks of STAGE_BLOCK rows whose
+    ids are at blocks_ptr (row r: block blocks_ptr[r // STAGE_BLOCK], its row r % STAGE_BLOCK; stride_xn
+    steps blocks); else rows 0..P-1 of x[source]. COUNT: statistics added to `counters_ptr` at the CNT_*
+    indices with atomics, else the qualifying count stored at qualifying_ptr[entry, head]."""
     page_head = page * NUM_HEADS + head
     offs_p = tl.arange(0, P)
     offs_d = tl.arange(0, D)
-    x = tl.load(x_ptr + source * stride_xn + head * stride_xh + offs_p[:, None] * stride_xp + offs_d[None, :])
+    if STAGE_NB > 1:
+        row_block = tl.maximum(tl.load(blocks_ptr + offs_p // STAGE_BLOCK).to(tl.int64), 0)
+        rows = row_block * stride_xn + (offs_p % STAGE_BLOCK) * stride_xp                # [P]
+    else:
+        rows = source * stride_xn + offs_p * stride_xp
+    x = tl.load(x_ptr + head * stride_xh + rows[:, None] + offs_d[None, :])
     x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0)                # [P, D]
     levels: tl.constexpr = (1 << BITS) - 1
     flat_index = offs_p[:, None] * D + offs_d[None, :]                              # [P, D]
