@@ -23,7 +23,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "moekv"
 
 LAYERS: list[set[str]] = [
     {"errors", "version"},                                      # leaves: typed errors, the version string
-    {"arch", "offload_config"},                                 # the checkpoint architecture record, offload switches
+    {"arch", "offload_config", "cache_config"},                 # the checkpoint architecture record, offload + KV switches
     {"envs"},                                                   # the one reader of environment variables
     {"paths"},                                                  # file locations (env overrides)
     {"config", "core", "tokenizer", "provenance", "datasets", "metrics"},   # config + plain records

@@ -30,8 +30,8 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   const int lane16 = lane * 16;
   auto meta = [&](int jj) { return wb + plan.meta + (jj & 1) * plan.meta_bytes; };
   auto page_of = [&](int jj) { return table[warp + W * jj]; };
-  // low-bit storage index of a page-head: a staging-only id (>= lowbit_pages, always staged) reads page 0's
-  // reads the last page's storage in the pipeline's prefetches, never used
+  // low-bit storage index of a page-head: a staging-only id (>= lowbit_pages, always staged) reads the last
+  // page's storage in the pipeline's prefetches, never used
   auto ph_of = [&](int page) { return (long long)min(page, p.lowbit_pages - 1) * p.num_kv_heads + kvh; };
   uint8_t* prep = wb + plan.prep;
   uint8_t* scr = wb + plan.scratch;
