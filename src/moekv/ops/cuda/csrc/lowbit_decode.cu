@@ -104,7 +104,9 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
   TORCH_CHECK(block_map.is_contiguous() && (p.stage_nb == 1 || p.stage_nb == 2 || p.stage_nb == 4) &&
               block_rows * p.stage_nb == P, "lowbit decode v7: staging blocks of 32, 64 or 128 rows per page of ", P);
   p.stage_shift = block_rows == 128 ? 7 : block_rows == 64 ? 6 : 5;
-  p.lowbit_pages = static_cast<int>(k_codes.size(0));
+  p.stage_mask = static_cast<int>(block_rows) - 1;
+  p.slot_stride = 4 * p.stage_nb;
+  p.last_lowbit_page = static_cast<int>(k_codes.size(0)) - 1;
   p.block_tables = block_tables.data_ptr<int>(); p.query_start_loc = query_start_loc.data_ptr<int>();
   p.context_lens = context_lens.data_ptr<int>();
   p.qk_scale = static_cast<float>(qk_scale);

@@ -82,8 +82,9 @@ struct Params {
   float qk_scale;                   // softmax scale * log2(e)
   int num_kv_heads, group, num_splits, pages_per_split;   // pages_per_split 0: ceil(pages / splits) on the device
   int k_cap, v_cap;                 // outlier slots per page-head
-  int stage_nb, stage_shift;        // staging blocks per page (1, 2 or 4) and log2 of their rows (P / stage_nb)
-  int lowbit_pages;                 // pages with low-bit storage; ids beyond are staging-only (always staged)
+  int stage_nb, stage_shift, stage_mask;   // staging blocks per page (1, 2 or 4), log2 of their rows, rows - 1
+  int slot_stride;                  // bytes of a page's block-map row (4 * stage_nb)
+  int last_lowbit_page;             // the last page with low-bit storage; ids beyond are staging-only (always staged)
   // a page's small arrays as uniform 16-byte pieces (built by the host, lowbit_decode.cu: meta_pieces): piece q
   // copies bytes [(index * stride) & ~15 + 16 k, +16) of array a (clamped to its end) to meta-stage offset
   // dst[a] + 16 k; index = the page-head, or the page for the slot array

@@ -32,7 +32,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   auto page_of = [&](int jj) { return table[warp + W * jj]; };
   // low-bit storage index of a page-head: a staging-only id (>= lowbit_pages, always staged) reads the last
   // page's storage in the pipeline's prefetches, never used
-  auto ph_of = [&](int page) { return (long long)min(page, p.lowbit_pages - 1) * p.num_kv_heads + kvh; };
+  auto ph_of = [&](int page) { return (long long)min(page, p.last_lowbit_page) * p.num_kv_heads + kvh; };
   uint8_t* prep = wb + plan.prep;
   uint8_t* scr = wb + plan.scratch;
   int* wstaged = reinterpret_cast<int*>(wb + plan.staged);
@@ -85,7 +85,7 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
         cp_commit();
       }
       if (k == 0) {                              // ---- the page's prep
-        const int* blocks = reinterpret_cast<const int*>(mt + L::SLOT + ((page * 4 * p.stage_nb) & 15));
+        const int* blocks = reinterpret_cast<const int*>(mt + L::SLOT + ((page * p.slot_stride) & 15));
         staged = blocks[0] >= 0;
         if (staged) {                            // staged page: its low-bit storage is stale; the CTA does it later
           if (lane == 0) { const int s = wstaged[0]; if (s < STAGED_MAX) wstaged[1 + s] = warp + W * jj; wstaged[0] = s + 1; }
@@ -94,12 +94,11 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
           const long long rs = (long long)p.num_kv_heads * D * 2, off = (long long)kvh * D * 2;
           const uint8_t* bk = reinterpret_cast<const uint8_t*>(p.staging_k) + off;
           const uint8_t* bv = reinterpret_cast<const uint8_t*>(p.staging_v) + off;
-          const int sb = 1 << p.stage_shift;
 #pragma unroll
           for (int r = lane; r < P; r += 32) {
             const int blk = blocks[r >> p.stage_shift];        // rows of blocks not held: past the context
             if (blk >= 0) {
-              const long long row = (long long)blk * sb + (r & (sb - 1));
+              const long long row = ((long long)blk << p.stage_shift) + (r & p.stage_mask);
               prefetch_l2(bk + row * rs); prefetch_l2(bk + row * rs + 128);
               prefetch_l2(bv + row * rs); prefetch_l2(bv + row * rs + 128);
             }

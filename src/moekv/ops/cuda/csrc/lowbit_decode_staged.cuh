@@ -73,14 +73,13 @@ __device__ __forceinline__ void staged_pages_tc(const Params& p, const int* tabl
   for (int k = 0; k < num_staged; ++k) {
     const int i = staged[k], page_index = first + i;
     const int* blocks = p.block_map + (long long)table[i] * p.stage_nb;
-    const int sb = 1 << p.stage_shift;
     for (int tile = warp; tile < P / 16; tile += W) {
       const int t0 = 16 * tile, tok0 = page_index * P + t0;
       if (tok0 >= ctx) continue;                         // past the context (its block may not be held): adds nothing
       // the tile's 16 rows lie in one staging block (blocks of >= 32 rows); base pointers at row t0 - (its block's
       // first row) so that row t of the page is base + t * row_stride
       const int blk = max(blocks[t0 >> p.stage_shift], 0);
-      const long long shift_rows = (long long)blk * sb - (t0 & ~(sb - 1));
+      const long long shift_rows = ((long long)blk << p.stage_shift) - (t0 & ~p.stage_mask);
       const QT* base_k = reinterpret_cast<const QT*>(p.staging_k) + shift_rows * row_stride + (long long)kvh * D;
       const QT* base_v = reinterpret_cast<const QT*>(p.staging_v) + shift_rows * row_stride + (long long)kvh * D;
       // ---- loads: key rows g, g + 8 (channels 32b + 8c ..); value rows 2c, 2c + 1, 2c + 8, 2c + 9 (channels 16g ..)
