@@ -16,6 +16,8 @@ with Hugging Face transformers on the same shape and the same weights, plus the 
         --no-hf --moe-tokens "" --moe-combine on,off --layer-profile --tag moecombine   # MoE combine in the next norm
     PYTHONPATH=src:. python benchmarks/bench_decode.py --scenarios "1x16384:bf16,int3" --synthetic-kv \
         --no-hf --moe-tokens "" --pdl off,on --tag pdl                # programmatic dependent launch
+    PYTHONPATH=src:. python benchmarks/bench_decode.py --model qwen3-30b-a3b --scenarios "1x16384:bf16,int3" \
+        --synthetic-kv --no-hf --moe-tokens "" --route-fold on,off --tag routefold   # E=128 routing in one launch
 
 Sections (each in the JSON and the markdown written to --out, default benchmarks/results):
   decode      time per output token = wall time of one engine step with B running sequences of about

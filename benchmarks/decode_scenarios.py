@@ -59,6 +59,14 @@ def _fused_moe_combine_installed(engine) -> bool:
     return dispatch.fused_moe_combine()         # KernelConfig's fused_moe_combine, on top of the fused decode layer
 
 
+def _route_fold_installed(engine) -> bool:
+    from moekv.ops import dispatch
+
+    # KernelConfig's fused_route_fold, on top of the fused decode layer; changes nothing for a router that one
+    # program per token reads (Mixtral's): those are routed in the add + norm launch either way
+    return dispatch.kernel_config().fused_route_fold and dispatch.fused_decode_layer()
+
+
 def _pdl_installed(engine) -> bool | str:
     import torch
 
@@ -111,6 +119,10 @@ SWITCHES: tuple[RowSwitch, ...] = (
               "on, off or on,off: moekv rows with the MoE decode combine summed by the next add + RMSNorm "
               "(KernelConfig.fused_moe_combine; needs the fused decode layer, so 'on' under --fusion off runs off) "
               "on / off", installed=_fused_moe_combine_installed),
+    RowSwitch("route-fold", "kernels", "fused_route_fold",
+              "on, off or on,off: moekv rows whose routers of several programs per token (Qwen3's E = 128) are routed "
+              "in the add + norm + router launch by each token's last program (KernelConfig.fused_route_fold) / by a "
+              "second launch; needs the fused decode layer", installed=_route_fold_installed),
     RowSwitch("pdl", "kernels", "pdl",
               "on, off or on,off: moekv rows whose decode-step Triton kernels launch with programmatic dependent "
               "launch (KernelConfig.pdl, ops/triton/pdl.py: each may be scheduled while the one before it finishes) "

@@ -202,7 +202,8 @@ class KernelConfig:
 
     `from_env()` (the EngineConfig default) applies the MOEKV_* overrides (see `envs.py`) to these
     defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_FUSED_DECODE_LAYER,
-    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_FUSED_MOE_COMBINE, MOEKV_SKINNY_GEMM, MOEKV_PDL, MOEKV_BATCH_INVARIANT.
+    MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_FUSED_MOE_COMBINE, MOEKV_FUSED_ROUTE_FOLD, MOEKV_SKINNY_GEMM, MOEKV_PDL,
+    MOEKV_BATCH_INVARIANT.
     """
 
     SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
@@ -229,6 +230,10 @@ class KernelConfig:
                                         # next residual add + RMSNorm (one launch fewer per MoE layer); measured
                                         # B=1 16k -3.3%, B=16 4k +0.3% (decode-h200-moecombine.md);
                                         # MOEKV_FUSED_MOE_COMBINE=0 turns it off
+    fused_route_fold: bool = True       # on top of fused_decode_layer: a router of several programs per token (E=128)
+                                        # routed by each token's last program to arrive (MoE block's counters) instead
+                                        # of a second launch; exact (the same bits), not yet measured on a GPU
+                                        # (docs/moe-kernels.md); MOEKV_FUSED_ROUTE_FOLD=0 turns it off
     pdl: bool = False                   # programmatic dependent launch for the decode step's Triton kernels on
                                         # compute capability >= 9.0 (ops/triton/pdl.py): each may be scheduled
                                         # while the kernel before it finishes; off until a GPU run measures it
@@ -244,18 +249,10 @@ class KernelConfig:
             raise ConfigError(f"kernel backend must be auto, reference or triton, got {self.backend!r}")
         if not isinstance(self.lowbit_decode, str) or not self.lowbit_decode:
             raise ConfigError(f"lowbit_decode must be a kernel name or auto, got {self.lowbit_decode!r}")
-        if not isinstance(self.fused_layer_ops, bool):
-            raise ConfigError(f"fused_layer_ops must be True or False, got {self.fused_layer_ops!r}")
-        if not isinstance(self.fused_decode_layer, bool):
-            raise ConfigError(f"fused_decode_layer must be True or False, got {self.fused_decode_layer!r}")
-        if not isinstance(self.fused_attention_combine, bool):
-            raise ConfigError(f"fused_attention_combine must be True or False, got {self.fused_attention_combine!r}")
-        if not isinstance(self.fused_moe_combine, bool):
-            raise ConfigError(f"fused_moe_combine must be True or False, got {self.fused_moe_combine!r}")
-        if not isinstance(self.pdl, bool):
-            raise ConfigError(f"pdl must be True or False, got {self.pdl!r}")
-        if not isinstance(self.batch_invariant, bool):
-            raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        for name in ("fused_layer_ops", "fused_decode_layer", "fused_attention_combine", "fused_moe_combine",
+                     "fused_route_fold", "pdl", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if (not isinstance(self.skinny_gemm_rows, int) or isinstance(self.skinny_gemm_rows, bool)
                 or not 0 <= self.skinny_gemm_rows <= self.SKINNY_GEMM_MAX_ROWS):
             raise ConfigError(f"skinny_gemm_rows must be in 0..{self.SKINNY_GEMM_MAX_ROWS} (0: off), "

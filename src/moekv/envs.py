@@ -15,6 +15,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_FUSED_DECODE_LAYER | `kernel_overrides` | 0 / 1: add + norm + router and q/k norm + rotary + KV write fused |
 | MOEKV_FUSED_ATTENTION_COMBINE | `kernel_overrides` | 0 / 1: full-precision decode attention combines its splits in its own launch |
 | MOEKV_FUSED_MOE_COMBINE | `kernel_overrides` | 0 / 1: the MoE decode combine summed by the next add + norm (on) |
+| MOEKV_FUSED_ROUTE_FOLD | `kernel_overrides` | 0 / 1: a router of several programs per token routed in the add + norm launch (on) |
 | MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) |
 | MOEKV_PDL | `kernel_overrides` | 0 / 1: programmatic dependent launch of the decode step's Triton kernels (off) |
 | MOEKV_BATCH_INVARIANT | `kernel_overrides` | 0 / 1: every row's result independent of the batch (slower) |
@@ -82,8 +83,8 @@ def _seconds(name: str, strict: bool, default: float | None = None) -> float | N
 # -- kernel switches (KernelConfig.from_env) -------------------------------------------------------
 def kernel_overrides() -> dict[str, Any]:
     """The KernelConfig fields the environment sets: backend, lowbit_decode, fused_layer_ops,
-    fused_decode_layer, fused_attention_combine, fused_moe_combine, skinny_gemm_rows, pdl, batch_invariant. The low-bit
-    decode name is checked against the kernel table by ops.dispatch."""
+    fused_decode_layer, fused_attention_combine, fused_moe_combine, fused_route_fold, skinny_gemm_rows, pdl,
+    batch_invariant. The low-bit decode name is checked against the kernel table by ops.dispatch."""
     out: dict[str, Any] = {}
     backend = _choice("MOEKV_OPS_BACKEND", ("auto", "reference", "triton"))
     if backend is not None:
@@ -93,7 +94,8 @@ def kernel_overrides() -> dict[str, Any]:
         out["lowbit_decode"] = lowbit_decode
     for name, field in (("MOEKV_FUSED_LAYER_OPS", "fused_layer_ops"), ("MOEKV_FUSED_DECODE_LAYER", "fused_decode_layer"),
                         ("MOEKV_FUSED_ATTENTION_COMBINE", "fused_attention_combine"),
-                        ("MOEKV_FUSED_MOE_COMBINE", "fused_moe_combine"), ("MOEKV_PDL", "pdl"),
+                        ("MOEKV_FUSED_MOE_COMBINE", "fused_moe_combine"),
+                        ("MOEKV_FUSED_ROUTE_FOLD", "fused_route_fold"), ("MOEKV_PDL", "pdl"),
                         ("MOEKV_BATCH_INVARIANT", "batch_invariant")):
         flag = _flag(name)
         if flag is not None:

@@ -79,6 +79,19 @@ def test_moe_combine_switch_reports_what_dispatch_runs():
         assert switch.value_of(None) == "off"
 
 
+def test_route_fold_row_reports_what_the_layers_run():
+    from moekv.ops import dispatch
+
+    switch = next(s for s in ds.SWITCHES if s.name == "route-fold")
+    assert ds.apply_switches(EngineConfig(ModelConfig("m")), {"route-fold": False}).kernels.fused_route_fold is False
+    with dispatch.override(fused_route_fold=True, fused_decode_layer=True, fused_layer_ops=True, batch_invariant=False):
+        assert switch.value_of(None) == "on"
+        with dispatch.override(fused_decode_layer=False):
+            assert switch.value_of(None) == "off"
+    with dispatch.override(fused_route_fold=False):
+        assert switch.value_of(None) == "off"
+
+
 def test_report_columns_follow_the_registered_switches():
     names = [s.name for s in ds.SWITCHES]
     assert names[0] == "fusion" and len(set(names)) == len(names)

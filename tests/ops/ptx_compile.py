@@ -1,5 +1,6 @@
 """Compile the full-precision decode kernel for sm_90 without a GPU (Triton's bundled ptxas) and print its PTX:
-how the in-kernel split combine's ordering is lowered can be read on any machine.
+how the in-kernel split combine's ordering is lowered can be read on any machine (and, for their tests, the
+batch-invariant kernels, the add + norm + route kernel with its routing fold and the routing kernel).
 
     PYTHONPATH=src:. python -m tests.ops.ptx_compile --combine 1 > decode.ptx
 
@@ -97,6 +98,60 @@ def compile_batch_invariant(group: int = 4, head_dim: int = 128, arch: int = 90)
         "linear_fp8": build(_invariant_linear_kernel, dict(pointers, w_ptr="*fp8e4nv"), dict(linear, FP8=True),
                             options),
     }
+
+
+def compile_norm_route(fold: bool, hidden: int = 2048, num_experts: int = 128, top_k: int = 8, arch: int = 90,
+                       ir: str = "ptx") -> str:
+    """The add + norm + route kernel as add_rms_norm_route launches it for a router of several blocks (Qwen3-30B-A3B's
+    [128, 2048] bf16 by default) with the expert-load count and token_valid: fold (the last program of a token routes
+    after an arrival count) or not (the routing kernel would follow) -> its `ir` ("ptx", "ttgir") for sm_`arch`."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moekv.ops.triton.layer.norm_route import _add_norm_route_kernel, launch_config
+
+    cfg = launch_config(hidden, num_experts, 2)
+    num_warps = cfg.pop("num_warps")
+    types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "rw_ptr": "*bf16", "normed_ptr": "*bf16",
+             "new_res_ptr": "*bf16", "logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+             "load_ptr": "*i64", "valid_ptr": "*i64", "counters_ptr": "*i32", "eps": "fp32"}
+    consts = dict(TOP_K=top_k, RENORMALIZE=True, HAS_LOAD=True, HAS_VALID=True, FUSE_TOPK=False,
+                  E_PAD=triton.next_power_of_2(num_experts), K_PAD=triton.next_power_of_2(max(top_k, 2)),
+                  LIBDEVICE_EXP=True, EMULATE_BF16=False, FOLD=fold, USE_PDL=False, **cfg)
+    names = list(inspect.signature(_add_norm_route_kernel.fn).parameters)
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    aligned = [n for n in names if n.endswith("_ptr") or n in ("hidden", "num_experts", "stride_xt", "stride_rt",
+                                                                 "stride_we")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(ASTSource(_add_norm_route_kernel, signature, consts, attrs),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False}).asm[ir]
+
+
+def compile_route_topk(num_warps: int, num_experts: int = 128, top_k: int = 8, arch: int = 90,
+                       ir: str = "ttgir") -> str:
+    """The routing kernel as norm_route's second launch specialises it (bf16 logits, load count, token_valid)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moekv.ops.triton.layer.routing import _route_topk_kernel
+
+    types = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "load_ptr": "*i64", "valid_ptr": "*i64"}
+    consts = dict(TOP_K=top_k, RENORMALIZE=True, HAS_LOAD=True, HAS_VALID=True,
+                  E_PAD=triton.next_power_of_2(num_experts), K_PAD=triton.next_power_of_2(max(top_k, 2)),
+                  LIBDEVICE_EXP=True, USE_PDL=False)
+    names = list(inspect.signature(_route_topk_kernel.fn).parameters)
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n.endswith("_ptr") or n in ("num_experts", "stride_t")}
+    return triton.compile(ASTSource(_route_topk_kernel, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False}).asm[ir]
 
 
 def ptx_in_child(expression: str) -> list[str]:

@@ -10,7 +10,8 @@ from moekv.errors import ConfigError
 from moekv.ops import choices, dispatch
 
 KERNEL_VARS = ("MOEKV_OPS_BACKEND", "MOEKV_LOWBIT_DECODE", "MOEKV_FUSED_LAYER_OPS", "MOEKV_SKINNY_GEMM",
-               "MOEKV_FUSED_DECODE_LAYER", "MOEKV_FUSED_ATTENTION_COMBINE", "MOEKV_FUSED_MOE_COMBINE")
+               "MOEKV_FUSED_DECODE_LAYER", "MOEKV_FUSED_ATTENTION_COMBINE", "MOEKV_FUSED_MOE_COMBINE",
+               "MOEKV_FUSED_ROUTE_FOLD")
 
 
 @pytest.fixture
@@ -54,7 +55,8 @@ def test_fused_decode_layer_needs_the_layer_ops():
 @pytest.mark.parametrize("name,value", [("MOEKV_OPS_BACKEND", "cuda"), ("MOEKV_FUSED_LAYER_OPS", "maybe"),
                                         ("MOEKV_SKINNY_GEMM", "yes"), ("MOEKV_FUSED_DECODE_LAYER", "2"),
                                         ("MOEKV_FUSED_ATTENTION_COMBINE", "last"),
-                                        ("MOEKV_FUSED_MOE_COMBINE", "sometimes")])
+                                        ("MOEKV_FUSED_MOE_COMBINE", "sometimes"),
+                                        ("MOEKV_FUSED_ROUTE_FOLD", "last")])
 def test_bad_env_values_name_the_variable(clean_env, name, value):
     clean_env.setenv(name, value)
     with pytest.raises(ConfigError, match=name):
@@ -65,7 +67,8 @@ def test_bad_env_values_name_the_variable(clean_env, name, value):
                                           (dict(skinny_gemm_rows=-1), "skinny"), (dict(lowbit_decode=""), "lowbit"),
                                           (dict(fused_decode_layer="yes"), "fused_decode_layer"),
                                           (dict(fused_attention_combine=1), "fused_attention_combine"),
-                                          (dict(fused_moe_combine=1), "fused_moe_combine")])
+                                          (dict(fused_moe_combine=1), "fused_moe_combine"),
+                                          (dict(fused_route_fold="on"), "fused_route_fold")])
 def test_validation(fields, match):
     with pytest.raises(ConfigError, match=match):
         KernelConfig(**fields)

@@ -74,7 +74,7 @@ def build_random_model(arch: ArchConfig, runtime: ExpertParallelRuntime, placeme
                                               arch.hidden_size, arch.expert_intermediate_size, arch.top_k,
                                               dtype, "meta")
     unknown = {name for name, _ in model.named_buffers() if not name.endswith(
-        ("replica_table", "replica_count", "slot_rank", "slot_local"))} - _KNOWN_BUFFERS
+        ("replica_table", "replica_count", "slot_rank", "slot_local", "route_counters"))} - _KNOWN_BUFFERS
     if unknown:   # a buffer computed at construction would be lost by to_empty below
         raise RuntimeError(f"build_random_model does not know how to rebuild buffers {sorted(unknown)}")
     model = model.to_empty(device=device)
@@ -84,6 +84,7 @@ def build_random_model(arch: ArchConfig, runtime: ExpertParallelRuntime, placeme
     expert_weights = set()
     with torch.no_grad():
         for block in moe_blocks(model):
+            block.route_counters.zero_()                              # the fused routing's counters start at 0
             experts = block.experts
             experts.set_placement(placements[block.layer_idx])        # buffers were emptied by to_empty
             expert_weights.update((id(experts.w_gate_up), id(experts.w_down)))

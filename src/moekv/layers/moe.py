@@ -51,6 +51,11 @@ class MoEBlock(nn.Module):
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
+        # the fused add + norm + route kernel's per-token arrival counters (a router of several programs per token
+        # is routed by each token's last program, ops.triton.layer.norm_route): allocated with the model, so they
+        # exist before a CUDA graph is captured; every launch leaves them zero
+        self.register_buffer("route_counters", torch.zeros(KernelConfig.FUSED_ROUTER_MAX_TOKENS, dtype=torch.int32,
+                                                           device=device), persistent=False)
 
     def forward(self, hidden: torch.Tensor, expert_load: torch.Tensor | None = None,
                 token_valid: torch.Tensor | None = None, defer_combine: bool = False
@@ -70,7 +75,8 @@ class MoEBlock(nn.Module):
                          expert_load: torch.Tensor | None = None, token_valid: torch.Tensor | None = None,
                          defer_combine: bool = False) -> tuple[torch.Tensor | UncombinedOutput, torch.Tensor] | None:
         """(self(norm(residual + x)), residual + x) with the add, the norm, the router GEMV and the top-k in one
-        launch (ops.dispatch.add_rms_norm_route), or None where that does not apply: the fused decode layer off,
+        launch (ops.dispatch.add_rms_norm_route; routers of several programs per token: with route_counters, or two
+        launches with KernelConfig.fused_route_fold off), or None where that does not apply: the fused decode layer off,
         more than KernelConfig.FUSED_ROUTER_MAX_TOKENS tokens, a stand-in router, forward hooks on the norm, the
         router or this block (they would not run)."""
         if (not dispatch.fused_decode_layer() or x.shape[0] > KernelConfig.FUSED_ROUTER_MAX_TOKENS
@@ -79,7 +85,7 @@ class MoEBlock(nn.Module):
         router = self.router
         normed, residual, topk_weights, topk_ids = dispatch.add_rms_norm_route(
             x, residual, norm.weight, norm.eps, router.weight, router.top_k, router.renormalize, expert_load,
-            token_valid)                                                              # [T, H] x2, [T, k] x2
+            token_valid, None, self.route_counters)                                   # [T, H] x2, [T, k] x2
         return self._routed(normed, topk_ids, topk_weights, defer_combine), residual
 
     def _routed(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

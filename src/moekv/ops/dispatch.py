@@ -373,12 +373,16 @@ def route_topk(logits, top_k, renormalize, expert_load=None, token_valid=None):
 
 
 def add_rms_norm_route(x, residual, norm_weight, eps, router_weight, top_k, renormalize, expert_load=None,
-                       token_valid=None, logits_out=None):
+                       token_valid=None, logits_out=None, route_counters=None):
     """See ops.reference.layers.add_rms_norm_route -> (normed, residual + x, weights, ids) (Triton:
-    ops.triton.layer.norm_route, one launch with the routing for routers up to its per-program size, else two;
-    shapes it does not take run fused_add_rms_norm, skinny_linear and route_topk of this module)."""
+    ops.triton.layer.norm_route, one launch with the routing for routers up to its per-program size; larger ones
+    are routed in the same launch by each token's last program with route_counters ([>= T] int32 zeros, the MoE
+    block's) and KernelConfig.fused_route_fold on, else by a second launch; shapes it does not take run
+    fused_add_rms_norm, skinny_linear and route_topk of this module)."""
+    if not _active.fused_route_fold:
+        route_counters = None
     return _call("add_rms_norm_route", x, residual, norm_weight, eps, router_weight, top_k, renormalize, expert_load,
-                 token_valid, logits_out)
+                 token_valid, logits_out, route_counters)
 
 
 def qk_norm_rotary_write(query, key, value, cos, sin, key_cache=None, value_cache=None, slots=None,

@@ -84,7 +84,7 @@ def _moe_partials_kernel(hidden, w_gate_up, w_down, topk_ids):
 
 
 def _norm_route_kernel(ops, x, residual, norm_weight, eps, router_weight, top_k, renormalize, expert_load=None,
-                       token_valid=None, logits_out=None):
+                       token_valid=None, logits_out=None, route_counters=None):
     """The one-launch kernel where it takes these shapes, else the same op from dispatch's unfused ops."""
     module = choices.resolve(_TRI + "layer.norm_route")
     if module.supports(x, residual, norm_weight, router_weight, top_k, expert_load):

@@ -86,8 +86,9 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, expert_load:
 
 
 def compose_add_rms_norm_route(add_norm, linear, route, x, residual, norm_weight, eps, router_weight, top_k,
-                               renormalize, expert_load=None, token_valid=None, logits_out=None):
-    """add_rms_norm_route from its three parts (the reference's, or ops.dispatch's own kernels)."""
+                               renormalize, expert_load=None, token_valid=None, logits_out=None, route_counters=None):
+    """add_rms_norm_route from its three parts (the reference's, or ops.dispatch's own kernels); route_counters
+    is not used (the fused kernel's, left zero)."""
     normed, new_residual = add_norm(x, residual, norm_weight, eps)                    # [T, H] x2
     logits = linear(normed, router_weight)                                             # [T, E]
     if logits_out is not None:
@@ -99,13 +100,14 @@ def compose_add_rms_norm_route(add_norm, linear, route, x, residual, norm_weight
 def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        router_weight: torch.Tensor, top_k: int, renormalize: bool,
                        expert_load: torch.Tensor | None = None, token_valid: torch.Tensor | None = None,
-                       logits_out: torch.Tensor | None = None
+                       logits_out: torch.Tensor | None = None, route_counters: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual [T, H] -> (normed [T, H], residual + x [T, H], weights [T, k] float32, ids [T, k] int64).
 
     fused_add_rms_norm, then the router's logits normed @ router_weight[E, H]^T in the model dtype (F.linear;
     copied to logits_out [T, E] when given), then route_topk with the expert-load count: the post-attention
-    half of an MoE decoder layer up to its experts.
+    half of an MoE decoder layer up to its experts. route_counters ([>= T] int32 zeros, the MoE block's) changes
+    nothing here: the Triton kernel's arrival counters for routing a large router in its own launch (left zero).
     """
     return compose_add_rms_norm_route(fused_add_rms_norm, F.linear, route_topk, x, residual, norm_weight, eps,
                                       router_weight, top_k, renormalize, expert_load, token_valid, logits_out)

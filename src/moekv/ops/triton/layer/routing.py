@@ -10,7 +10,9 @@ Numerics against torch.softmax: on CUDA the exponential is libdevice's expf (the
 as torch's softmax kernel calls; tl.exp would be ex2.approx of x * log2(e), whose error grows with
 |x - max|) and both divisions are correctly rounded (div_rn; `/` compiles to the approximate
 div.full.f32). What stays different is the order of the fp32 sum of the exponentials, so weights
-agree to a few fp32 ulps, and ids agree except where two probabilities tie to that precision.
+agree to a few fp32 ulps, and ids agree except where two probabilities tie to that precision. That order
+follows the launch's warp count (the reductions' layouts): ops.triton.layer.norm_route launches this kernel
+with its own warps, so its in-launch routing (topk_epilogue) and this second launch give the same bits.
 """
 
 from __future__ import annotations
