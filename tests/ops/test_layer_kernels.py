@@ -199,6 +199,26 @@ def test_route_topk_ties_take_the_lowest_index_first(device):
     assert set(ref_ids[0].tolist()) <= {1, 2, 3} and set(ref_ids[2].tolist()) <= {1, 3, 4}
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_topk_non_finite_logits_keep_ids_in_range(device, renormalize):
+    # a token whose logits hold NaN or are all -inf: its ids stay distinct experts of [0, E) (an id of E would count
+    # past expert_load's end, corrupting memory next to it), its weights NaN (visible downstream, as torch's);
+    # the other tokens route exactly as alone
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[0.5, 2.0, -1.0, 3.0, 1.0],
+                           [nan, nan, nan, nan, nan],
+                           [-inf, -inf, -inf, -inf, -inf],
+                           [1.0, nan, 0.0, 2.0, -1.0],
+                           [4.0, 1.0, 3.0, 0.0, 2.0]], device=device)
+    load = torch.zeros(6, dtype=torch.int64, device=device)                    # one guard entry past E = 5
+    weights, ids = routing.route_topk(logits, 3, renormalize, load[:5])
+    assert ((ids >= 0) & (ids < 5)).all() and all(len(set(row)) == 3 for row in ids.tolist())
+    assert load[5].item() == 0 and load.sum().item() == 15
+    assert torch.isnan(weights[1:4]).all() and torch.isfinite(weights[[0, 4]]).all()
+    alone, alone_ids = routing.route_topk(logits[[0, 4]], 3, renormalize)
+    assert torch.equal(ids[[0, 4]], alone_ids) and torch.equal(weights[[0, 4]], alone)
+
+
 @pytest.mark.parametrize("valid", [None, [1, 0, 1, 1, 0, 0, 1]])
 def test_route_topk_counts_expert_load_masked_by_token_valid(device, valid):
     logits = _rand((7, 6), torch.bfloat16, device, 13)

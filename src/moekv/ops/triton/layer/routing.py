@@ -41,16 +41,20 @@ def topk_epilogue(x, experts, emask, t, weights_ptr, ids_ptr, load_ptr, valid_pt
         e = tl.exp(shifted)
     e = tl.where(emask, e, 0.0)
     probs = tl.math.div_rn(e, tl.sum(e, axis=0))                          # [E_PAD]
-    work = tl.where(emask, probs, -1.0)                                  # probabilities are >= 0
+    # probabilities are >= 0; a NaN one (a token whose logits hold NaN, or are all -inf) ranks below every real
+    # one (-1) but above the experts already chosen (-2) and the padding (-3), so the ids stay distinct experts
+    # of [0, E) whatever the logits (an id of E_PAD would count its load past expert_load's end); such a
+    # token's weights are NaN, as torch's softmax gives them, so the non-finite value stays visible downstream
+    work = tl.where(emask, tl.where(probs == probs, probs, -1.0), -3.0)
     slots = tl.arange(0, K_PAD)
     weights = tl.zeros([K_PAD], tl.float32)
     ids = tl.zeros([K_PAD], tl.int32)
     for i in tl.static_range(TOP_K):
         best = tl.max(work, axis=0)
         index = tl.min(tl.where(work == best, experts, E_PAD), axis=0)   # lowest index among equals
-        weights = tl.where(slots == i, best, weights)
+        weights = tl.where(slots == i, tl.where(best >= 0.0, best, float("nan")), weights)
         ids = tl.where(slots == i, index, ids)
-        work = tl.where(experts == index, -1.0, work)
+        work = tl.where(experts == index, -2.0, work)
     kmask = slots < TOP_K
     if RENORMALIZE:
         weights = tl.math.div_rn(weights, tl.sum(weights, axis=0))
