@@ -87,3 +87,22 @@ def poison_graph_key(cache) -> dict:
     cache.fused_write_target = fused_write_target
     cache.attention = attention
     return poison
+
+
+def check_kernel_switch(monkeypatch, field: str, env: str, default: bool) -> None:
+    """A KernelConfig bool switch: its default, a non-bool refused naming the field, the environment variable's
+    0 / 1 read by from_env() and any other value refused naming the variable."""
+    from moekv.config import KernelConfig
+    from moekv.errors import ConfigError
+
+    assert getattr(KernelConfig(), field) is default
+    assert getattr(KernelConfig(**{field: not default}), field) is (not default)
+    with pytest.raises(ConfigError, match=field):
+        KernelConfig(**{field: 1})
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv(env, value)
+        assert getattr(KernelConfig.from_env(), field) is expected
+    monkeypatch.setenv(env, "sometimes")
+    with pytest.raises(ConfigError, match=env):
+        KernelConfig.from_env()
+

@@ -22,7 +22,7 @@ from moekv.models.loader import build_random_model
 from moekv.models.registry import named_arch
 from moekv.ops import dispatch
 from moekv.sampling import SamplingParams
-from tests.helpers import needs_bundled_model
+from tests.helpers import check_kernel_switch, needs_bundled_model
 
 @pytest.fixture(autouse=True)
 def _restore_kernel_config():
@@ -37,16 +37,7 @@ TINY = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=
 
 
 def test_switch_validation_and_environment(monkeypatch):
-    assert KernelConfig().batch_invariant is False
-    with pytest.raises(ConfigError, match="batch_invariant must be True or False"):
-        KernelConfig(batch_invariant=1)
-    monkeypatch.setenv("MOEKV_BATCH_INVARIANT", "1")
-    assert KernelConfig.from_env().batch_invariant is True
-    monkeypatch.setenv("MOEKV_BATCH_INVARIANT", "0")
-    assert KernelConfig.from_env().batch_invariant is False
-    monkeypatch.setenv("MOEKV_BATCH_INVARIANT", "sometimes")
-    with pytest.raises(ConfigError, match="MOEKV_BATCH_INVARIANT must be 0 or 1"):
-        KernelConfig.from_env()
+    check_kernel_switch(monkeypatch, "batch_invariant", "MOEKV_BATCH_INVARIANT", False)
 
 
 def test_what_the_mode_refuses():

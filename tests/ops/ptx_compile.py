@@ -154,6 +154,26 @@ def compile_route_topk(num_warps: int, num_experts: int = 128, top_k: int = 8, a
                           options={"num_warps": num_warps, "enable_fp_fusion": False}).asm[ir]
 
 
+def assert_last_arrival_order(ptx: str) -> None:
+    """The last-arrival pattern of a compiled kernel (the split combine, the routing fold): the partial stores are
+    fenced off by a CTA barrier before the one gpu-scope acq_rel add on the counter, a barrier follows it, the last
+    program's first read goes to L2 (.cg) after that, and only then is the counter stored back to zero."""
+    import re
+
+    lines = [line.strip() for line in ptx.splitlines()]
+    lines = [line for line in lines if line and not line.startswith((".loc", "//"))]
+    atoms = [i for i, line in enumerate(lines) if "atom." in line]
+    assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], [lines[i] for i in atoms]
+    at = atoms[0]
+    counter = re.search(r"\[ (%rd\d+) \+ 0 \]", lines[at]).group(1)
+    last_store = max(i for i, line in enumerate(lines[:at]) if "st.global" in line)
+    assert any(line.startswith("bar.sync") for line in lines[last_store:at])
+    first_read = next(i for i, line in enumerate(lines) if i > at and "ld.global" in line)
+    assert ".cg" in lines[first_read] and any(line.startswith("bar.sync") for line in lines[at:first_read])
+    resets = [i for i, line in enumerate(lines) if "st.global" in line and f"[ {counter} + 0 ]" in line]
+    assert resets and min(resets) > first_read
+
+
 def ptx_in_child(expression: str) -> list[str]:
     """PTX texts from a child Python without TRITON_INTERPRET (the suite sets it; an interpreted kernel has no
     compiler): `expression` is evaluated there with this module's names and must give a list of PTX strings."""

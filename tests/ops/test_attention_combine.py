@@ -12,7 +12,6 @@ run them.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -245,20 +244,9 @@ def test_sm90_lowering_orders_the_arrival():
     # what the interpreter cannot show: compiled for sm_90 (no GPU needed), the partial stores are fenced off by
     # a CTA barrier before the one-thread gpu-scope acq_rel add, a barrier follows it, the last program's reads
     # go to L2 (.cg) after that, and only then is the counter stored back to zero
-    from tests.ops.ptx_compile import ptx_in_child
+    from tests.ops.ptx_compile import assert_last_arrival_order, ptx_in_child
 
     # both variants in one process (tests.ops.ptx_compile's compile_decode, as its --combine 1 / 0 would)
     fused, two_launch = ptx_in_child("[compile_decode(combine).asm['ptx'] for combine in (True, False)]")
-    lines = [line.strip() for line in fused.splitlines()]
-    lines = [line for line in lines if line and not line.startswith((".loc", "//"))]
-    atoms = [i for i, line in enumerate(lines) if "atom." in line]
-    assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add" in lines[atoms[0]], [lines[i] for i in atoms]
-    at = atoms[0]
-    counter = re.search(r"\[ (%rd\d+) \+ 0 \]", lines[at]).group(1)
-    last_store = max(i for i, line in enumerate(lines[:at]) if "st.global" in line)
-    assert any(line.startswith("bar.sync") for line in lines[last_store:at])
-    first_read = next(i for i, line in enumerate(lines) if i > at and "ld.global" in line)
-    assert ".cg" in lines[first_read] and any(line.startswith("bar.sync") for line in lines[at:first_read])
-    resets = [i for i, line in enumerate(lines) if "st.global" in line and f"[ {counter} + 0 ]" in line]
-    assert resets and min(resets) > first_read
+    assert_last_arrival_order(fused)
     assert ".entry" in two_launch and "atom." not in two_launch   # the two-launch variant counts nothing

@@ -15,9 +15,8 @@ import pathlib
 import pytest
 import torch
 
-from moekv.config import KernelConfig
-from moekv.errors import ConfigError
 from moekv.ops import dispatch
+from tests.helpers import check_kernel_switch
 
 triton = pytest.importorskip("triton", reason="needs Triton")
 from moekv.ops.triton import pdl  # noqa: E402
@@ -88,15 +87,7 @@ def test_wait_precedes_every_global_access_in_ptx():
 
 
 def test_config_and_environment(monkeypatch):
-    assert KernelConfig().pdl is False
-    assert KernelConfig(pdl=True).pdl is True
-    with pytest.raises(ConfigError, match="pdl"):
-        KernelConfig(pdl=1)
-    monkeypatch.setenv("MOEKV_PDL", "1")
-    assert KernelConfig.from_env().pdl is True
-    monkeypatch.setenv("MOEKV_PDL", "maybe")
-    with pytest.raises(ConfigError, match="MOEKV_PDL"):
-        KernelConfig.from_env()
+    check_kernel_switch(monkeypatch, "pdl", "MOEKV_PDL", False)
 
 
 def test_dispatch_switches_the_launches():

@@ -20,6 +20,7 @@ from moekv.config import KernelConfig
 from moekv.ops import dispatch
 from moekv.ops.reference import layers as ref
 from moekv.ops.triton.layer import norm_route
+from tests.helpers import check_kernel_switch
 from tests.ops.test_layer_kernels import _assert_routing_close, _rand
 
 MAX_T = KernelConfig.FUSED_ROUTER_MAX_TOKENS
@@ -208,16 +209,7 @@ def test_reference_ignores_the_counters():
 
 
 def test_config_and_environment(monkeypatch):
-    from moekv.errors import ConfigError
-
-    assert KernelConfig().fused_route_fold is True
-    with pytest.raises(ConfigError, match="fused_route_fold"):
-        KernelConfig(fused_route_fold=0)
-    monkeypatch.setenv("MOEKV_FUSED_ROUTE_FOLD", "0")
-    assert KernelConfig.from_env().fused_route_fold is False
-    monkeypatch.setenv("MOEKV_FUSED_ROUTE_FOLD", "sometimes")
-    with pytest.raises(ConfigError, match="MOEKV_FUSED_ROUTE_FOLD"):
-        KernelConfig.from_env()
+    check_kernel_switch(monkeypatch, "fused_route_fold", "MOEKV_FUSED_ROUTE_FOLD", True)
 
 
 # -- what the compiler makes of it (sm_90, Triton's own compiler, no GPU) ----------------------------------------
@@ -225,21 +217,11 @@ def test_config_and_environment(monkeypatch):
 def test_fold_ordering_in_ptx():
     """Qwen3's launch: the last logit store, bar.sync, one gpu-scope acq_rel add on the counter, bar.sync, then the
     read-back through L2 (.cg) and, after it, the counter's reset; the two-launch variant counts nothing."""
-    from tests.ops.ptx_compile import ptx_in_child
+    from tests.ops.ptx_compile import assert_last_arrival_order, ptx_in_child
 
     fold, plain = ptx_in_child("[compile_norm_route(fold) for fold in (True, False)]")
-    lines = [line.strip() for line in fold.splitlines()]
-    lines = [line for line in lines if line and not line.startswith((".loc", "//"))]
-    atoms = [i for i, line in enumerate(lines) if "atom." in line]
-    assert len(atoms) == 1 and "atom.global.gpu.acq_rel.add.u32" in lines[atoms[0]], [lines[i] for i in atoms]
-    at = atoms[0]
-    counter = re.search(r"\[ (%rd\d+) \+ 0 \]", lines[at]).group(1)
-    last_store = max(i for i, line in enumerate(lines[:at]) if "st.global" in line)
-    assert any(line.startswith("bar.sync") for line in lines[last_store:at])
-    first_read = next(i for i, line in enumerate(lines) if i > at and "ld.global" in line)
-    assert ".cg" in lines[first_read] and any(line.startswith("bar.sync") for line in lines[at:first_read])
-    resets = [i for i, line in enumerate(lines) if "st.global" in line and f"[ {counter} + 0 ]" in line]
-    assert resets and min(resets) > first_read
+    assert "atom.global.gpu.acq_rel.add.u32" in fold
+    assert_last_arrival_order(fold)
     assert ".entry" in plain and "atom." not in plain and "acq_rel" not in plain
 
 
