@@ -23,7 +23,7 @@ What differs. A request that ends at step n on its token (EOS, a stop token or s
 is aborted while a step holding it is in flight has one extra row in step n+1: it is computed and discarded,
 never emitted (`forget` takes its pending token and its computed position back). That row writes its own KV
 pages (freed right after), counts in `model.expert_load` and, for the low-bit cache, in the quantizer
-statistics when it fills a page. A low-bit step's successor returns the staging slots of the pages it filled
+statistics when it fills a page. A low-bit step's successor returns the staging blocks of the pages it filled
 before planning (`KVCache.begin_step(meta, overlapped=True)`), so a step found non-finite afterwards was
 committed in that respect; its requests are all ended or recomputed, as in a synchronous step.
 

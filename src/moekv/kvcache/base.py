@@ -162,7 +162,7 @@ class KVCache(ABC):
     def end_step(self, meta: AttentionMetadata, flags: list[bool] | None = None) -> None:
         """After the step's forward: may do the step's single host sync (e.g. non-finite checks)
         and raise KVCacheCorruptionError (the step is then not committed); otherwise commits the
-        step's bookkeeping (e.g. returns staging slots). `flags`: step_flags(meta) as read back by the
+        step's bookkeeping (e.g. returns staging blocks). `flags`: step_flags(meta) as read back by the
         caller after the forward (then no host read here)."""
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ deviations winning), takes min/max over the inliers, derives the fp16 (channel a
 
 Two launch modes of one kernel: `quantize_pages` (page n of a dense [N, H, P, D] input into a new
 PackedPages) and `quantize_staged_pages` (the decode step of the cache, CUDA-graph safe: entry i reads
-its page id and staging slot from device tensors, returns at once for page -1, reads the slot's rows
+its page id and staging blocks from device tensors, returns at once for page -1, reads the blocks' rows
 from the staging pool and stores straight into the layer's PackedPages at that page), plus the
 counted variant `quantize_staged_pages_counted` (statistics added to int64 counters with atomics
 instead of a qualifying output). The decode step's keys-and-values quantizer, one launch for every

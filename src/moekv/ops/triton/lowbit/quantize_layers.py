@@ -3,8 +3,8 @@ ops.reference.lowbit.quantize_staged_kv_counted_layers).
 
 `quantize_staged_kv_counted_layers`: staging pools [L, S, P, H, D] and stacked PackedPages [L, N, H, ...]
 (`PackedPages.empty(..., num_layers=L)`: every layer dense, LAYER_ALIGN-byte aligned); entry i reads its page
-id and staging slot from device tensors (page -1: the program exits after that one load) and quantizes the
-slot's rows of layer l into layer l's pages at that id, statistics added to the cache's int64 counters with
+id and staging blocks from device tensors (page -1: the program exits after that one load) and quantizes the
+blocks' rows of layer l into layer l's pages at that id, statistics added to the cache's int64 counters with
 atomics. One fixed-shape launch, grid [B, H, 2 * L] (axis 2 = 2 * layer + (0 keys, 1 values)), no host reads:
 CUDA-graph safe; LowBitKVCache runs it once per decode step, after the last layer's attention
 (kvcache/formats/lowbit_decode.py). `quantize_staged_kv_counted` is the same for one layer ([S, P, H, D],
