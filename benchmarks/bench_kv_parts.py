@@ -119,7 +119,7 @@ def per_token_selection(x: torch.Tensor, kind: str, bits: int, part: Part, tau: 
     of its qualifying values (largest deviations from the group statistics), then the page's top C of those;
     everything else as the reference quantizer (same layout: C slots per page-head)."""
     from moekv.core.lowbit_layout import QuantSpec
-    from moekv.ops.reference import lowbit as ref
+    from moekv.ops.reference import lowbit_quantize as ref
 
     page = part.page_size or 128
     axis = part.axis or ("channel" if kind == "key" else "token")

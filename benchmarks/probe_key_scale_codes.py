@@ -129,7 +129,7 @@ def key_codes(mode: str):
     """While active, the reference quantizer's channel axis (keys) stores `mode`'s coded scale/zero (decoded,
     fp32) and new channel-axis PackedPages hold fp32 scale/zero; "fp16" changes nothing."""
     from moekv.core import lowbit_layout
-    from moekv.ops.reference import lowbit as ref
+    from moekv.ops.reference import lowbit_quantize as ref
 
     if mode == "fp16":
         yield

@@ -66,7 +66,7 @@ def test_coded_scale_zero_cover_the_range_and_codes_fit(bits, mode):
 
 def test_key_codes_patch_is_scoped_and_bits_drop():
     from moekv import kv
-    from moekv.ops.reference import lowbit as ref
+    from moekv.ops.reference import lowbit_quantize as ref
 
     original = ref._scale_zero
     x = torch.randn(256, 2, 64)
