@@ -136,8 +136,7 @@ def build_case(context_lens: list[int], query_lens: list[int], num_kv_heads: int
                     packed, _ = reference.quantize_pages(x[rows].transpose(0, 1).unsqueeze(0), spec)
                     pages_of.store(ids, packed)
             elif index * page_size < ctx or index < sink_pages:
-                held = per_page if full or index < sink_pages and ctx >= (index + 1) * page_size else \
-                    max(1, -(-(ctx - index * page_size) // block))
+                held = per_page if full else max(1, -(-(ctx - index * page_size) // block))
                 for j in range(held):
                     blk = block_order[next_slot]
                     next_slot += 1

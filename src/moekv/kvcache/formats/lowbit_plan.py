@@ -135,7 +135,7 @@ class StagingBlocks:
 
     def row(self, page: int, offset: int, taken: list[int]) -> int:
         """Flat staging row of row `offset` of `page`; takes its block when it is the first row of a block not
-        held yet ((page, block index) added to `taken`: `publish` or `undo` it); a row inside a block not held
+        held yet ((page, block index) added to `taken`: `undo` it, or `publish` its pages); a row inside a block not held
         is an inconsistency."""
         index, within = divmod(offset, self.block)
         blocks = self.held.get(page)
@@ -170,9 +170,9 @@ class StagingBlocks:
             if all(b < 0 for b in blocks):
                 del self.held[page]
 
-    def publish(self, taken: list[tuple[int, int]] | list[int]) -> None:
-        """Copy the host map of these pages (or of the pages of `row`'s (page, index) entries) to the device map."""
-        pages = list(dict.fromkeys(t[0] if isinstance(t, tuple) else t for t in taken))
+    def publish(self, pages: list[int]) -> None:
+        """Copy the host map of these pages (newly given blocks) to the device map."""
+        pages = list(dict.fromkeys(pages))
         if pages:           # pageable -> device copies without a stream sync (the source is staged at once)
             device = self.device_map.device
             ids = torch.tensor(pages, dtype=torch.long).to(device, non_blocking=True)
@@ -232,7 +232,7 @@ def build_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: int, slot
     except Exception:
         slots.undo(taken)               # nothing of the step is written: the blocks it took return
         raise
-    slots.publish(taken)
+    slots.publish([page for page, _ in taken])
 
     def ids(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
@@ -278,6 +278,6 @@ def build_decode_plan(meta: AttentionMetadata, page_size: int, fp_sink_pages: in
     except Exception:
         slots.undo(taken)               # nothing of the step is written: the blocks it took return
         raise
-    slots.publish(taken)
+    slots.publish([page for page, _ in taken])
     return DecodePlan(meta=meta, stage_rows=stage_rows, quant_pages=quant_pages, quant_blocks=quant_blocks,
                       release=list(release.items()), request_ids=list(ids), tables=list(meta.block_tables_host))
