@@ -121,6 +121,12 @@ def package_versions() -> dict:
     return found
 
 
+def selected(name: str, only: list[str]) -> bool:
+    """Whether `--only` picks the cache `name`: a word matches as a substring, '=word' the whole name."""
+    name = name.lower()
+    return any(name == word[1:] if word.startswith("=") else word in name for word in only)
+
+
 def load_windows(args, tokenizer) -> list[torch.Tensor]:
     """`--windows` token windows of `--context` tokens, `--window-stride` tokens apart, from the start."""
     if args.text:
@@ -184,7 +190,7 @@ def run(args) -> dict:
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     rows, references, timers = [], None, []
     for spec in cache_specs(head_dim):
-        if args.only and not any(word in spec.name.lower() for word in args.only) and spec.family != "dynamic":
+        if args.only and not selected(spec.name, args.only) and spec.family != "dynamic":
             continue
         row = {"name": spec.name, "family": spec.family, "bits": spec.bits, "grouping": spec.grouping,
                "kwargs": spec.kwargs}
@@ -228,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=3, help="text windows of --context tokens to evaluate")
     parser.add_argument("--window-stride", type=int, default=8192, help="tokens from one window's start to the next")
     parser.add_argument("--only", default=None,
-                        help="comma-separated substrings of cache names to run (the reference always runs)")
+                        help="comma-separated substrings of cache names to run, or '=NAME' for exactly that name "
+                             "(case-insensitive; the reference always runs)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: steadiest timings on a shared machine)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))

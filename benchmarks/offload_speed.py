@@ -14,6 +14,10 @@ expert cache size (25 / 50 / 75% of each layer's experts):
     staged-fp8         staged with FP8 host experts (staged-fp8-estimate: with the estimate)
     device-graph       device staging (slot table + copies on the device), decode replayed as a CUDA graph
     device-graph-fp8   the same with FP8 host experts
+    prefetch-guard     prefetch (and staged-guard, staged-fp8-guard: staged, staged-fp8) under the prefetch guard
+                       (moe.prefetch.guard, OffloadConfig.prefetch_guard, the engine's default): windows of steps
+                       with and without the predictor alternate and the faster side is kept; its exploration
+                       (2 x rounds x window steps) runs in the warm-up, so the timed steps show the kept side
     cpu-split-25/50/75 on-demand with CPU-split misses (cpu_compute_fraction 0.25 / 0.5 / 0.75, moe.prefetch.cpu_split:
                        the CPU computes that share of a missed expert while the rest is copied; not made resident)
 next to all experts resident, eagerly (the bench's own loop; "compute") and as a CUDA graph (the engine).
@@ -35,6 +39,7 @@ token differing from the resident run is recorded (`differs_from_resident_at`), 
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -46,9 +51,11 @@ from benchmarks.offload_speed_harness import run_eager, run_graph, sync
 from benchmarks.offload_speed_report import speed_markdown
 from moekv.models.loader import build_random_model, load_model
 from moekv.models.registry import named_arch
+from moekv.moe.prefetch.guard import PrefetchGuard
 from moekv.moe.prefetch.manager import ExpertOffload, expert_bytes, resolve_cache_slots
 from moekv.moe.prefetch.pool import HostExperts
 from moekv.moe.prefetch.predictor import moe_layer_ids
+from moekv.moe.prefetch.runtime import RoutingRuntime
 from moekv.moe.prefetch.timeline import simulate_decode
 from moekv.moe.prefetch.trace import TracePredictor, record_trace, replay_trace
 
@@ -59,10 +66,15 @@ MODES = {"on-demand": ("eager", None, "native"), "prefetch": ("eager", "fifo", "
          "on-demand-fp8": ("eager", None, "fp8"), "staged-fp8": ("eager", "staged", "fp8"),
          "staged-fp8-estimate": ("eager", "staged-estimate", "fp8"), "device-graph": ("graph", None, "native"),
          "device-graph-fp8": ("graph", None, "fp8"), "cpu-split-25": ("eager", None, "native"),
-         "cpu-split-50": ("eager", None, "native"), "cpu-split-75": ("eager", None, "native")}
+         "cpu-split-50": ("eager", None, "native"), "cpu-split-75": ("eager", None, "native"),
+         "prefetch-guard": ("eager", "fifo", "native"), "staged-guard": ("eager", "staged", "native"),
+         "staged-fp8-guard": ("eager", "staged", "fp8")}
+GUARDED = {"prefetch-guard", "staged-guard", "staged-fp8-guard"}          # run under PrefetchGuard
 CPU_FRACTION = {"cpu-split-25": 0.25, "cpu-split-50": 0.5, "cpu-split-75": 0.75}   # OffloadConfig.cpu_compute_fraction
 IDENTITY_BASE = {"on-demand": "resident", "prefetch": "resident", "staged": "resident",
-                 "staged-estimate": "resident", "staged-fp8": "on-demand-fp8", "staged-fp8-estimate": "on-demand-fp8", "device-graph": "resident-graph"}
+                 "staged-estimate": "resident", "staged-fp8": "on-demand-fp8", "staged-fp8-estimate": "on-demand-fp8",
+                 "device-graph": "resident-graph", "prefetch-guard": "resident", "staged-guard": "resident",
+                 "staged-fp8-guard": "on-demand-fp8"}
 
 
 def host_copies(model, formats: set[str], shared: bool) -> dict[str, dict[int, HostExperts]]:
@@ -149,10 +161,16 @@ def cmd_speed(args) -> None:
                                     staging="device" if harness == "graph" else "host",
                                     prefetch_gate="estimate" if policy == "staged-estimate" else "measured",
                                     cpu_compute_fraction=CPU_FRACTION.get(mode, 0.0), cpu_threads=args.cpu_threads)
-            predictor = None
+            predictor = guard = runtime = None
             if policy is not None:
                 predictor = TracePredictor(model, 1, 0 if policy == "fifo" else 1, source="attn")
                 offload.attach_predictor(predictor)
+            mode_args = args
+            if mode in GUARDED:                         # the engine's per-step hook: guard + offload.begin_step
+                guard = PrefetchGuard()
+                runtime = RoutingRuntime(model, None, predictor, offload, guard)
+                explore = 2 * guard.rounds * guard.window
+                mode_args = argparse.Namespace(**{**vars(args), "warmup": args.warmup + explore})
 
             def on_warm(offload=offload, predictor=predictor):      # counters cover the timed steps only
                 sync(device)
@@ -167,20 +185,26 @@ def cmd_speed(args) -> None:
 
             reset_cursors()
             try:
-                result = run_eager(model, prompt, args, device, on_warm, on_timed) if harness == "eager" else \
+                result = run_eager(model, prompt, mode_args, device, on_warm, on_timed) if harness == "eager" else \
                     run_graph(model, prompt, args, device, args.dtype, on_warm, routers)
             except Exception as exc:  # noqa: BLE001 - one GPU call: report the mode's failure, run the others
                 import traceback
 
                 traceback.print_exc()
                 failures.append({"mode": mode, "cache_percent": percent, "error": f"{type(exc).__name__}: {exc}"[:400]})
-                if predictor is not None:
+                if runtime is not None:
+                    runtime.remove_hooks()
+                elif predictor is not None:
                     predictor.remove()
                 continue
             results[(mode, percent)] = result
             runs.append(describe(mode, percent, slots, result, result.get("snapshot") or on_timed(), args.tokens,
                                  compute_ms))
-            if predictor is not None:
+            if guard is not None:
+                runs[-1]["guard"] = guard.stats()["regimes"].get("1")
+            if runtime is not None:
+                runtime.remove_hooks()
+            elif predictor is not None:
                 predictor.remove()
             if mode in CPU_FRACTION and not shared:
                 why = divergence(result["tokens"], results["resident"]["tokens"])
@@ -188,7 +212,10 @@ def cmd_speed(args) -> None:
             base = IDENTITY_BASE.get(mode)
             base_result = results.get(base) if base in ("resident", "resident-graph") else results.get((base, percent))
             if base is not None and not shared and base_result is not None:
-                why = divergence(result["tokens"], base_result["tokens"])
+                tokens = result["tokens"]
+                if mode in GUARDED:                     # a longer warm-up: its first tokens against the reference's
+                    tokens = tokens[:len(base_result["tokens"])]
+                why = divergence(tokens, base_result["tokens"])
                 runs[-1]["matches"] = base if why is None else None
                 if why is not None:
                     runs[-1]["divergence"] = why

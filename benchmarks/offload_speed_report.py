@@ -34,13 +34,15 @@ def speed_markdown(report: dict) -> str:
                      f"{num(run, 'promoted_per_token')} | {run.get('matches') or '-'} |")
     lines += staged_table(runs)
     lines += split_table(report)
+    lines += guard_table(runs)
     lines += ["", "## Issue 24's targets", ""]
     for percent in sorted({r["cache_percent"] for r in runs if r["cache_percent"] < 100}):
         at = {r["mode"]: r for r in runs if r["cache_percent"] == percent}
         base = at.get("on-demand")
         if base is None:
             continue
-        for mode in ("staged", "staged-estimate", "staged-fp8", "staged-fp8-estimate"):
+        for mode in ("staged", "staged-estimate", "staged-fp8", "staged-fp8-estimate", "prefetch-guard",
+                     "staged-guard", "staged-fp8-guard"):
             ref = at.get("on-demand-fp8" if "fp8" in mode else "on-demand")
             if mode in at and ref is not None:
                 verdict = "never slower: met" if at[mode]["ms_per_token"] <= ref["ms_per_token"] else "**slower: missed**"
@@ -130,4 +132,24 @@ def split_table(report: dict) -> list[str]:
                      f"{run['misses_per_token']:.2f} | {s['cpu_ms_per_token']:.2f} | {s['wait_ms_per_token']:.2f} | "
                      f"{s['part_mib']:.1f} | {run['ms_per_token']:.2f} | {'-' if speed is None else f'{speed:.2f}x'} | "
                      f"{'-' if run.get('differs_from_resident_at') is None else run['differs_from_resident_at']} |")
+    return lines
+
+
+def guard_table(runs: list[dict]) -> list[str]:
+    """The guarded rows: the side the prefetch guard kept and the window medians it decided on."""
+    rows = [r for r in runs if r.get("guard")]
+    if not rows:
+        return []
+    lines = ["", "## Guarded rows: what the prefetch guard kept", "",
+             "moe.prefetch.guard over the warm-up and timed steps: windows of steps with the predictor on and off "
+             "alternate, the faster side by its window medians is kept (exploration in the warm-up; a probe of the "
+             "other side every `hold` windows).", "",
+             "| cache | mode | kept | windows on / off | median ms on | median ms off | ms / token | vs on-demand |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in rows:
+        g, speed = run["guard"], run.get("speedup_vs_on_demand")
+        kept = {True: "prefetch", False: "on demand", None: "exploring"}[g["prefetch"]]
+        lines.append(f"| {run['cache_percent']}% | {run['mode']} | {kept} | {g['windows_on']} / {g['windows_off']} | "
+                     f"{g['median_ms_on']} | {g['median_ms_off']} | {run['ms_per_token']:.2f} | "
+                     f"{'-' if speed is None else f'{speed:.2f}x'} |")
     return lines

@@ -68,6 +68,8 @@ OFFLOAD_FLAGS_HELP = {
     "cpu_compute_fraction": "with --cpu-offload-experts: compute this share (in [0, 1), 0 = off) of each expert "
                             "missed at decode (at most 4 rows) on the CPU from its host copy and copy only the rest "
                             "(16-bit host experts, host staging, no --prefetch-threshold; docs/expert-offload.md)",
+    "prefetch_guard": "with --cpu-offload-experts: keep prefetch on only while decode steps measure faster with it "
+                      "than loading on demand (windows of steps alternate; default on)",
     "expert_staging": "with --cpu-offload-experts: host (one host read of routing per layer) or device (slot table "
                       "and copies on the device: decode replays CUDA graphs; loads on demand)",
 }
@@ -100,6 +102,8 @@ class OffloadConfig:
                                         # per-channel scales: half the bytes to move; FP8 models stay as they are)
     staging: str = "host"               # host: one host read of routing per layer | device: slot table and copies
                                         # on the device, no host reads (CUDA-graph capturable; loads on demand)
+    prefetch_guard: bool = True         # prefetch stays on only while decode steps measure faster with it than
+                                        # loading on demand (alternating windows, per batch size: guard.py)
     cpu_compute_fraction: float = 0.0   # 0: off. f in (0, 1): a decode miss (<= 4 rows) is split: the CPU computes
                                         # f of its intermediate channels from the host copy while only the other
                                         # 1 - f are copied and computed on the device; not made resident
@@ -123,6 +127,8 @@ class OffloadConfig:
         if self.staging == "device" and threshold is not None:
             raise ConfigError("staging='device' loads experts on demand; its guesses are not implemented yet, so "
                               "prefetch_threshold needs staging='host'")
+        if not isinstance(self.prefetch_guard, bool):
+            raise ConfigError(f"prefetch_guard must be True or False, got {self.prefetch_guard!r}")
         fraction = self.cpu_compute_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
             raise ConfigError(f"cpu_compute_fraction must be a number in [0, 1) (0: off), got {fraction!r}")

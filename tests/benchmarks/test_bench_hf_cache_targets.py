@@ -26,3 +26,13 @@ def test_targets_compare_each_width_with_every_peer():
                       ("moekv int4", "quanto int4 default"): "not measured"}
     measured, front = hf_cache_report.pareto_rows(rows)
     assert [r["name"] for r, on in zip(measured, front) if on] == ["quanto int2 matched", "moekv int2", "moekv int3"]
+
+
+def test_only_takes_substrings_and_exact_names():
+    from benchmarks.bench_hf_cache import selected
+    only = ["quanto", "=moekv int3"]
+    assert selected("quanto int2 matched", only)
+    assert selected("moekv int3", only) and selected("MoeKV Int3", only)
+    assert not selected("moekv int3 values min/max", only)     # '=' is the whole name, not a prefix
+    assert not selected("HQQ 3-bit matched", only)
+    assert selected("moekv int3 values min/max", ["int3"])

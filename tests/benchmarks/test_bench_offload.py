@@ -66,3 +66,19 @@ def test_speed_cpu_split_rows(monkeypatch, tmp_path):
     assert 0 < report["cpu_split"]["balanced_fraction"] < 1 and report["cpu_split"]["cpu_gb_per_s"] > 0
     assert "## CPU-split rows" in out.with_suffix(".md").read_text()
     assert not report["mismatches"] and not report["failures"]
+
+
+def test_speed_guarded_rows(monkeypatch, tmp_path):
+    out = tmp_path / "guard"
+    report = _speed(monkeypatch, out, "on-demand,prefetch-guard,staged-guard", "50", 0)
+    guarded = {run["mode"]: run for run in report["runs"] if run["mode"].endswith("-guard")}
+    assert set(guarded) == {"prefetch-guard", "staged-guard"}
+    for run in guarded.values():
+        guard = run["guard"]
+        # the exploration (2 rounds of 8-step windows per side) ran in the warm-up: a side is kept
+        assert guard["prefetch"] in (True, False) and guard["windows_on"] >= 2 and guard["windows_off"] >= 2
+        assert guard["median_ms_on"] > 0 and guard["median_ms_off"] > 0
+        assert run["matches"] == "resident"               # either side keeps the greedy tokens
+    markdown = out.with_suffix(".md").read_text()
+    assert "## Guarded rows: what the prefetch guard kept" in markdown and "prefetch-guard" in markdown
+    assert not report["mismatches"] and not report["failures"]

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from moekv.offload_config import OFFLOAD_FLAGS_HELP, parse_prefetch_threshold
+from moekv.entrypoints.offload_args import add_offload_arguments, offload_kwargs
 from moekv.paths import default_model_dir
 
 
@@ -31,20 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for decode steps)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the "
                         "model's chat template")
-    parser.add_argument("--cpu-offload-experts", action="store_true", help="keep routed experts in host memory "
-                        "with a device cache of expert slots per MoE layer")
-    parser.add_argument("--expert-cache-size", default=None, help="with --cpu-offload-experts: slots per MoE "
-                        "layer (4), a share of each layer's experts (50%%) or device memory for all slots (12GB); "
-                        "default 50%%")
-    parser.add_argument("--no-prefetch", action="store_true", help="with --cpu-offload-experts: load experts on "
-                        "demand only (no prediction-driven prefetch)")
-    parser.add_argument("--prefetch-threshold", default=None, help=OFFLOAD_FLAGS_HELP["prefetch_threshold"])
-    parser.add_argument("--host-format", default="native", choices=("native", "fp8"),
-                        help=OFFLOAD_FLAGS_HELP["host_format"])
-    parser.add_argument("--expert-staging", default="host", choices=("host", "device"),
-                        help=OFFLOAD_FLAGS_HELP["expert_staging"])
-    parser.add_argument("--cpu-compute-fraction", type=float, default=0.0,
-                        help=OFFLOAD_FLAGS_HELP["cpu_compute_fraction"])
+    add_offload_arguments(parser)
     parser.add_argument("--expert-parallel-size", type=int, default=1, help="shard experts over N ranks; launch "
                         "with `torchrun --nproc-per-node N -m moekv generate ...` (see docs/expert-parallel.md)")
     parser.add_argument("--num-redundant-experts", type=int, default=0, help="with --expert-parallel-size: extra "
@@ -64,10 +51,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = LLM(model=args.model or default_model_dir(), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
-              cpu_offload_experts=args.cpu_offload_experts, expert_cache_size=args.expert_cache_size,
-              prefetch=not args.no_prefetch, track_prediction=True,
-              prefetch_threshold=parse_prefetch_threshold(args.prefetch_threshold), host_format=args.host_format,
-              staging=args.expert_staging, cpu_compute_fraction=args.cpu_compute_fraction,
+              track_prediction=True, **offload_kwargs(args),
               expert_parallel_size=args.expert_parallel_size, num_redundant_experts=args.num_redundant_experts,
               expert_dispatch=args.expert_dispatch, cuda_graphs=not args.enforce_eager,
               enable_prefix_caching=args.enable_prefix_caching)

@@ -26,11 +26,11 @@ class LLM:
     `expert_dispatch` (ParallelConfig: run under torchrun, docs/expert-parallel.md);
     `cpu_offload_experts`, `expert_cache_size`, `prefetch`, `lookahead`, `extra_candidates`,
     `eviction`, `track_prediction`, `prefetch_threshold`, `staging_slots`, `host_format`, `staging`,
-    `cpu_compute_fraction` (OffloadConfig, docs/expert-offload.md); `cuda_graphs` (DeviceConfig: False runs every step
-    eagerly, like `--enforce-eager`), `overlap_decode` (DeviceConfig: overlapped CUDA-graph decode steps,
-    engine/overlap.py), `cpu_threads`. `quantization="fp8"` quantizes the projections and
-    experts of a 16-bit checkpoint to FP8 at load time (W8A16, per output channel; FP8 checkpoints load as
-    FP8 without it): docs/weight-quantization.md.
+    `prefetch_guard`, `cpu_compute_fraction` (OffloadConfig, docs/expert-offload.md); `cuda_graphs`
+    (DeviceConfig: False runs every step eagerly, like `--enforce-eager`), `overlap_decode` (DeviceConfig:
+    overlapped CUDA-graph decode steps, engine/overlap.py), `cpu_threads`. `quantization="fp8"` quantizes
+    the projections and experts of a 16-bit checkpoint to FP8 at load time (W8A16, per output channel; FP8
+    checkpoints load as FP8 without it): docs/weight-quantization.md.
     """
 
     def __init__(self, model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", device: str = "auto",

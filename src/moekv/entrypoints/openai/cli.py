@@ -19,7 +19,7 @@ from pathlib import Path
 from moekv.config import ServerLimits
 from moekv.entrypoints.openai.vllm_args import add_vllm_arguments, engine_kwargs
 from moekv.errors import ConfigError
-from moekv.offload_config import OFFLOAD_FLAGS_HELP, parse_prefetch_threshold
+from moekv.entrypoints.offload_args import add_offload_arguments, offload_kwargs
 from moekv.paths import default_model_dir
 
 logger = logging.getLogger("moekv.server")
@@ -63,19 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached KV pages of prompt prefixes shared across requests (default on; "
                         "--no-enable-prefix-caching turns it off)")
-    parser.add_argument("--cpu-offload-experts", action="store_true",
-                        help="keep routed experts in host memory with a device expert cache (docs/expert-offload.md)")
-    parser.add_argument("--expert-cache-size", default=None,
-                        help="with --cpu-offload-experts: slots per MoE layer (int), a share ('50%%') or bytes ('12GB')")
-    parser.add_argument("--no-prefetch", action="store_true", help="with --cpu-offload-experts: load experts on "
-                        "demand only, no prediction-driven prefetch")
-    parser.add_argument("--prefetch-threshold", default=None, help=OFFLOAD_FLAGS_HELP["prefetch_threshold"])
-    parser.add_argument("--host-format", default="native", choices=("native", "fp8"),
-                        help=OFFLOAD_FLAGS_HELP["host_format"])
-    parser.add_argument("--expert-staging", default="host", choices=("host", "device"),
-                        help=OFFLOAD_FLAGS_HELP["expert_staging"])
-    parser.add_argument("--cpu-compute-fraction", type=float, default=0.0,
-                        help=OFFLOAD_FLAGS_HELP["cpu_compute_fraction"])
+    add_offload_arguments(parser)
     parser.add_argument("--no-expert-prediction-stats", action="store_true",
                         help="do not run the next-layer expert predictor for the recall metrics")
     parser.add_argument("--expert-parallel-size", type=int, default=1,
@@ -183,14 +171,8 @@ def engine_config_from_args(args: argparse.Namespace):
              if value is not None}
     if args.lazy_partial_page:
         extra["lazy_partial_page"] = True
-    extra.update(cpu_offload_experts=args.cpu_offload_experts, prefetch=not args.no_prefetch,
-                 prefetch_threshold=parse_prefetch_threshold(args.prefetch_threshold), host_format=args.host_format,
-                 staging=args.expert_staging, cpu_compute_fraction=args.cpu_compute_fraction,
-                 track_prediction=not args.no_expert_prediction_stats, cuda_graphs=not args.enforce_eager,
-                 enable_prefix_caching=args.enable_prefix_caching)
-    if args.expert_cache_size is not None:
-        extra["expert_cache_size"] = int(args.expert_cache_size) if args.expert_cache_size.isdigit() \
-            else args.expert_cache_size
+    extra.update(offload_kwargs(args), track_prediction=not args.no_expert_prediction_stats,
+                 cuda_graphs=not args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching)
     extra.update(engine_kwargs(args))       # the vLLM spellings (--enable-expert-parallel sets the size)
     size = extra.get("expert_parallel_size", args.expert_parallel_size)
     if size > 1:

@@ -17,7 +17,8 @@
                   partial copy computed on the device (cpu_compute_fraction; its reference twin)
     manager.py    ExpertOffload: installs offloaded experts in every MoE block, turns predictions
                   into prefetches, cache-size resolution
-    runtime.py    install_routing(model, OffloadConfig): the one call the engine makes
+    guard.py      PrefetchGuard: prefetch kept on only while decode steps measure faster with it (per batch size)
+    runtime.py    install_routing(model, OffloadConfig): the one call the engine makes; its per-step hook
     trace.py      routing traces of a trained model, replayed in another (benchmarks, tests)
 See docs/expert-offload.md.
 """

@@ -95,6 +95,7 @@ class ExpertPredictor:
         self.source = source
         self.norm = norm
         self.margins = margins          # hand listeners the router probability margins of the guesses too
+        self.paused = False             # no guesses, no statistics while set (guard.PrefetchGuard's "off" steps)
         self.top_k = arch.top_k
         self.width = min(arch.num_experts, arch.top_k + extra_candidates)   # P: experts predicted per token
         # the guess is computed one expert wider than P for statistics only (what recall one more
@@ -138,6 +139,8 @@ class ExpertPredictor:
 
     def _on_hidden(self, layer: int, residual: torch.Tensor, normed: torch.Tensor | None) -> None:
         """residual [T, H] (and layer's normed MoE input [T, H] for source "attn")."""
+        if self.paused:
+            return
         for distance in range(1, self.lookahead + 1):
             target = layer + distance
             if target not in self.moe_layers:
@@ -153,6 +156,8 @@ class ExpertPredictor:
 
     def _on_routed(self, layer: int, routed_ids: torch.Tensor) -> None:
         """routed_ids [T, k]: what layer's router chose; compare with the pending predictions."""
+        if self.paused:
+            return
         num_pairs = routed_ids.numel()
         for distance in range(1, self.lookahead + 1):
             wide = self._pending.pop((layer, distance), None)

@@ -12,6 +12,7 @@ import torch
 from moekv.config import OffloadConfig
 from moekv.errors import ConfigError
 from moekv.moe.load_stats import ExpertLoadTracker
+from moekv.moe.prefetch.guard import PrefetchGuard
 from moekv.moe.prefetch.manager import ExpertOffload, expert_bytes, resolve_cache_slots
 from moekv.moe.prefetch.predictor import ExpertPredictor, moe_layer_ids
 
@@ -22,19 +23,26 @@ class RoutingRuntime:
     """The routing add-ons of one model: load tracker, predictor, offload (each optional)."""
 
     def __init__(self, model: torch.nn.Module, load: ExpertLoadTracker | None,
-                 predictor: ExpertPredictor | None, offload: ExpertOffload | None):
+                 predictor: ExpertPredictor | None, offload: ExpertOffload | None,
+                 guard: PrefetchGuard | None = None):
+        """guard: keeps prefetch (the predictor's guesses) on only while decode steps measure faster with it."""
         self.model = model
         self.load = load
         self.predictor = predictor
         self.offload = offload
+        self.guard = guard if predictor is not None else None
         self._hook = model.register_forward_pre_hook(self._begin_step)
 
     def _begin_step(self, module, args) -> None:
-        """The model's forward pre-hook (eager steps): both halves below."""
+        """The model's forward pre-hook (eager steps): both halves below, and the prefetch guard's choice."""
         if self.load is not None:
             self.load.update()                 # folds the previous step's routed slots into the window
         if self.offload is not None:
             self.offload.begin_step()
+        if self.guard is not None:             # model(input_ids, positions, kv_cache, meta)
+            meta = args[3] if len(args) > 3 else None
+            key = meta.num_seqs if getattr(meta, "is_decode", False) else None
+            self.predictor.paused = not self.guard.begin(key)
 
     # -- CUDA-graph decode steps (engine/cuda_graphs.py): the pre-hook in its host and device halves --------
     @property
@@ -61,6 +69,7 @@ class RoutingRuntime:
             "expert_load": self.load.snapshot(top_k) if self.load is not None else None,
             "prediction": self.predictor.recall() if self.predictor is not None else None,
             "offload": self.offload.stats() if self.offload is not None else None,
+            "prefetch_guard": self.guard.stats() if self.guard is not None else None,
         }
 
     def reset(self) -> None:
@@ -89,7 +98,7 @@ def install_routing(model: torch.nn.Module, config: OffloadConfig, device: torch
     has_moe = hasattr(model, "layers") and bool(moe_layer_ids(model))
     if (config.cpu_offload_experts or config.track_prediction) and not has_moe:
         raise ConfigError("cpu_offload_experts / track_prediction need a model with routed MoE layers")
-    predictor = offload = None
+    predictor = offload = guard = None
     if config.cpu_offload_experts:
         arch = model.arch
         first = model.layers[moe_layer_ids(model)[0]].mlp.experts
@@ -108,6 +117,7 @@ def install_routing(model: torch.nn.Module, config: OffloadConfig, device: torch
         predictor = ExpertPredictor(model, config.lookahead, config.extra_candidates, source=predictor_source)
         if offload is not None and config.prefetches:
             offload.attach_predictor(predictor)
+            guard = PrefetchGuard() if config.prefetch_guard else None
     expert_load = getattr(model, "expert_load", None)
     load = ExpertLoadTracker(expert_load, config.load_decay) if isinstance(expert_load, torch.Tensor) else None
-    return RoutingRuntime(model, load, predictor, offload)
+    return RoutingRuntime(model, load, predictor, offload, guard)
