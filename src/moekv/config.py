@@ -277,8 +277,6 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
 
     def __post_init__(self) -> None:
-        if self.model.quantization == "fp8" and self.parallel.expert_parallel_size > 1:
-            raise ConfigError(FP8_EXPERT_PARALLEL_ERROR)
         if self.device.overlap_decode and self.parallel.expert_parallel_size > 1:
             raise ConfigError("overlap_decode needs expert_parallel_size == 1 (expert-parallel ranks agree on each "
                               "step before it runs, in lockstep)")
@@ -300,9 +298,3 @@ def batch_invariant_limits(config: EngineConfig) -> None:
         raise ConfigError("batch_invariant does not cover expert parallelism yet (expert_parallel_size must be 1)")
     if config.offload.cpu_offload_experts:
         raise ConfigError("batch_invariant does not cover expert offloading yet (cpu_offload_experts must be off)")
-
-
-# Not yet: the expert-parallel exchange / rebalance move 16-bit expert tensors only (offloading takes FP8
-# experts since issue 24: their host copies and slots stay FP8).
-FP8_EXPERT_PARALLEL_ERROR = ("expert parallelism (expert_parallel_size > 1) does not take FP8 experts yet "
-                             "(quantization='fp8' or an FP8 checkpoint); run without one of the two")

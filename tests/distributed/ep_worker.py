@@ -3,7 +3,8 @@
     PYTHONPATH=src:. torchrun --standalone --nproc-per-node N tests/distributed/ep_worker.py SPEC.json OUT_DIR
 
 SPEC = {"scenarios": [...]}; each scenario has a "name" and a "kind":
-  "random": a tiny random Mixtral (helpers.tiny_arch(num_experts, top_k)), sharded after it is built;
+  "random": a tiny random Mixtral (helpers.tiny_arch(num_experts, top_k)), sharded after it is built ("fp8":
+            its experts quantized to FP8 first);
             greedy generation of helpers.prompts_and_params(); with "rebalance", then rebalance() and
             generate again. "scheduler": SchedulerConfig keywords. "static": decode steps through the
             runner's graph buckets, run eagerly (enable_graphs(capture=False)); "no_host_reads": their
@@ -57,6 +58,10 @@ def run_random(spec: dict, world: int) -> dict:
                            cuda_graphs=spec.get("cuda_graphs", True))
     runtime = make_runtime(config.parallel, group)
     model = build_random_model(arch, dtype=torch.float32, seed=spec["seed"])
+    if spec.get("fp8"):                          # FP8 experts (per output channel), as --quantization fp8
+        from moekv.models.quantize import quantize_model
+
+        quantize_model(model)
     model = shard_experts(model, runtime, initial_placements(arch, world, config.parallel.num_redundant_experts),
                           group.device)
     engine = LockstepEngine(config, model, None, runtime)
@@ -71,6 +76,7 @@ def run_random(spec: dict, world: int) -> dict:
               "placement": {str(k): v.to_dict() for k, v in engine.placements().items()},
               "exchange_calls": dict(runtime.exchange_calls),
               "local_slots": {str(e.layer_idx): e.w_gate_up.shape[0] for e in runtime.layers},
+              "fp8_experts": all(e.quantized for e in runtime.layers),
               "steps": engine.global_steps, "interval_rebalances": len(engine.last_rebalance)}
     if spec.get("rebalance"):
         # make one expert hot in the recorded load, so the balancer has to move or replicate it

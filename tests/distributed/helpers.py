@@ -52,11 +52,14 @@ def greedy_tokens(engine, prompts, params) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in collect_outputs(engine, prompts, ids)]
 
 
-def single_process_tokens(arch: ArchConfig, seed: int, prompts, params) -> list[list[int]]:
+def single_process_tokens(arch: ArchConfig, seed: int, prompts, params, fp8: bool = False) -> list[list[int]]:
     from moekv.engine.engine import Engine
     from moekv.models.loader import build_random_model
+    from moekv.models.quantize import quantize_model
 
     model = build_random_model(arch, dtype=torch.float32, seed=seed)
+    if fp8:
+        quantize_model(model)
     return greedy_tokens(Engine(engine_config(), model=model), prompts, params)
 
 

@@ -26,6 +26,9 @@ RANDOM_SCENARIOS = [
     dict(name="redundant_auto", kind="random", num_experts=5, seed=1, dispatch="auto", allgather_max_tokens=4,
          redundant=2, rebalance=True, hot_expert=4),
     dict(name="top3_all_to_all", kind="random", num_experts=6, top_k=3, seed=2, dispatch="all_to_all"),
+    # FP8 experts (codes + per-channel scales) sharded, replicated and moved by a rebalance
+    dict(name="fp8_redundant", kind="random", num_experts=5, seed=1, dispatch="auto", allgather_max_tokens=4,
+         redundant=2, rebalance=True, hot_expert=4, fp8=True),
     # re-placed every 3 steps while sequences are in flight
     dict(name="interval_rebalance", kind="random", num_experts=5, seed=1, dispatch="allgather", redundant=1,
          rebalance_interval=3),
@@ -37,9 +40,9 @@ def two_ranks(tmp_path_factory):
     return run_worker(2, RANDOM_SCENARIOS, tmp_path_factory.mktemp("ep2"))
 
 
-def reference(num_experts: int, seed: int, top_k: int = 2) -> list[list[int]]:
+def reference(num_experts: int, seed: int, top_k: int = 2, fp8: bool = False) -> list[list[int]]:
     prompts, params = prompts_and_params()
-    return single_process_tokens(tiny_arch(num_experts, top_k), seed, prompts, params)
+    return single_process_tokens(tiny_arch(num_experts, top_k), seed, prompts, params, fp8=fp8)
 
 
 @pytest.mark.parametrize("name", ["uneven_all_to_all", "uneven_allgather"])
@@ -77,6 +80,16 @@ def test_redundant_replicas_match_one_process(two_ranks):
         assert all(4 in slots for slots in placement["rank_experts"])
     assert all(layer["moved"] >= 1 for layer in result["rebalance"])
     assert result["tokens_after"] == reference(5, seed=1)
+
+
+def test_fp8_experts_match_one_process_and_move_in_a_rebalance(two_ranks):
+    result = two_ranks["fp8_redundant"]
+    assert result["ranks_agree"] and result["fp8_experts"]
+    expected = reference(5, seed=1, fp8=True)
+    assert expected != reference(5, seed=1)              # FP8 changes the tokens here: the check can fail
+    assert result["tokens"] == expected
+    assert sum(layer["moved"] for layer in result["rebalance"]) >= 1   # codes and scales broadcast together
+    assert result["tokens_after"] == expected
 
 
 def test_top3_routing_matches_one_process(two_ranks):
@@ -120,10 +133,18 @@ def one_process_llm_tokens(model: Path, max_tokens: int) -> list[list[int]]:
 
 
 def test_offline_api_8_experts_on_3_ranks(checkpoint, tmp_path):
+    from tests.fp8_fixtures import fp8_checkpoint
+
+    fp8_dir = fp8_checkpoint(checkpoint, tmp_path / "fp8", "block", (16, 32))     # block scales, as stored
     scenarios = [dict(name="llm", kind="llm", model=str(checkpoint), prompts=CKPT_PROMPTS, max_tokens=5,
                       rebalance=True, kwargs={"num_redundant_experts": 1}),
-                 dict(name="serve", kind="serve", model=str(checkpoint), prompts=CKPT_PROMPTS, max_tokens=5)]
+                 dict(name="serve", kind="serve", model=str(checkpoint), prompts=CKPT_PROMPTS, max_tokens=5),
+                 dict(name="fp8", kind="llm", model=str(fp8_dir), prompts=CKPT_PROMPTS, max_tokens=5,
+                      rebalance=True, kwargs={"num_redundant_experts": 1})]
     results = run_worker(3, scenarios, tmp_path)
+    fp8 = results["fp8"]
+    assert fp8["ranks_agree"]
+    assert fp8["tokens"] == fp8["tokens_after"] == one_process_llm_tokens(fp8_dir, 5)
     expected = one_process_llm_tokens(checkpoint, 5)
     llm = results["llm"]
     assert llm["ranks_agree"]

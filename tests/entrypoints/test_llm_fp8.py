@@ -1,6 +1,6 @@
 """FP8 weights through the offline API and the CLI: `LLM(quantization="fp8")`, FP8 checkpoints loaded as
 they are, `--quantization fp8` parsed, expert offloading of FP8 experts (host copies stay FP8), and the clear
-error for what does not take FP8 experts yet (expert parallelism)."""
+acceptance of FP8 experts with expert parallelism (run under torchrun in tests/distributed)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def test_quantization_config_errors(checkpoints):
     assert ModelConfig(model="x", quantization="none").quantization is None
     assert ModelConfig(model="x", quantization="FP8").quantization == "fp8"
     EngineConfig(model=ModelConfig(model="x", quantization="fp8"), offload=OffloadConfig(cpu_offload_experts=True))
-    with pytest.raises(ConfigError, match="expert parallelism .* does not take FP8 experts"):
-        EngineConfig(model=ModelConfig(model="x", quantization="fp8"), parallel=ParallelConfig(expert_parallel_size=2))
+    # FP8 experts with expert parallelism: accepted (tests/distributed/test_expert_parallel.py runs them)
+    config = EngineConfig(model=ModelConfig(model="x", quantization="fp8"),
+                          parallel=ParallelConfig(expert_parallel_size=2))
+    assert config.model.quantization == "fp8" and config.parallel.expert_parallel_size == 2
 
 
 def test_fp8_checkpoint_offloads_with_fp8_host_copies(checkpoints):
@@ -69,14 +71,6 @@ def test_fp8_checkpoint_offloads_with_fp8_host_copies(checkpoints):
     assert offloaded.engine.routing_stats()["offload"]["misses"] > 0
     runtime = install_routing(load_model(fp8_dir), OffloadConfig(cpu_offload_experts=True, host_format="fp8"), "cpu")
     assert runtime.stats()["offload"]["host_format"] == "fp8"
-
-
-def test_expert_parallel_sharding_refuses_fp8_experts(checkpoints):
-    from moekv.distributed.sharding import shard_experts
-
-    _, fp8_dir = checkpoints
-    with pytest.raises(ConfigError, match="expert parallelism"):
-        shard_experts(load_model(fp8_dir), runtime=None, placements={}, device=torch.device("cpu"))
 
 
 def test_cli_parses_quantization():

@@ -36,7 +36,7 @@ from moekv.distributed.failure import check_healthy
 from moekv.distributed.groups import ExpertParallelGroup
 from moekv.distributed.placement import ExpertPlacement
 from moekv.layers.linear import empty_parameter
-from moekv.layers.experts import Experts
+from moekv.layers.experts import Experts, StackedExpertWeights
 from moekv.ops import dispatch
 
 DISPATCH_MODES = ("auto", "all_to_all", "allgather")
@@ -260,8 +260,10 @@ class ExpertParallelRuntime:
             layer.join_empty()
 
 
-class ExpertParallelExperts(Experts):
-    """This rank's slots of one MoE layer: w_gate_up [S_local, 2I, H], w_down [S_local, H, I].
+class ExpertParallelExperts(StackedExpertWeights, Experts):
+    """This rank's slots of one MoE layer: w_gate_up [S_local, 2I, H], w_down [S_local, H, I], 16-bit or FP8
+    (StackedExpertWeights.to_fp8: codes and block scales, the kernels read them as W8A16). `dtype` is the
+    model's activation dtype.
 
     Placement tensors (buffers, on the weights' device): replica_table [E, R] physical ids of each
     expert's replicas (cycled to R = max replicas), replica_count [E], slot_rank [S] and slot_local [S]
@@ -277,9 +279,12 @@ class ExpertParallelExperts(Experts):
         self.layer_idx = layer_idx
         self.hidden_size = hidden_size
         self.top_k = top_k
+        self.act_dtype = dtype
         num_local = placement.slots_per_rank[runtime.rank]
         self.w_gate_up = empty_parameter(num_local, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
         self.w_down = empty_parameter(num_local, hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.w_gate_up_scale = self.w_down_scale = None
+        self.weight_blocks = None
         self.set_placement(placement)
 
     @property
@@ -355,7 +360,7 @@ class ExpertParallelExperts(Experts):
         if rows.shape[0] == 0:
             return rows.new_empty(0, rows.shape[1])
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)           # [R, 1]
-        return dispatch.moe_experts(rows, self.w_gate_up, self.w_down, local_ids.unsqueeze(1), ones)
+        return dispatch.moe_experts(rows, *self.weights(), local_ids.unsqueeze(1), ones)
 
     def compute_weighted(self, rows: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """rows [R, H] (rows may be strided), local slots [R, k], weights [R, k] fp32 ->
@@ -363,7 +368,7 @@ class ExpertParallelExperts(Experts):
         single-device op rounds it, the sum not rounded: the caller adds the ranks' sums first)."""
         if rows.shape[0] == 0:
             return rows.new_empty(0, rows.shape[1], dtype=torch.float32)
-        return dispatch.moe_experts(rows, self.w_gate_up, self.w_down, local_ids, weights, out_dtype=torch.float32)
+        return dispatch.moe_experts(rows, *self.weights(), local_ids, weights, out_dtype=torch.float32)
 
     def forward(self, hidden, topk_ids, topk_weights):
         runtime = self.runtime
@@ -380,7 +385,7 @@ class ExpertParallelExperts(Experts):
     def join_empty(self) -> None:
         """This layer's collectives with 0 tokens from this rank."""
         device = self.w_gate_up.device
-        hidden = torch.zeros(0, self.hidden_size, dtype=self.w_gate_up.dtype, device=device)
+        hidden = torch.zeros(0, self.hidden_size, dtype=self.act_dtype, device=device)
         ids = torch.zeros(0, self.top_k, dtype=torch.int64, device=device)
         self.forward(hidden, ids, torch.zeros(0, self.top_k, dtype=torch.float32, device=device))
 

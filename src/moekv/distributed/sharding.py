@@ -12,14 +12,15 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moekv.config import FP8_EXPERT_PARALLEL_ERROR, ArchConfig
-from moekv.errors import ConfigError
+from moekv.config import ArchConfig
+from moekv.core.fp8 import Fp8Weight
 from moekv.distributed.expert_parallel import ExpertParallelExperts, ExpertParallelRuntime
 from moekv.distributed.balancer import balance
 from moekv.distributed.placement import ExpertPlacement
@@ -39,17 +40,21 @@ def shard_experts(model: torch.nn.Module, runtime: ExpertParallelRuntime,
                   placements: dict[int, ExpertPlacement], device: torch.device) -> torch.nn.Module:
     """Swap every MoE block's experts for this rank's ExpertParallelExperts; move the model to `device`."""
     arch = model.arch
-    if any(getattr(block.experts, "quantized", False) for block in moe_blocks(model)):
-        raise ConfigError(FP8_EXPERT_PARALLEL_ERROR)
     for block in moe_blocks(model):
         placement = placements[block.layer_idx]
         full = block.experts
+        act_dtype = model.embed_tokens.weight.dtype
         experts = ExpertParallelExperts(runtime, placement, block.layer_idx, arch.hidden_size,
-                                        arch.expert_intermediate_size, arch.top_k, full.w_gate_up.dtype, device)
+                                        arch.expert_intermediate_size, arch.top_k, act_dtype, device)
         mine = torch.tensor(placement.rank_experts[runtime.rank], dtype=torch.long, device=full.w_gate_up.device)
         with torch.no_grad():
-            experts.w_gate_up.copy_(full.w_gate_up.index_select(0, mine))   # [S_local, 2I, H]
-            experts.w_down.copy_(full.w_down.index_select(0, mine))         # [S_local, H, I]
+            if getattr(full, "quantized", False):    # FP8 experts: this rank's slots of the codes and block scales
+                gate_up, down = full.weights()
+                experts.to_fp8(*(Fp8Weight(w.codes.index_select(0, mine), w.scale.index_select(0, mine), w.block)
+                                 for w in (gate_up, down)))
+            else:
+                experts.w_gate_up.copy_(full.w_gate_up.index_select(0, mine))   # [S_local, 2I, H]
+                experts.w_down.copy_(full.w_down.index_select(0, mine))         # [S_local, H, I]
         block.experts = experts
         runtime.register(experts)
     return model.to(device)
@@ -106,41 +111,36 @@ def build_random_model(arch: ArchConfig, runtime: ExpertParallelRuntime, placeme
 
 
 def move_expert_weights(experts: ExpertParallelExperts, new: ExpertPlacement) -> int:
-    """Rearrange one layer's slots on every rank to `new` (collective); returns experts broadcast."""
+    """Rearrange one layer's slots on every rank to `new` (collective); returns experts broadcast.
+
+    A slot is every tensor of `experts.slot_tensors()` (the weights, and the block scales of FP8 experts), sent
+    as one byte buffer per expert."""
     old = experts.placement
     runtime = experts.runtime
     rank = runtime.rank
     gained = sorted({e for r in range(new.num_ranks) for e in new.rank_experts[r] if e not in old.rank_experts[r]})
     mine_old, mine_new = old.rank_experts[rank], new.rank_experts[rank]
-    w_gate_up, w_down = experts.w_gate_up, experts.w_down
-    received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    tensors = experts.slot_tensors()
+    sizes = [math.prod(t.shape[1:]) * t.element_size() for t in tensors]     # bytes of one slot of each tensor
+    device = tensors[0].device
+    received: dict[int, list[torch.Tensor]] = {}
     with torch.no_grad():
         for expert in gained:
             owner = old.ranks_of(expert)[0]
-            flat = torch.empty(_expert_numel(experts), dtype=w_gate_up.dtype, device=w_gate_up.device)
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
             if rank == owner:
                 slot = mine_old.index(expert)
-                flat.copy_(torch.cat([w_gate_up[slot].reshape(-1), w_down[slot].reshape(-1)]))
+                flat.copy_(torch.cat([t[slot].reshape(-1).view(torch.uint8) for t in tensors]))
             dist.broadcast(flat, src=owner, group=runtime.group.device_group)   # the EP group is the world
             if expert in mine_new and expert not in mine_old:
-                gate_up_numel = w_gate_up.shape[1] * w_gate_up.shape[2]
-                received[expert] = (flat[:gate_up_numel].view(w_gate_up.shape[1:]),
-                                    flat[gate_up_numel:].view(w_down.shape[1:]))
+                parts = flat.split(sizes)
+                received[expert] = [part.clone().view(t.dtype).view(t.shape[1:]) for part, t in zip(parts, tensors)]
         if mine_new:
-            new_gate_up = torch.stack([w_gate_up[mine_old.index(e)] if e in mine_old else received[e][0]
-                                       for e in mine_new])                              # [S_local, 2I, H]
-            new_down = torch.stack([w_down[mine_old.index(e)] if e in mine_old else received[e][1]
-                                    for e in mine_new])                                 # [S_local, H, I]
-            w_gate_up.copy_(new_gate_up)
-            w_down.copy_(new_down)
+            for index, tensor in enumerate(tensors):
+                tensor.copy_(torch.stack([tensor[mine_old.index(e)] if e in mine_old else received[e][index]
+                                          for e in mine_new]))                   # [S_local, ...]
     experts.set_placement(new)
     return len(gained)
-
-
-def _expert_numel(experts: ExpertParallelExperts) -> int:
-    """Elements of one expert's weights, for a rank that holds no slot (shapes from the parameters)."""
-    _, two_inter, hidden = experts.w_gate_up.shape
-    return two_inter * hidden + hidden * (two_inter // 2)
 
 
 @dataclass(frozen=True)

@@ -57,22 +57,19 @@ class Experts(nn.Module):
         return None
 
 
-class LocalExperts(Experts):
-    """All experts resident, stacked: w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I].
+class StackedExpertWeights:
+    """w_gate_up [S, 2I, H] (gate rows first) and w_down [S, H, I] stacked over S slots, 16-bit or FP8.
 
-    FP8 (`to_fp8`): w_gate_up / w_down hold float8_e4m3fn codes and w_gate_up_scale / w_down_scale their
-    fp32 block scales (moekv.core.fp8); the fused MoE kernels read them as W8A16.
-    """
+    FP8 (`to_fp8`): w_gate_up / w_down hold float8_e4m3fn codes and w_gate_up_scale / w_down_scale their fp32
+    block scales (moekv.core.fp8); the fused MoE kernels read them as W8A16. Mixed into LocalExperts (S = E)
+    and the expert-parallel experts (S = this rank's slots)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, layer_idx: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        super().__init__()
-        self.num_experts = num_experts
-        self.layer_idx = layer_idx
-        self.w_gate_up = empty_parameter(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
-        self.w_down = empty_parameter(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
-        self.w_gate_up_scale = self.w_down_scale = None   # FP8 only: fp32 block scales
-        self.weight_blocks = None                         # FP8 only: ((bn, bk) of w_gate_up, (bn, bk) of w_down)
+    # set by the module's __init__ (no class-level values: nn.Module would refuse the parameters then)
+    w_gate_up: nn.Parameter
+    w_down: nn.Parameter
+    w_gate_up_scale: nn.Parameter | None            # FP8 only: fp32 block scales
+    w_down_scale: nn.Parameter | None
+    weight_blocks: tuple | None                     # FP8 only: ((bn, bk) of w_gate_up, (bn, bk) of w_down)
 
     @property
     def quantized(self) -> bool:
@@ -84,6 +81,11 @@ class LocalExperts(Experts):
             return self.w_gate_up, self.w_down
         return (Fp8Weight(self.w_gate_up, self.w_gate_up_scale, self.weight_blocks[0]),
                 Fp8Weight(self.w_down, self.w_down_scale, self.weight_blocks[1]))
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with one row per slot: the weights, and their scales when FP8 (what moving a slot moves)."""
+        tensors = [self.w_gate_up, self.w_down]
+        return tensors + [self.w_gate_up_scale, self.w_down_scale] if self.quantized else tensors
 
     def to_fp8(self, w_gate_up: Fp8Weight | None = None, w_down: Fp8Weight | None = None) -> None:
         """Hold the experts in FP8: the given codes and scales (a checkpoint's), or, when None, these experts'
@@ -101,6 +103,21 @@ class LocalExperts(Experts):
         self.w_gate_up_scale = nn.Parameter(w_gate_up.scale.to(device), requires_grad=False)
         self.w_down_scale = nn.Parameter(w_down.scale.to(device), requires_grad=False)
         self.weight_blocks = (tuple(w_gate_up.block), tuple(w_down.block))
+
+
+class LocalExperts(StackedExpertWeights, Experts):
+    """All experts resident, stacked: w_gate_up [E, 2I, H] (gate rows first), w_down [E, H, I]; 16-bit or FP8
+    (StackedExpertWeights)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, layer_idx: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.layer_idx = layer_idx
+        self.w_gate_up = empty_parameter(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
+        self.w_down = empty_parameter(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.w_gate_up_scale = self.w_down_scale = None   # FP8 only: fp32 block scales
+        self.weight_blocks = None                         # FP8 only: ((bn, bk) of w_gate_up, (bn, bk) of w_down)
 
     def forward(self, hidden, topk_ids, topk_weights):
         return dispatch.moe_experts(hidden, *self.weights(), topk_ids, topk_weights)   # [T, H]
