@@ -126,3 +126,72 @@ def test_fp8_load_errors(checkpoints, tmp_path):
     save_file(tensors, str(no_scale / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="o_proj.weight.*has no scale"):
         load_model(no_scale)
+
+
+def _record_materialized(monkeypatch):
+    """Every parameter the loader gives storage (module, name), in order."""
+    import moekv.models.loader as loader
+
+    made, original = [], loader.materialize
+
+    def materialize(module, name, device):
+        if getattr(module, name).is_meta:
+            made.append((module, name))
+        return original(module, name, device)
+
+    monkeypatch.setattr(loader, "materialize", materialize)
+    return made
+
+
+def test_fp8_checkpoint_never_allocates_16_bit_projections(checkpoints, monkeypatch):
+    """Parameters get storage only as they load, so an FP8 checkpoint's projections and experts exist as codes
+    and scales only: their 16-bit form is never allocated (loading peaks at the FP8 model, not the 16-bit one)."""
+    _, fp8_dir, _ = checkpoints["qwen3-block16x32-aligned"]
+    made = _record_materialized(monkeypatch)
+    model = load_model(fp8_dir, dtype="fp32")
+    fp8 = {id(m) for m in fp8_modules(model)}
+    assert fp8 and not [name for module, name in made if id(module) in fp8]
+    assert {name for _, name in made} >= {"weight"}                   # embedding, norms, router, head: 16-bit
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+
+
+def test_quantize_at_load_holds_one_16_bit_layer_at_a_time(checkpoints, monkeypatch):
+    """quantization="fp8" quantizes each layer as soon as it has loaded: whenever a projection is quantized, no
+    other layer holds a 16-bit projection (the whole 16-bit model never exists)."""
+    source, _, _ = checkpoints["qwen2-per-channel-shared-dense"]
+    from moekv.layers.experts import LocalExperts
+    from moekv.layers.linear import Linear
+
+    seen, model_box = [], []
+    originals = {cls: cls.to_fp8 for cls in (Linear, LocalExperts)}
+
+    def watch(cls):
+        def to_fp8(self, *args, **kwargs):
+            if model_box:
+                layers = [i for i, layer in enumerate(model_box[0].layers)
+                          for m in fp8_modules_of(layer) if m is not self and not m.quantized
+                          and not any(p.is_meta for p in m.parameters())]
+                seen.append(set(layers))
+            return originals[cls](self, *args, **kwargs)
+        return to_fp8
+
+    from moekv.models.quantize import fp8_layer_modules as fp8_modules_of
+    import moekv.models.loader as loader
+
+    build = loader.model_class
+
+    def model_class(name):
+        cls = build(name)
+
+        def make(*args, **kwargs):
+            model_box.append(cls(*args, **kwargs))
+            return model_box[0]
+        return make
+
+    monkeypatch.setattr(loader, "model_class", model_class)
+    for cls in originals:
+        monkeypatch.setattr(cls, "to_fp8", watch(cls))
+    model = load_model(source, dtype="fp32", quantization="fp8")
+    assert is_quantized(model) and all(m.quantized for m in fp8_modules(model))
+    assert len(seen) == len(list(fp8_modules(model)))
+    assert all(len(layers) <= 1 for layers in seen), seen        # only the layer being quantized is 16-bit

@@ -87,16 +87,17 @@ class StackedExpertWeights:
         tensors = [self.w_gate_up, self.w_down]
         return tensors + [self.w_gate_up_scale, self.w_down_scale] if self.quantized else tensors
 
-    def to_fp8(self, w_gate_up: Fp8Weight | None = None, w_down: Fp8Weight | None = None) -> None:
+    def to_fp8(self, w_gate_up: Fp8Weight | None = None, w_down: Fp8Weight | None = None,
+               device: torch.device | None = None) -> None:
         """Hold the experts in FP8: the given codes and scales (a checkpoint's), or, when None, these experts'
-        own weights quantized per output channel."""
+        own weights quantized per output channel. device: where they go (default: the weights')."""
         w_gate_up = w_gate_up or quantize_per_expert(self.w_gate_up.data)
         w_down = w_down or quantize_per_expert(self.w_down.data)
         for name, new in (("w_gate_up", w_gate_up), ("w_down", w_down)):
             if tuple(new.shape) != tuple(getattr(self, name).shape):
                 raise ConfigError(f"FP8 {name} of shape {list(new.shape)} for experts of "
                                   f"{list(getattr(self, name).shape)}")
-        device = self.w_gate_up.device
+        device = device if device is not None else self.w_gate_up.device
         self.w_gate_up = self.w_down = None
         self.w_gate_up = nn.Parameter(w_gate_up.codes.to(device), requires_grad=False)
         self.w_down = nn.Parameter(w_down.codes.to(device), requires_grad=False)

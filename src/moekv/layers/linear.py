@@ -1,13 +1,18 @@
 """Linear and embedding layers whose parameters start uninitialised (the loader fills them).
 
 torch.nn.Linear runs a Kaiming init at construction, which costs minutes for a 47B-parameter
-model; these create empty tensors directly in the target dtype and on the target device.
+model; these create empty tensors directly in the target dtype and on the target device. Inside
+`deferred_parameters()` they take no memory at all (the meta device) until `materialize` gives one storage:
+the checkpoint loader allocates only what it keeps (an FP8 weight never allocates its 16-bit form).
 
 A Linear may hold its weight in FP8 (`to_fp8`: float8_e4m3fn codes in `weight`, fp32 block scales in
 `weight_scale`, moekv.core.fp8); it then runs ops.dispatch.fp8_linear (W8A16).
 """
 
 from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +23,36 @@ from moekv.errors import ConfigError
 from moekv.ops import dispatch
 
 
+_DEFERRED = threading.local()
+
+
+@contextmanager
+def deferred_parameters():
+    """empty_parameter inside this block makes meta parameters (shape and dtype, no storage); buffers are
+    unaffected. Give each storage with `materialize` (or replace it, e.g. `to_fp8(..., device=)`)."""
+    previous = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = True
+    try:
+        yield
+    finally:
+        _DEFERRED.on = previous
+
+
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    """An uninitialised, frozen parameter (inference only: no autograd bookkeeping)."""
+    """An uninitialised, frozen parameter (inference only: no autograd bookkeeping); on the meta device
+    inside deferred_parameters()."""
+    if getattr(_DEFERRED, "on", False):
+        device = "meta"
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def materialize(module: nn.Module, name: str, device: torch.device) -> nn.Parameter:
+    """module's parameter `name`, given uninitialised storage on `device` if it is a meta parameter."""
+    param = getattr(module, name)
+    if param.is_meta:
+        param = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+        setattr(module, name, param)
+    return param
 
 
 def has_forward_hooks(*modules: nn.Module | None) -> bool:
@@ -49,15 +81,15 @@ class Linear(nn.Module):
     def fp8_weight(self) -> Fp8Weight:
         return Fp8Weight(self.weight, self.weight_scale, self.weight_block)
 
-    def to_fp8(self, weight: Fp8Weight | None = None) -> None:
+    def to_fp8(self, weight: Fp8Weight | None = None, device: torch.device | None = None) -> None:
         """Hold the weight in FP8: `weight` (codes and scales read from a checkpoint), or, when None, this
-        layer's own weight quantized per output channel."""
+        layer's own weight quantized per output channel. device: where they go (default: the weight's)."""
         if weight is None:
             weight = quantize_fp8(self.weight.data)
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ConfigError(f"FP8 weight of shape {list(weight.shape)} for a linear layer of "
                               f"[{self.out_features}, {self.in_features}]")
-        device = self.weight.device
+        device = device if device is not None else self.weight.device
         self.weight = None                                  # free the 16-bit weight first
         self.weight = nn.Parameter(weight.codes.to(device), requires_grad=False)
         self.weight_scale = nn.Parameter(weight.scale.to(device), requires_grad=False)

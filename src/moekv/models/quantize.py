@@ -19,26 +19,37 @@ from moekv.layers.moe import DenseMLP, MoEBlock
 def fp8_modules(model: nn.Module) -> Iterator[nn.Module]:
     """The Linear and LocalExperts modules of a MoEForCausalLM that may hold FP8 weights."""
     for layer in model.layers:
-        yield layer.attn.qkv_proj
-        yield layer.attn.o_proj
-        mlp = layer.mlp
-        if isinstance(mlp, MoEBlock):
-            if isinstance(mlp.experts, LocalExperts):
-                yield mlp.experts
-            if mlp.shared_expert is not None:
-                yield mlp.shared_expert.gate_up_proj
-                yield mlp.shared_expert.down_proj
-        elif isinstance(mlp, DenseMLP):
-            yield mlp.gate_up_proj
-            yield mlp.down_proj
+        yield from fp8_layer_modules(layer)
+
+
+def fp8_layer_modules(layer: nn.Module) -> Iterator[nn.Module]:
+    """Those of one decoder layer."""
+    yield layer.attn.qkv_proj
+    yield layer.attn.o_proj
+    mlp = layer.mlp
+    if isinstance(mlp, MoEBlock):
+        if isinstance(mlp.experts, LocalExperts):
+            yield mlp.experts
+        if mlp.shared_expert is not None:
+            yield mlp.shared_expert.gate_up_proj
+            yield mlp.shared_expert.down_proj
+    elif isinstance(mlp, DenseMLP):
+        yield mlp.gate_up_proj
+        yield mlp.down_proj
 
 
 def quantize_model(model: nn.Module) -> nn.Module:
     """Quantize every 16-bit FP8-capable module per output channel (modules already FP8 are kept); in place."""
-    for module in fp8_modules(model):
+    for layer in model.layers:
+        quantize_layer(layer)
+    return model
+
+
+def quantize_layer(layer: nn.Module) -> None:
+    """quantize_model for one decoder layer (the loader runs it as each layer has loaded)."""
+    for module in fp8_layer_modules(layer):
         if not module.quantized:
             module.to_fp8()
-    return model
 
 
 def is_quantized(model: nn.Module) -> bool:
