@@ -4,7 +4,9 @@
     PYTHONPATH=src:. .venv/bin/python benchmarks/bench_hf_cache.py --model PATH --context 2048
 
 Protocol (the same for every cache, DynamicCache included, so the reference shares the chunking): in each of
-`--windows` windows of `--context` tokens of the validation text, the first `--prefill` tokens go in one
+`--windows` windows of `--context` tokens of the validation text (default: all of it, windows side by side:
+18 x 2048 tokens on the bundled model; session 30 moved from 3 windows, whose noise had put a cache's
+perplexity below the reference's), the first `--prefill` tokens go in one
 forward call and the rest in chunks of `--chunk` tokens with the cache carried over; the logits of every
 position after the prefill are kept, so each of them attends to the cache's quantized earlier tokens (all
 caches keep the newest < 128 tokens in full precision: residual_length=128). Metrics over those positions:
@@ -128,7 +130,8 @@ def selected(name: str, only: list[str]) -> bool:
 
 
 def load_windows(args, tokenizer) -> list[torch.Tensor]:
-    """`--windows` token windows of `--context` tokens, `--window-stride` tokens apart, from the start."""
+    """`--windows` token windows of `--context` tokens, `--window-stride` tokens apart, from the start (None:
+    every window that fits; sets args.windows)."""
     if args.text:
         text = Path(args.text).read_text(encoding="utf-8")
     else:
@@ -136,6 +139,8 @@ def load_windows(args, tokenizer) -> list[torch.Tensor]:
 
         text = datasets.validation_text()
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if args.windows is None:
+        args.windows = max(1, (ids.numel() - args.context) // args.window_stride + 1)
     needed = (args.windows - 1) * args.window_stride + args.context
     if ids.numel() < needed:
         raise SystemExit(f"the text has {ids.numel()} tokens; {args.windows} windows of {args.context} tokens "
@@ -231,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="model dtype (auto: the checkpoint's)")
     parser.add_argument("--text", default=None, help="a UTF-8 text file (default: moekv's validation text)")
-    parser.add_argument("--windows", type=int, default=3, help="text windows of --context tokens to evaluate")
-    parser.add_argument("--window-stride", type=int, default=8192, help="tokens from one window's start to the next")
+    parser.add_argument("--windows", type=int, default=None,
+                        help="text windows of --context tokens to evaluate (default: every one that fits)")
+    parser.add_argument("--window-stride", type=int, default=2048, help="tokens from one window's start to the next")
     parser.add_argument("--only", default=None,
                         help="comma-separated substrings of cache names to run, or '=NAME' for exactly that name "
                              "(case-insensitive; the reference always runs)")
