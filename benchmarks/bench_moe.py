@@ -211,6 +211,9 @@ def implementations(w_gate_up, w_down, num_tokens: int, variants: list[str] | No
     fns["moekv-grouped"] = lambda h, i, w: moe_grouped.moe_experts_grouped(h, w_gate_up, w_down, i, w)
     fns["reference"] = lambda h, i, w: moe_experts_reference(h, w_gate_up, w_down, i, w)
     if isinstance(w_gate_up, Fp8Weight):         # transformers' experts take 16-bit tensors
+        # W8A8 (KernelConfig.w8a8_min_tokens): the rows' e4m3 quantization included; its error column is mostly that
+        fns["moekv-grouped-w8a8"] = lambda h, i, w: moe_grouped.moe_experts_grouped(h, w_gate_up, w_down, i, w,
+                                                                                   act_fp8=True)
         return fns
     for implementation in ("grouped_mm", "eager"):
         experts = hf_experts(w_gate_up, w_down, implementation)

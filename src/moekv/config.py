@@ -203,7 +203,7 @@ class KernelConfig:
     `from_env()` (the EngineConfig default) applies the MOEKV_* overrides (see `envs.py`) to these
     defaults: MOEKV_OPS_BACKEND, MOEKV_LOWBIT_DECODE, MOEKV_FUSED_LAYER_OPS, MOEKV_FUSED_DECODE_LAYER,
     MOEKV_FUSED_ATTENTION_COMBINE, MOEKV_FUSED_MOE_COMBINE, MOEKV_FUSED_ROUTE_FOLD, MOEKV_SKINNY_GEMM, MOEKV_PDL,
-    MOEKV_BATCH_INVARIANT.
+    MOEKV_W8A8_MIN_TOKENS, MOEKV_BATCH_INVARIANT.
     """
 
     SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
@@ -238,6 +238,10 @@ class KernelConfig:
                                         # compute capability >= 9.0 (ops/triton/pdl.py): each may be scheduled
                                         # while the kernel before it finishes; off until a GPU run measures it
                                         # (docs/gpu-runbook.md, session 28); MOEKV_PDL=1 turns it on
+    w8a8_min_tokens: int = 0            # FP8 experts: from this many tokens per MoE call on, activations are
+                                        # quantized to e4m3 per token and the grouped kernel's dots are fp8 x fp8
+                                        # (W8A8, ops/triton/moe/grouped.py); 0: never (W8A16 everywhere, the default
+                                        # until a GPU run measures where it pays); MOEKV_W8A8_MIN_TOKENS=N
     batch_invariant: bool = False       # every token row's result bit-identical whatever else shares its step (batch
                                         # size, prefill chunk, CUDA-graph bucket): one fixed-tile GEMM for every linear,
                                         # the grouped MoE path with one config, attention split at fixed token counts,
@@ -253,6 +257,9 @@ class KernelConfig:
                      "fused_route_fold", "pdl", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.w8a8_min_tokens, int) or isinstance(self.w8a8_min_tokens, bool) \
+                or self.w8a8_min_tokens < 0:
+            raise ConfigError(f"w8a8_min_tokens must be an integer >= 0 (0: off), got {self.w8a8_min_tokens!r}")
         if (not isinstance(self.skinny_gemm_rows, int) or isinstance(self.skinny_gemm_rows, bool)
                 or not 0 <= self.skinny_gemm_rows <= self.SKINNY_GEMM_MAX_ROWS):
             raise ConfigError(f"skinny_gemm_rows must be in 0..{self.SKINNY_GEMM_MAX_ROWS} (0: off), "

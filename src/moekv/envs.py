@@ -18,6 +18,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_FUSED_ROUTE_FOLD | `kernel_overrides` | 0 / 1: a router of several programs per token routed in the add + norm launch (on) |
 | MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) |
 | MOEKV_PDL | `kernel_overrides` | 0 / 1: programmatic dependent launch of the decode step's Triton kernels (off) |
+| MOEKV_W8A8_MIN_TOKENS | `kernel_overrides` | N >= 0: FP8 experts run W8A8 (e4m3 activations) from N tokens per MoE call (0: off) |
 | MOEKV_BATCH_INVARIANT | `kernel_overrides` | 0 / 1: every row's result independent of the batch (slower) |
 | MOEKV_CAPTURE_ERROR_MODE | `capture_error_mode` | torch.cuda.graph's capture_error_mode |
 | MOEKV_DEFAULT_MODEL | `default_model` | the checkpoint `moekv` runs when none is named |
@@ -84,7 +85,7 @@ def _seconds(name: str, strict: bool, default: float | None = None) -> float | N
 def kernel_overrides() -> dict[str, Any]:
     """The KernelConfig fields the environment sets: backend, lowbit_decode, fused_layer_ops,
     fused_decode_layer, fused_attention_combine, fused_moe_combine, fused_route_fold, skinny_gemm_rows, pdl,
-    batch_invariant. The low-bit decode name is checked against the kernel table by ops.dispatch."""
+    w8a8_min_tokens, batch_invariant. The low-bit decode name is checked against the kernel table by ops.dispatch."""
     out: dict[str, Any] = {}
     backend = _choice("MOEKV_OPS_BACKEND", ("auto", "reference", "triton"))
     if backend is not None:
@@ -100,6 +101,11 @@ def kernel_overrides() -> dict[str, Any]:
         flag = _flag(name)
         if flag is not None:
             out[field] = flag
+    w8a8 = get("MOEKV_W8A8_MIN_TOKENS")
+    if w8a8 is not None:
+        if not w8a8.isdigit():
+            raise ConfigError(f"MOEKV_W8A8_MIN_TOKENS must be an integer >= 0 (0: off), got {w8a8!r}")
+        out["w8a8_min_tokens"] = int(w8a8)
     skinny = _choice("MOEKV_SKINNY_GEMM", ("0", "1", "auto"))
     if skinny is not None:
         out["skinny_gemm_rows"] = {"0": 0, "auto": 1, "1": 16}[skinny]

@@ -102,3 +102,14 @@ def test_bench_decode_tiny_fp8_run(tmp_path):
     assert [r["weights"] for r in result["decode"]] == ["fp8"] and not result["errors"]
     with pytest.raises(SystemExit):
         bench_decode.main(["--tiny", "--quantization", "fp4"])
+
+
+def test_bench_moe_tiny_w8a8_row(tmp_path, restore_kernels):
+    """FP8 experts get a moekv-grouped-w8a8 row (activations in e4m3): close to the exact layer, not equal to it."""
+    assert bench_moe.main(["--tiny", "--quantization", "fp8", "--tokens", "5", "--impl",
+                           "moekv-grouped,moekv-grouped-w8a8", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("moe-bench-tiny-fp8-*.json")).read_text())
+    runs = {r["impl"]: r for r in result["moe_layer"]}
+    assert set(runs) == {"moekv-grouped", "moekv-grouped-w8a8"}
+    assert runs["moekv-grouped"]["max_rel_err"] < 2e-2
+    assert 0 < runs["moekv-grouped-w8a8"]["max_rel_err"] < 0.15

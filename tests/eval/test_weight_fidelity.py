@@ -15,9 +15,12 @@ def test_eval_weights_writes_the_rows(tmp_path):
     weight_fidelity.add_arguments(parser)
     out = tmp_path / "rows.json"
     assert weight_fidelity.run(parser.parse_args(["--context", "96", "--windows", "2", "--chunk", "48",
-                                                  "--rows", "fp8,offload-fp8", "--json", str(out)])) == 0
-    reference, fp8, offloaded = json.loads(out.read_text())
-    assert (reference["weights"], fp8["weights"], offloaded["weights"]) == ("bf16", "fp8", "offload-fp8")
+                                                  "--rows", "fp8,offload-fp8,fp8-w8a8", "--json", str(out)])) == 0
+    reference, fp8, offloaded, w8a8 = json.loads(out.read_text())
+    assert (reference["weights"], fp8["weights"], offloaded["weights"], w8a8["weights"]) == (
+        "bf16", "fp8", "offload-fp8", "fp8-w8a8")
+    # W8A8 experts: the same weights, e4m3 activations on top: another change, still small
+    assert w8a8["kl"] != fp8["kl"] and 0 < w8a8["kl"] < 0.02 and w8a8["weight_bytes"] == fp8["weight_bytes"]
     # FP8 experts only (offloaded, computed from the FP8 host copies): a change, smaller than all-FP8's
     assert 0 < offloaded["kl"] <= fp8["kl"] and offloaded["top1_agreement"] > 90
     assert fp8["weight_bytes"] < offloaded["weight_bytes"] < reference["weight_bytes"]

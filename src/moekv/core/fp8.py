@@ -167,3 +167,19 @@ def concat_rows(parts: list[Fp8Weight]) -> Fp8Weight:
             raise ConfigError(f"cannot concatenate FP8 weights with blocks {sorted(blocks)}")
     return Fp8Weight(torch.cat([p.codes for p in parts], dim=-2), torch.cat([p.scale for p in parts], dim=-2),
                      parts[0].block)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row activation quantization (W8A8): x [M, K] -> (codes [M, K] float8_e4m3fn, scale [M] float32)
+    with scale = amax(|row|) / 448 (1 for an all-zero row), x[m] ~= codes[m] * scale[m]."""
+    rows = x.float()
+    amax = rows.abs().amax(dim=-1)                                                        # [M]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (rows / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, scale
+
+
+def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """quantize_rows then back to fp32: what a W8A8 kernel's dot sees of x [M, K] (the reference's input)."""
+    codes, scale = quantize_rows(x)
+    return codes.float() * scale[:, None]

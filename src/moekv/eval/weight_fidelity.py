@@ -11,7 +11,8 @@ add), so give this the 16-bit checkpoint.
 and `offload-fp8`: the 16-bit model with its experts offloaded to host memory as FP8 copies
 (`OffloadConfig(host_format="fp8")`, half the expert cache), computed from directly by the W8A16 experts
 kernels (issue 24's compressed host experts; the projections stay 16-bit). Its weight bytes count the FP8
-host copies of the experts.
+host copies of the experts. `fp8-w8a8`: the `fp8` model with its routed experts run W8A8 (every MoE call's
+activations quantized to e4m3 per row, `KernelConfig.w8a8_min_tokens=1`; the dense projections stay W8A16).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
                         help="activation / KV dtype of both runs (default bf16)")
     parser.add_argument("--rows", default="16-bit,fp8", help="comma-separated rows after the 16-bit reference: "
-                        "fp8 (all projections and experts), offload-fp8 (experts offloaded as FP8 host copies); "
+                        "fp8 (all projections and experts), fp8-w8a8 (the same, experts W8A8), offload-fp8 (experts "
+                        "offloaded as FP8 host copies); "
                         "default 16-bit,fp8")
     parser.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
 
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from moekv.eval.kv_runner import compare, run_windows, validation_windows
     from moekv.models.loader import load_model
     from moekv.models.quantize import is_quantized
+    from moekv.ops import dispatch
 
     asked = [row.strip() for row in getattr(args, "rows", "16-bit,fp8").split(",") if row.strip()]
     wanted = ["16-bit"] + [row for row in asked if row != "16-bit"]
@@ -58,12 +61,13 @@ def run(args: argparse.Namespace) -> int:
     rows, reference = [], None
     for weights in wanted:
         model = load_model(model_dir, dtype=args.dtype, device="cpu",
-                           quantization="fp8" if weights == "fp8" else None)
+                           quantization="fp8" if weights.startswith("fp8") else None)
         if weights == "16-bit" and is_quantized(model):
             raise ConfigError(f"{model_dir} holds FP8 weights already: give the 16-bit checkpoint")
         weight_bytes = _offload_fp8(model) if weights == "offload-fp8" else \
             sum(t.numel() * t.element_size() for t in model.parameters())
-        result = run_windows(model, windows, Variant(args.dtype), args.chunk)
+        with dispatch.override(w8a8_min_tokens=1 if weights == "fp8-w8a8" else 0):
+            result = run_windows(model, windows, Variant(args.dtype), args.chunk)
         reference = reference or result
         metrics = compare(result, reference)
         rows.append({"weights": args.dtype if weights == "16-bit" else weights, **metrics,
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-ROWS = ("16-bit", "fp8", "offload-fp8")
+ROWS = ("16-bit", "fp8", "fp8-w8a8", "offload-fp8")
 
 
 def _offload_fp8(model) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from moekv.config import KernelConfig
+from moekv.core.fp8 import Fp8Weight
 from moekv.errors import ConfigError
 from moekv.ops import choices, op_table
 from moekv.ops.choices import DEFAULT_LOWBIT_DECODE, LOWBIT_DECODE_KERNELS, moe_expert_passes  # noqa: F401
@@ -295,13 +296,25 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
     """See ops.reference.moe.moe_experts_reference. Triton (moe_experts_path): T <= the decode limit runs
     ops.triton.moe.decode (no sort, weights read once per step), larger T ops.triton.moe.grouped (device
     align + grouped GEMM). out_dtype: the output's dtype (None: hidden's); torch.float32 returns the fp32
-    weighted sum unrounded. w_gate_up / w_down: tensors, or both moekv.core.fp8.Fp8Weight (W8A16).
+    weighted sum unrounded. w_gate_up / w_down: tensors, or both moekv.core.fp8.Fp8Weight (W8A16; W8A8 on the
+    grouped kernel from KernelConfig.w8a8_min_tokens tokens: `w8a8`).
     Batch-invariant mode: the grouped path with one launch config for every T (moe.configs.BATCH_INVARIANT_CONFIG),
     elsewhere ops.reference.moe.moe_experts_rowwise."""
     if _active.batch_invariant and not use_triton("moe_experts", hidden):
         return choices.resolve(_REF + "moe:moe_experts_rowwise")(hidden, w_gate_up, w_down, topk_ids, topk_weights,
                                                                  out_dtype=out_dtype)
+    if w8a8(hidden, w_gate_up, w_down):          # KernelConfig.w8a8_min_tokens: the grouped kernel, fp8 x fp8 dots
+        return _call("moe_experts", hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=out_dtype,
+                     act_fp8=True)
     return _call("moe_experts", hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=out_dtype)
+
+
+def w8a8(hidden, w_gate_up, w_down) -> bool:
+    """Whether moe_experts quantizes this call's activations (W8A8): FP8 expert weights, at least
+    KernelConfig.w8a8_min_tokens (> 0) tokens, not in batch-invariant mode."""
+    minimum = _active.w8a8_min_tokens
+    return (minimum > 0 and hidden.shape[0] >= minimum and not _active.batch_invariant
+            and isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight))
 
 
 def moe_expert_partials(hidden, w_gate_up, w_down, topk_ids):

@@ -71,6 +71,8 @@ def _moe_kernel(ops, hidden, w_gate_up, w_down, *rest, **kwargs):
     if ops.kernel_config().batch_invariant:      # one path, one launch config for every T
         return functools.partial(choices.moe_kernel("grouped"),
                                  config=choices.resolve(_TRI + "moe.configs:batch_invariant_config")())
+    if kwargs.get("act_fp8"):                    # W8A8: the grouped kernel's fp8 x fp8 dots, any T
+        return choices.moe_kernel("grouped")
     num_experts, two_inter, _ = w_gate_up.shape
     weights = choices.resolve(_TRI + "moe.decode:weight_format")(w_gate_up)
     return choices.moe_kernel(choices.moe_kernel_path(hidden, num_experts, two_inter // 2, weights))

@@ -12,20 +12,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moekv.core.fp8 import Fp8Weight
+from moekv.core.fp8 import Fp8Weight, fake_quantize_rows
 
 
 def moe_experts_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Weight, w_down: torch.Tensor | Fp8Weight,
                           topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          out_dtype: torch.dtype | None = None, act_fp8: bool = False) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
 
     hidden [T, H]; topk_ids [T, k] int64; topk_weights [T, k] (any float dtype) -> [T, H] in
     out_dtype (None: hidden's; torch.float32: the fp32 sum, unrounded). Token slots are sorted by
     expert so each expert runs one matmul over a contiguous segment; the per-expert counts come to
     the host once (this is the reference path, the Triton kernel avoids that sync). The weighted sum
-    accumulates in fp32.
+    accumulates in fp32. act_fp8 (FP8 weights only, W8A8): each token's hidden row and each slot's activation
+    row (after its rounding to the model dtype) are quantized to e4m3 with a per-row scale (core.fp8.quantize_rows)
+    before their matmul, as ops.triton.moe.grouped's A8 kernels read them.
     """
+    if act_fp8 and not (isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)):
+        raise ValueError("act_fp8 (W8A8) needs FP8 expert weights")
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
@@ -43,13 +47,15 @@ def moe_experts_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor | Fp8Wei
             continue
         segment = x[start:start + count]                                     # [n, H]
         if isinstance(w_gate_up, Fp8Weight):                                 # W8A16: fp32 matmuls
-            gate_up = F.linear(segment.float(), w_gate_up[expert].dequantize())   # [n, 2I] fp32
+            rows = fake_quantize_rows(segment) if act_fp8 else segment.float()
+            gate_up = F.linear(rows, w_gate_up[expert].dequantize())          # [n, 2I] fp32
             act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype)   # [n, I]
         else:
             gate_up = F.linear(segment, w_gate_up[expert])                   # [n, 2I]
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]            # [n, I]
         if isinstance(w_down, Fp8Weight):
-            expert_out[start:start + count] = F.linear(act.float(), w_down[expert].dequantize()).to(x.dtype)
+            rows = fake_quantize_rows(act) if act_fp8 else act.float()
+            expert_out[start:start + count] = F.linear(rows, w_down[expert].dequantize()).to(x.dtype)
         else:
             expert_out[start:start + count] = F.linear(act, w_down[expert])  # [n, H]
         start += count

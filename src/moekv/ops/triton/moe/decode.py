@@ -50,13 +50,14 @@ VARIANTS = ("dot", "fma")  # the kernels of the gate_up and down launches (decod
 
 @triton.jit
 def gate_up_tile(x_rows, row_mask, w_gate, w_up, hidden, n_mask, stride_wk, s_gate, s_up, stride_sk, scale_block_k,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                 FP8: tl.constexpr):
+                 row_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                 FP8: tl.constexpr, A8: tl.constexpr):
     """silu(x W_gate^T) * (x W_up^T) over the full hidden size, fp32 [BLOCK_M, BLOCK_N].
 
     x_rows [BLOCK_M, 1] row pointers (rows outside row_mask read as 0); w_gate / w_up [1, BLOCK_N]
     column pointers of the expert's gate and up rows; n_mask [BLOCK_N] valid columns. FP8: s_gate / s_up
-    [BLOCK_N] pointers to the scale rows of those columns (K block 0), see weight_dot.
+    [BLOCK_N] pointers to the scale rows of those columns (K block 0), see weight_dot. A8 (W8A8): x holds e4m3
+    codes (the dots are fp8 x fp8) and row_scale [BLOCK_M] their per-row scales, applied before the silu.
     """
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -70,6 +71,9 @@ def gate_up_tile(x_rows, row_mask, w_gate, w_up, hidden, n_mask, stride_wk, s_ga
         wu = tl.load(w_up + ks[:, None] * stride_wk, mask=w_mask, other=0.0)                # [BK, BN]
         acc_gate += weight_dot(x, wg, s_gate, k0, stride_sk, scale_block_k, n_mask, UPCAST, FP8)
         acc_up += weight_dot(x, wu, s_up, k0, stride_sk, scale_block_k, n_mask, UPCAST, FP8)
+    if A8:
+        acc_gate = acc_gate * row_scale[:, None]
+        acc_up = acc_up * row_scale[:, None]
     return acc_gate * tl.sigmoid(acc_gate) * acc_up
 
 
@@ -101,7 +105,8 @@ def _decode_gate_up_kernel(
         s_gate = s_ptr + expert.to(tl.int64) * stride_se + (cols // SCALE_BN) * stride_sn       # [BLOCK_N]
         s_up = s_ptr + expert.to(tl.int64) * stride_se + ((cols + inter) // SCALE_BN) * stride_sn
         act = gate_up_tile(x_rows, routed, w_gate, w_up, hidden, n_mask, stride_wk, s_gate, s_up, stride_sk,
-                           scale_block_k, BLOCK_T, BLOCK_N, BLOCK_K, UPCAST, FP8).to(act_ptr.dtype.element_ty)
+                           scale_block_k, 1.0, BLOCK_T, BLOCK_N, BLOCK_K, UPCAST, FP8, False)
+        act = act.to(act_ptr.dtype.element_ty)
         store_slot_rows(act_ptr, stride_at, cols, n_mask, act, ids_ptr, expert, num_tokens, TOP_K, BLOCK_T)
 
 

@@ -103,10 +103,10 @@ class GroupedPasses:
         grid = (num_row_blocks * -(-hidden_size // part["BLOCK_N"]),)
         weight, scale_args, quant = moe_decode.weight_args(w_down)
         moe_grouped._grouped_down_kernel[grid](
-            act, weight, sorted_slots, block_experts, num_padded, expert_out, scale_args[0], num_rows, hidden_size,
-            self.inter, num_row_blocks, act.stride(0), weight.stride(0), weight.stride(1), weight.stride(2),
-            expert_out.stride(0), *scale_args[1:], BLOCK_M=block_m,
-            UPCAST=moe_decode.upcast_dots(hidden.dtype, hidden.device), **part, **quant)
+            act, weight, sorted_slots, block_experts, num_padded, expert_out, scale_args[0], act, num_rows,
+            hidden_size, self.inter, num_row_blocks, act.stride(0), weight.stride(0), weight.stride(1),
+            weight.stride(2), expert_out.stride(0), *scale_args[1:], BLOCK_M=block_m,
+            UPCAST=moe_decode.upcast_dots(hidden.dtype, hidden.device), A8=False, **part, **quant)
 
     def _activation(self, w_gate_up, sorted_slots, block_experts, num_padded, num_row_blocks) -> torch.Tensor:
         """The gate_up launch of moe.grouped.grouped_activation over an alignment given in slots: act [T*k, I]."""
@@ -117,10 +117,11 @@ class GroupedPasses:
         weight, scale_args, quant = moe_decode.weight_args(w_gate_up)
         grid = (num_row_blocks * triton.cdiv(self.inter, part["BLOCK_N"]),)
         moe_grouped._grouped_gate_up_kernel[grid](
-            hidden, weight, sorted_slots, block_experts, num_padded, act, scale_args[0], num_tokens * self.top_k,
-            hidden_size, self.inter, num_row_blocks, hidden.stride(0), weight.stride(0), weight.stride(1),
-            weight.stride(2), act.stride(0), *scale_args[1:], TOP_K=self.top_k, BLOCK_M=self.config["BLOCK_M"],
-            UPCAST=moe_decode.upcast_dots(hidden.dtype, hidden.device), **part, **quant)
+            hidden, weight, sorted_slots, block_experts, num_padded, act, scale_args[0], hidden,
+            num_tokens * self.top_k, hidden_size, self.inter, num_row_blocks, hidden.stride(0), weight.stride(0),
+            weight.stride(1), weight.stride(2), act.stride(0), *scale_args[1:], TOP_K=self.top_k,
+            BLOCK_M=self.config["BLOCK_M"], UPCAST=moe_decode.upcast_dots(hidden.dtype, hidden.device), A8=False,
+            **part, **quant)
         return act
 
     def keep_rows(self, target, rows) -> None:
