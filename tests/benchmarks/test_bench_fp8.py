@@ -51,7 +51,7 @@ def restore_kernels():
     """bench_moe --tiny installs the Triton backend for the process: put the suite's configuration back."""
     from moekv.ops import dispatch
 
-    installed = dispatch._installed
+    installed = dispatch.installed_config()
     yield
     dispatch.install(installed)
 

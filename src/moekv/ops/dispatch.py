@@ -2,8 +2,8 @@
 
 Every op is a row of `OPS` (built in ops/op_table.py): its reference twin, its kernel and what the kernel supports;
 one generic call-through (`_call`) picks the path. Which path is decided by the active `KernelConfig`
-(`config.py`): the engine installs its `EngineConfig.kernels` (`install`), whose defaults the
-MOEKV_* variables override (`KernelConfig.from_env`, read once, at import for code that runs
+(`config.py`), kept in ops/kernel_state.py: the engine installs its `EngineConfig.kernels` (`install`), whose
+defaults the MOEKV_* variables override (`KernelConfig.from_env`, read once, at import for code that runs
 without an engine); `override(...)` changes fields for a `with` block (tests, benchmarks). When the
 reference runs on a CUDA tensor for an op that has a Triton kernel, a loud warning is printed once
 per op (it is slow).
@@ -11,18 +11,15 @@ per op (it is slow).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import warnings
-from contextlib import contextmanager
-from typing import Any
 
 import torch
 
-from moekv.config import KernelConfig
 from moekv.core.fp8 import Fp8Weight
-from moekv.errors import ConfigError
-from moekv.ops import choices, op_table
+from moekv.ops import choices, kernel_state, op_table
+from moekv.ops.kernel_state import (batch_invariant, get_backend, install, installed_config,  # noqa: F401
+                                    kernel_config, override, skinny_gemm_enabled, skinny_gemm_max_rows)
 from moekv.ops.choices import DEFAULT_LOWBIT_DECODE, LOWBIT_DECODE_KERNELS, moe_expert_passes  # noqa: F401
 from moekv.ops.op_table import Op
 
@@ -32,94 +29,7 @@ _REF = "moekv.ops.reference."
 _warned: set[str] = set()
 
 
-# -- the active kernel configuration ---------------------------------------------------------------
-def _validated(config: KernelConfig) -> KernelConfig:
-    if not isinstance(config, KernelConfig):
-        raise ConfigError(f"expected a KernelConfig, got {config!r}")
-    if config.lowbit_decode != "auto" and config.lowbit_decode not in LOWBIT_DECODE_KERNELS:
-        raise ConfigError(f"low-bit decode kernel (KernelConfig.lowbit_decode, MOEKV_LOWBIT_DECODE) must be auto "
-                          f"or one of {', '.join(LOWBIT_DECODE_KERNELS)}, got {config.lowbit_decode!r}")
-    return config
-
-
-_installed = _validated(KernelConfig.from_env())
-_active = _installed
-
-
-def install(config: KernelConfig) -> None:
-    """Make `config` the kernel configuration of this process (the engine installs its own).
-    Scoped `override`s still apply on top of it."""
-    global _installed
-    _installed = _validated(config)
-    _refresh()
-
-
-_override_stack: list[dict[str, Any]] = []
-
-
-def _refresh() -> None:
-    global _active
-    merged: dict[str, Any] = {}
-    for fields in _override_stack:
-        merged.update(fields)
-    _active = _validated(dataclasses.replace(_installed, **merged)) if merged else _installed
-    _set_pdl(_active.pdl)
-
-
-def _set_pdl(on: bool) -> None:
-    """KernelConfig.pdl into ops.triton.pdl, which the Triton launches read (only where Triton imports)."""
-    if on or "moekv.ops.triton.pdl" in sys.modules:
-        try:
-            from moekv.ops.triton import pdl
-        except Exception:                                                     # noqa: BLE001 (no Triton here)
-            return
-        pdl.set_enabled(on)
-
-
-_set_pdl(_active.pdl)
-
-
-@contextmanager
-def override(**fields):
-    """Change KernelConfig fields inside a `with` block, over whatever is installed (an engine built
-    inside the block keeps them too), e.g. `with dispatch.override(backend="reference"): ...` or
-    `dispatch.override(lowbit_decode="tc")`. Yields the active KernelConfig."""
-    _override_stack.append(fields)
-    try:
-        _refresh()
-    except Exception:
-        _override_stack.pop()
-        raise
-    try:
-        yield _active
-    finally:
-        del _override_stack[next(i for i, f in enumerate(_override_stack) if f is fields)]
-        _refresh()
-
-
-def kernel_config() -> KernelConfig:
-    """The kernel configuration ops run with now."""
-    return _active
-
-
-def get_backend() -> str:
-    return _active.backend
-
-
-def skinny_gemm_enabled() -> bool:
-    return _active.skinny_gemm_rows > 0
-
-
-def batch_invariant() -> bool:
-    """KernelConfig.batch_invariant: every row's result independent of the rest of its batch (the layers ask)."""
-    return _active.batch_invariant
-
-
-def skinny_gemm_max_rows() -> int:
-    """The row limit of the skinny GEMM when on (1 with MOEKV_SKINNY_GEMM=auto, 16 otherwise)."""
-    return _active.skinny_gemm_rows or KernelConfig.SKINNY_GEMM_MAX_ROWS
-
-
+# -- the active kernel configuration (ops/kernel_state.py) ------------------------------------------
 # -- path decisions ----------------------------------------------------------------------------------
 def triton_available() -> bool:
     try:
@@ -131,7 +41,7 @@ def triton_available() -> bool:
 
 def use_triton(op: str, tensor: torch.Tensor, has_triton: bool = True) -> bool:
     """Decide the path for `op` on `tensor`'s device; warns once when a GPU falls back."""
-    backend = _active.backend
+    backend = kernel_state.active().backend
     if backend == "triton":
         return True
     if backend == "reference":
@@ -147,16 +57,16 @@ def use_triton(op: str, tensor: torch.Tensor, has_triton: bool = True) -> bool:
 
 def _layer_op_triton(op: str, tensor: torch.Tensor) -> bool:
     """The fused per-layer ops follow KernelConfig.fused_layer_ops under the "auto" backend."""
-    if _active.backend != "auto":
-        return _active.backend == "triton"
-    return _active.fused_layer_ops and use_triton(op, tensor)
+    if kernel_state.active().backend != "auto":
+        return kernel_state.active().backend == "triton"
+    return kernel_state.active().fused_layer_ops and use_triton(op, tensor)
 
 
 def _skinny_triton(op: str, x: torch.Tensor) -> bool:
     """Skinny GEMM: opt-in, 1 <= M <= its row limit, fp16 / bf16, CUDA (or a forced "triton" backend)."""
-    backend = _active.backend
-    return (_active.skinny_gemm_rows > 0 and backend != "reference" and x.dim() == 2
-            and 1 <= x.shape[0] <= _active.skinny_gemm_rows and x.dtype in (torch.float16, torch.bfloat16)
+    backend = kernel_state.active().backend
+    return (kernel_state.active().skinny_gemm_rows > 0 and backend != "reference" and x.dim() == 2
+            and 1 <= x.shape[0] <= kernel_state.active().skinny_gemm_rows and x.dtype in (torch.float16, torch.bfloat16)
             and (x.is_cuda or backend == "triton") and triton_available())
 
 
@@ -166,14 +76,14 @@ def fused_decode_layer() -> bool:
     under "auto"); elsewhere their reference twins, the same math as the unfused ops. Off in the batch-invariant
     mode: they apply up to a token count (KernelConfig.FUSED_ROUTER_MAX_TOKENS) or to some steps only, so a row
     would take another path in a larger step; the unfused per-row kernels run for every T instead."""
-    return _active.fused_decode_layer and _active.fused_layer_ops and not _active.batch_invariant
+    return kernel_state.active().fused_decode_layer and kernel_state.active().fused_layer_ops and not kernel_state.active().batch_invariant
 
 
 def fused_moe_combine() -> bool:
     """Whether an MoE block on the decode kernels hands its un-combined expert outputs to the next residual add +
     RMSNorm (moe_combine_add_rms_norm: one launch fewer per MoE layer): KernelConfig.fused_moe_combine, on top of
     fused_decode_layer (and so of fused_layer_ops). Off by default until a GPU run measures it."""
-    return _active.fused_moe_combine and fused_decode_layer()
+    return kernel_state.active().fused_moe_combine and fused_decode_layer()
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -184,7 +94,7 @@ def _warn_once(key: str, message: str) -> None:
 
 def lowbit_decode_kernel(key_spec, value_spec, query, staging_keys):
     """The decode-only kernel function chosen for this format, dtype and device, or None (the general kernel)."""
-    return choices.lowbit_decode_kernel(_active.lowbit_decode, key_spec, value_spec, query, staging_keys)
+    return choices.lowbit_decode_kernel(kernel_state.active().lowbit_decode, key_spec, value_spec, query, staging_keys)
 
 
 def moe_experts_path(hidden: torch.Tensor, num_experts: int, inter: int, weights: tuple | None = None) -> str:
@@ -199,7 +109,7 @@ def moe_experts_path(hidden: torch.Tensor, num_experts: int, inter: int, weights
         if not choices.resolve(_TRI + "moe.decode:supports")(*weights):
             return "reference"
         fmt = choices.resolve(_TRI + "moe.decode:weight_format")(weights[0])
-    if _active.batch_invariant:                 # one path for every T (the decode / grouped crossover is by T)
+    if kernel_state.active().batch_invariant:                 # one path for every T (the decode / grouped crossover is by T)
         return "grouped"
     return choices.moe_kernel_path(hidden, num_experts, inter, fmt)
 
@@ -230,7 +140,7 @@ def _call(name: str, *args, **kwargs):
             return kernel(*args, **kwargs)
         if op.unsupported is not None:
             _warn_once(f"{name}:unsupported", op.unsupported(*args, **kwargs))
-    elif op.cpu is not None and _active.backend == "auto" and tensor.device.type == "cpu":
+    elif op.cpu is not None and kernel_state.active().backend == "auto" and tensor.device.type == "cpu":
         return choices.resolve(op.cpu)(*args, **kwargs)
     reference = op.reference if callable(op.reference) else choices.resolve(op.reference)
     return reference(*args, **kwargs)
@@ -240,7 +150,7 @@ def _call(name: str, *args, **kwargs):
 def paged_attention_full_precision(query, key_pages, value_pages, meta, scale):
     """See ops.reference.attention.paged_attention_full_precision (Triton: ops.triton.attention; in the
     batch-invariant mode its fixed-split arithmetic, elsewhere ops.reference.attention.paged_attention_rowwise)."""
-    if _active.batch_invariant and not use_triton("paged_attention_full_precision", query):
+    if kernel_state.active().batch_invariant and not use_triton("paged_attention_full_precision", query):
         return choices.resolve(_REF + "attention:paged_attention_rowwise")(query, key_pages, value_pages, meta, scale)
     return _call("paged_attention_full_precision", query, key_pages, value_pages, meta, scale)
 
@@ -300,7 +210,7 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
     grouped kernel from KernelConfig.w8a8_min_tokens tokens: `w8a8`).
     Batch-invariant mode: the grouped path with one launch config for every T (moe.configs.BATCH_INVARIANT_CONFIG),
     elsewhere ops.reference.moe.moe_experts_rowwise."""
-    if _active.batch_invariant and not use_triton("moe_experts", hidden):
+    if kernel_state.active().batch_invariant and not use_triton("moe_experts", hidden):
         return choices.resolve(_REF + "moe:moe_experts_rowwise")(hidden, w_gate_up, w_down, topk_ids, topk_weights,
                                                                  out_dtype=out_dtype)
     if w8a8(hidden, w_gate_up, w_down):          # KernelConfig.w8a8_min_tokens: the grouped kernel, fp8 x fp8 dots
@@ -312,8 +222,8 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
 def w8a8(hidden, w_gate_up, w_down) -> bool:
     """Whether moe_experts quantizes this call's activations (W8A8): FP8 expert weights, at least
     KernelConfig.w8a8_min_tokens (> 0) tokens, not in batch-invariant mode."""
-    minimum = _active.w8a8_min_tokens
-    return (minimum > 0 and hidden.shape[0] >= minimum and not _active.batch_invariant
+    minimum = kernel_state.active().w8a8_min_tokens
+    return (minimum > 0 and hidden.shape[0] >= minimum and not kernel_state.active().batch_invariant
             and isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight))
 
 
@@ -392,7 +302,7 @@ def add_rms_norm_route(x, residual, norm_weight, eps, router_weight, top_k, reno
     are routed in the same launch by each token's last program with route_counters ([>= T] int32 zeros, the MoE
     block's) and KernelConfig.fused_route_fold on, else by a second launch; shapes it does not take run
     fused_add_rms_norm, skinny_linear and route_topk of this module)."""
-    if not _active.fused_route_fold:
+    if not kernel_state.active().fused_route_fold:
         route_counters = None
     return _call("add_rms_norm_route", x, residual, norm_weight, eps, router_weight, top_k, renormalize, expert_load,
                  token_valid, logits_out, route_counters)
@@ -414,7 +324,7 @@ def skinny_linear(x, weight, bias=None):
     shapes ops.triton.layer.skinny_gemm.supports: that kernel (fp32 sums, bias in fp32, one rounding: see
     ops.reference.skinny_gemm for how close to cuBLAS). Decided from shapes, dtypes and devices only: no host
     reads, CUDA-graph safe. Batch-invariant mode: invariant_linear instead, for every M."""
-    if _active.batch_invariant:
+    if kernel_state.active().batch_invariant:
         return _call("invariant_linear", x, weight, bias)
     return _call("skinny_linear", x, weight, bias)
 
