@@ -6,7 +6,7 @@ next to W8A16 (e4m3 widened to bf16 in registers) at the same tiles, as a launch
         /tmp/t36/bin/python tools/compile_moe_w8a8_sm90.py
 
 Cases: Mixtral-8x7B's experts at 128 tokens (top-2), per-channel scales and 128 x 128 blocks; Qwen3-30B-A3B's at
-256 tokens (top-8). Prints registers, spills, shared memory, and the SASS tensor-core instructions (HGMMA: 16-bit
+256 tokens (top-8); then the dense fp8_linear "dot" kernel at 128 rows (Mixtral's qkv, its default 64 x 64 x 64 tiles). Prints registers, spills, shared memory, and the SASS tensor-core instructions (HGMMA: 16-bit
 operands, QGMMA: fp8) and conversions (F2FP / HADD2.F32 / PRMT, the widening W8A16 pays per weight).
 """
 import collections
@@ -15,6 +15,7 @@ import time
 import torch
 
 from moekv.core.fp8 import FP8_DTYPE, Fp8Weight, scale_shape
+from moekv.ops.triton.layer import fp8_linear
 from moekv.ops.triton.moe import grouped
 from tools.sass_stats import capture_launch, compile_launch, instructions, resource_usage, sass
 
@@ -60,3 +61,18 @@ for label, tokens, top_k, experts, hidden, inter, block in CASES:
             print(f"ok {label} {'W8A8' if a8 else 'W8A16'} {name}: {time.time() - t0:.1f} s, regs {usage.get('REG')}, "
                   f"local {usage.get('LOCAL', 0)}, shared {compiled.metadata.shared}, {counts(sass(compiled))}",
                   flush=True)
+
+
+for block in (None, (128, 128)):
+    x = torch.empty((128, 4096), dtype=torch.bfloat16)
+    w = weight((6144, 4096), block)
+    for a8 in (False, True):
+        with capture_launch(fp8_linear, "_fp8_linear_kernel") as launches:
+            fp8_linear.fp8_linear(x, w, act_fp8=a8, config={"VARIANT": "dot"})
+        _, args, kwargs = launches[0]
+        kwargs = dict(kwargs, UPCAST=False, EMULATE_BF16=False)
+        compiled = compile_launch(fp8_linear._fp8_linear_kernel, args, kwargs)
+        usage = resource_usage(compiled)
+        print(f"ok qkv 128 rows, {'per channel' if block is None else '128 x 128 blocks'} {'W8A8' if a8 else 'W8A16'}: "
+              f"regs {usage.get('REG')}, local {usage.get('LOCAL', 0)}, shared {compiled.metadata.shared}, "
+              f"{counts(sass(compiled))}", flush=True)

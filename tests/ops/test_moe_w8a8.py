@@ -137,3 +137,25 @@ def test_w8a8_env_override(monkeypatch):
     monkeypatch.setenv("MOEKV_W8A8_MIN_TOKENS", "lots")
     with pytest.raises(ConfigError, match="MOEKV_W8A8_MIN_TOKENS"):
         envs.kernel_overrides()
+
+
+@pytest.mark.parametrize("rows,block,dtype,acts", [(1, None, FP32, "random"), (5, (16, 32), BF16, "heavy"),
+                                                   (40, None, FP16, "spike"), (70, (128, 128), FP32, "zero")], ids=str)
+def test_fp8_linear_w8a8_matches_reference(rows, block, dtype, acts, device):
+    """The dense projections' A8 path (the "dot" kernel at any row count, also where W8A16 would take the GEMV)."""
+    from moekv.ops.reference.fp8_linear import fp8_linear as fp8_linear_reference
+    from moekv.ops.triton.layer.fp8_linear import fp8_linear
+    from tests.ops.test_fp8_kernels import fp8_weight
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = fp8_weight((72, 96), block, gen, "random")
+    x = activations(torch.randn(rows, 96, generator=gen), acts, gen).to(dtype)
+    bias = torch.randn(72, generator=gen).to(dtype)
+    x, weight, bias = _to(device, x, weight, bias)
+    expected = fp8_linear_reference(x, weight, bias, act_fp8=True)
+    assert_close(fp8_linear(x, weight, bias, act_fp8=True), expected, dtype)
+    assert not torch.equal(expected, fp8_linear_reference(x, weight, bias))
+    with dispatch.override(backend="triton", w8a8_min_tokens=rows):
+        assert_close(dispatch.fp8_linear(x, weight, bias), expected, dtype)
+    with dispatch.override(backend="triton", w8a8_min_tokens=rows + 1):
+        assert_close(dispatch.fp8_linear(x, weight, bias), fp8_linear_reference(x, weight, bias), dtype)

@@ -220,8 +220,8 @@ def moe_experts(hidden, w_gate_up, w_down, topk_ids, topk_weights, out_dtype=Non
 
 
 def w8a8(hidden, w_gate_up, w_down) -> bool:
-    """Whether moe_experts quantizes this call's activations (W8A8): FP8 expert weights, at least
-    KernelConfig.w8a8_min_tokens (> 0) tokens, not in batch-invariant mode."""
+    """Whether moe_experts (fp8_linear: w_gate_up = w_down = its weight) quantizes this call's activations (W8A8):
+    FP8 weights, at least KernelConfig.w8a8_min_tokens (> 0) rows, not in batch-invariant mode."""
     minimum = kernel_state.active().w8a8_min_tokens
     return (minimum > 0 and hidden.shape[0] >= minimum and not kernel_state.active().batch_invariant
             and isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight))
@@ -249,7 +249,10 @@ def moe_combine_add_rms_norm(partial, topk_weights, residual, norm_weight, eps):
 
 def fp8_linear(x, weight, bias=None):
     """x [M, K] @ dequantize(weight)[N, K]^T (+ bias) for an FP8 weight (moekv.core.fp8.Fp8Weight): see
-    ops.reference.fp8_linear (Triton: ops.triton.layer.fp8_linear, W8A16, the codes widened in registers)."""
+    ops.reference.fp8_linear (Triton: ops.triton.layer.fp8_linear, W8A16, the codes widened in registers; W8A8
+    from KernelConfig.w8a8_min_tokens rows, as moe_experts)."""
+    if w8a8(x, weight, weight):
+        return _call("fp8_linear", x, weight, bias, act_fp8=True)
     return _call("fp8_linear", x, weight, bias)
 
 

@@ -173,8 +173,8 @@ def build(ops) -> dict[str, Op]:
         "moe_combine_add_rms_norm": Op(_REF + "moe_combine:moe_combine_add_rms_norm", bound(_combine_norm_kernel),
                                        gate="layer"),
         "fp8_linear": Op(_REF + "fp8_linear:fp8_linear", _TRI + "layer.fp8_linear:fp8_linear",
-                         lambda m, x, weight, bias=None: m.supports(x, weight),
-                         unsupported=lambda x, weight, bias=None: f"moekv: no Triton FP8 linear for x "
+                         lambda m, x, weight, bias=None, act_fp8=False: m.supports(x, weight),
+                         unsupported=lambda x, weight, bias=None, act_fp8=False: f"moekv: no Triton FP8 linear for x "
                          f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} block {weight.block}; running "
                          "the reference"),
         "moe_align": Op(_REF + "moe:moe_align_reference", _TRI + "moe.align:moe_align"),

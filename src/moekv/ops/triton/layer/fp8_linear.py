@@ -1,4 +1,5 @@
-"""W8A16 linear layer: out [M, N] = x [M, K] @ dequantize(weight)[N, K]^T (+ bias), FP8 weight codes.
+"""W8A16 linear layer: out [M, N] = x [M, K] @ dequantize(weight)[N, K]^T (+ bias), FP8 weight codes (W8A8 with
+`act_fp8`: x's rows quantized to e4m3 per row first, fp8 x fp8 dots, each row's scale on its accumulator).
 
 Same contract as ops.reference.fp8_linear.fp8_linear. One program per (BLOCK_M rows, BLOCK_N output
 features); the K loop reads [BLOCK_K, BLOCK_N] tiles of e4m3 codes (one byte per weight: half the bytes of
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekv.core.fp8 import Fp8Weight, k_tile_cap
+from moekv.core.fp8 import Fp8Weight, k_tile_cap, quantize_rows
 from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable, weight_dot
 from moekv.ops.triton.layer import fp8_gemv
@@ -37,10 +38,11 @@ def _fp8_linear_kernel(
     s_ptr,                  # [N / SCALE_BN, K / scale_block_k] fp32 scales
     b_ptr,                  # [N] or a dummy (HAS_BIAS False)
     out_ptr,                # [M, N] x.dtype
+    xs_ptr,                 # A8: [M] fp32 per-row scales of x's e4m3 codes (else unused)
     M, N, K,
     stride_xm, stride_wn, stride_wk, stride_sn, stride_sk, scale_block_k, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_BN: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    SCALE_BN: tl.constexpr, UPCAST: tl.constexpr, EMULATE_BF16: tl.constexpr, A8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pdl.enter(USE_PDL)
@@ -59,6 +61,8 @@ def _fp8_linear_kernel(
         x = tl.load(x_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)   # [BM, BK]
         w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)   # [BK, BN]
         acc += weight_dot(x, w, s_cols, k0, stride_sk, scale_block_k, n_mask, UPCAST, True)
+    if A8:
+        acc = acc * tl.load(xs_ptr + rows, mask=m_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     offs = rows[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -113,9 +117,10 @@ def resolve_config(x: torch.Tensor, weight: Fp8Weight, config: dict | None) -> t
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None,
-               config: dict | None = None) -> torch.Tensor:
-    """Same contract as ops.reference.fp8_linear.fp8_linear; config overrides default_config's entries
-    ("VARIANT": "dot" / "fma", and the chosen variant's launch entries: resolve_config)."""
+               config: dict | None = None, act_fp8: bool = False) -> torch.Tensor:
+    """Same contract as ops.reference.fp8_linear.fp8_linear (act_fp8: W8A8, the "dot" kernel with e4m3 rows and
+    fp8 x fp8 dots); config overrides default_config's entries ("VARIANT": "dot" / "fma", and the chosen variant's
+    launch entries: resolve_config)."""
     num_rows, _ = x.shape
     out_features, in_features = weight.shape
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)                 # [M, N]
@@ -124,18 +129,19 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
     if x.stride(-1) != 1:
         x = x.contiguous()
     check_launchable(_fp8_linear_kernel, x)
-    variant, cfg = resolve_config(x, weight, config)
+    variant, cfg = resolve_config(x, weight, dict(config or {}, VARIANT="dot") if act_fp8 else config)
     if variant == "fma":
         return fp8_gemv.fp8_gemv(x, weight, bias, out, cfg)
+    rows, row_scale = quantize_rows(x) if act_fp8 else (x, x)
     cap = k_tile_cap(weight)                     # a K tile must not cross a scale block
     if cap is not None:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], cap)
     codes, scale = weight.codes, weight.scale
     grid = (triton.cdiv(num_rows, cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
     _fp8_linear_kernel[grid](
-        x, codes, scale, bias if bias is not None else scale, out, num_rows, out_features, in_features,
-        x.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), weight.block[1],
+        rows, codes, scale, bias if bias is not None else scale, out, row_scale, num_rows, out_features, in_features,
+        rows.stride(0), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1), weight.block[1],
         out.stride(0), HAS_BIAS=bias is not None, SCALE_BN=weight.block[0],
-        UPCAST=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda),
-        EMULATE_BF16=not x.is_cuda, **cfg, **pdl.launch_kwargs(x))
+        UPCAST=rows.dtype == torch.float32 or (rows.dtype == torch.bfloat16 and not x.is_cuda),
+        EMULATE_BF16=not x.is_cuda, A8=act_fp8, **cfg, **pdl.launch_kwargs(x))
     return out
