@@ -238,10 +238,11 @@ class KernelConfig:
                                         # compute capability >= 9.0 (ops/triton/pdl.py): each may be scheduled
                                         # while the kernel before it finishes; off until a GPU run measures it
                                         # (docs/gpu-runbook.md, session 28); MOEKV_PDL=1 turns it on
-    w8a8_min_tokens: int = 0            # FP8 experts: from this many tokens per MoE call on, activations are
-                                        # quantized to e4m3 per token and the grouped kernel's dots are fp8 x fp8
-                                        # (W8A8, ops/triton/moe/grouped.py); 0: never (W8A16 everywhere, the default
-                                        # until a GPU run measures where it pays); MOEKV_W8A8_MIN_TOKENS=N
+    w8a8_min_tokens: int = 0            # FP8 weights: from this many rows per MoE call / FP8 projection on, the
+                                        # activations are quantized to e4m3 per row and the dots are fp8 x fp8 (W8A8:
+                                        # the grouped MoE kernel, fp8_linear's dot kernel); 0: never (W8A16
+                                        # everywhere, the default until a GPU run measures where it pays);
+                                        # MOEKV_W8A8_MIN_TOKENS=N
     batch_invariant: bool = False       # every token row's result bit-identical whatever else shares its step (batch
                                         # size, prefill chunk, CUDA-graph bucket): one fixed-tile GEMM for every linear,
                                         # the grouped MoE path with one config, attention split at fixed token counts,

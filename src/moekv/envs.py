@@ -18,7 +18,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_FUSED_ROUTE_FOLD | `kernel_overrides` | 0 / 1: a router of several programs per token routed in the add + norm launch (on) |
 | MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) |
 | MOEKV_PDL | `kernel_overrides` | 0 / 1: programmatic dependent launch of the decode step's Triton kernels (off) |
-| MOEKV_W8A8_MIN_TOKENS | `kernel_overrides` | N >= 0: FP8 experts run W8A8 (e4m3 activations) from N tokens per MoE call (0: off) |
+| MOEKV_W8A8_MIN_TOKENS | `kernel_overrides` | N >= 0: FP8 weights run W8A8 (e4m3 activations) from N rows per MoE call or projection (0: off) |
 | MOEKV_BATCH_INVARIANT | `kernel_overrides` | 0 / 1: every row's result independent of the batch (slower) |
 | MOEKV_CAPTURE_ERROR_MODE | `capture_error_mode` | torch.cuda.graph's capture_error_mode |
 | MOEKV_DEFAULT_MODEL | `default_model` | the checkpoint `moekv` runs when none is named |

@@ -11,8 +11,8 @@ add), so give this the 16-bit checkpoint.
 and `offload-fp8`: the 16-bit model with its experts offloaded to host memory as FP8 copies
 (`OffloadConfig(host_format="fp8")`, half the expert cache), computed from directly by the W8A16 experts
 kernels (issue 24's compressed host experts; the projections stay 16-bit). Its weight bytes count the FP8
-host copies of the experts. `fp8-w8a8`: the `fp8` model with its routed experts run W8A8 (every MoE call's
-activations quantized to e4m3 per row, `KernelConfig.w8a8_min_tokens=1`; the dense projections stay W8A16).
+host copies of the experts. `fp8-w8a8`: the `fp8` model run W8A8 (every activation that meets an FP8 weight,
+experts and projections, quantized to e4m3 per row: `KernelConfig.w8a8_min_tokens=1`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"),
                         help="activation / KV dtype of both runs (default bf16)")
     parser.add_argument("--rows", default="16-bit,fp8", help="comma-separated rows after the 16-bit reference: "
-                        "fp8 (all projections and experts), fp8-w8a8 (the same, experts W8A8), offload-fp8 (experts "
+                        "fp8 (all projections and experts), fp8-w8a8 (the same, W8A8), offload-fp8 (experts "
                         "offloaded as FP8 host copies); "
                         "default 16-bit,fp8")
     parser.add_argument("--json", default=None, help="write the rows as a JSON list to this file")
