@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moekv.cli import build_parser, main
+from tests.helpers import needs_bundled_model
 
 
 def test_help_lists_commands(capsys):
@@ -69,3 +70,24 @@ def test_prefix_caching_flag_defaults_on(command):
     assert parser.parse_args(command).enable_prefix_caching is True
     assert parser.parse_args(command + ["--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parser.parse_args(command + ["--enable-prefix-caching"]).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_offload_flags_of_both_commands(command):
+    from moekv.entrypoints.offload_args import offload_kwargs
+
+    parser = parser_for(command)
+    defaults = offload_kwargs(parser.parse_args(command))
+    assert defaults["prefetch_guard"] is True and defaults["prefetch"] is True and "expert_cache_size" not in defaults
+    given = offload_kwargs(parser.parse_args(command + ["--cpu-offload-experts", "--no-prefetch-guard",
+                                                        "--expert-cache-size", "4", "--prefetch-threshold", "auto"]))
+    assert given["cpu_offload_experts"] and given["prefetch_guard"] is False
+    assert given["expert_cache_size"] == "4" and given["prefetch_threshold"] == "auto"
+
+
+@needs_bundled_model
+def test_generate_prints_the_prefetch_guard(capsys):
+    assert main(["generate", "--prompt", "ROMEO:", "--max-tokens", "40", "--temperature", "0", "--device", "cpu",
+                 "--cpu-offload-experts"]) == 0
+    out = capsys.readouterr().out
+    assert "prefetch guard (batch 1)" in out and "ms/step with" in out

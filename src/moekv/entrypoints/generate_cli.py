@@ -166,3 +166,10 @@ def _add_routing_rows(table, stats: dict) -> None:
                       f"{offload['misses']} misses)")
         table.add_row("experts copied to device", f"{offload['copies']} ({offload['bytes_copied'] / 2**20:.1f} MiB; "
                       f"{offload['prefetches']} prefetched, {offload['wasted_prefetches']} unused)")
+    guard = stats.get("prefetch_guard")
+    for batch, regime in sorted((guard or {}).get("regimes", {}).items()):
+        kept = {True: "prefetch kept", False: "prefetch off (on demand faster)",
+                None: "still measuring"}[regime["prefetch"]]
+        timings = "" if regime["median_ms_on"] is None or regime["median_ms_off"] is None else \
+            f": {regime['median_ms_on']:.1f} ms/step with, {regime['median_ms_off']:.1f} without"
+        table.add_row(f"prefetch guard (batch {batch})", f"{kept}{timings}")
