@@ -252,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     model_name = Path(args.model).resolve().name
     started = datetime.datetime.now(datetime.timezone.utc)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    commit = git_commit()                    # the code that runs: read before the run (the tree may move during it)
     result = run(args)
     report = {
         "meta": {
             "date": started.strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, CPU".strip(),
-            "commit": git_commit(),
+            "commit": commit,
             "command": shlex.join(["PYTHONPATH=src:.", ".venv/bin/python",
                                    os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
             "versions": package_versions(),
