@@ -139,7 +139,11 @@ def test_engine_turns_costly_guesses_off_and_keeps_the_tokens():
     regime = llm.engine.routing_stats()["prefetch_guard"]["regimes"]["1"]
     assert regime["prefetch"] is False and regime["windows_on"] == 2 and regime["windows_off"] >= 2
     assert regime["median_ms_on"] == pytest.approx(3e3) and regime["median_ms_off"] == pytest.approx(1e3)
-    assert predictor.paused                        # the decode steps after the exploration run on demand
+    assert predictor.paused                        # the decode steps after the exploration run on demand,
+    model = llm.engine.model                       # with no predictor hook left (fused paths as without one)
+    assert not any(module._forward_hooks for module in model.modules())
+    predictor.paused = False
+    assert sum(len(module._forward_hooks) for module in model.modules()) == len(predictor._handles) > 0
 
 
 @needs_bundled_model
@@ -150,3 +154,39 @@ def test_engine_without_the_guard():
               cpu_offload_experts=True, prefetch_guard=False)
     assert llm.engine.routing.guard is None
     assert llm.engine.routing_stats()["prefetch_guard"] is None
+
+
+def test_paused_staged_policy_is_on_demand_bookkeeping_included(tiny_model):
+    """With the predictor paused and no guess left, a staged offload's blocks skip the policy's decision points
+    (no mark_decision / decide): the step is on-demand loading; guesses resume when the predictor does."""
+    from moekv.config import OffloadConfig
+    from moekv.moe.prefetch import install_routing
+    from moekv.moe.prefetch.policy import Timeline
+    from tests.hf_fixtures import moekv_greedy
+
+    model = tiny_model(seed=3)
+    runtime = install_routing(model, OffloadConfig(cpu_offload_experts=True, expert_cache_size=3,
+                                                   prefetch_threshold=-1.0))
+    staged = runtime.offload.staged
+    staged.fixed = Timeline(copy_ms=1.0, default_window_ms=0.3)
+    clock = StepClock(lambda on: 3.0 if on else 1.0)
+    runtime.guard = PrefetchGuard(window=2, rounds=1, hold=64, clock=clock)
+    original = runtime.guard.begin
+
+    def begin(key):
+        clock.side = (not runtime.predictor.paused) if key is not None and runtime.guard._open is not None else None
+        return original(key)
+
+    runtime.guard.begin = begin
+    expected, _ = moekv_greedy(tiny_model(seed=3), [[1, 2, 3, 4, 5]], max_new_tokens=12)
+    tokens, _ = moekv_greedy(model, [[1, 2, 3, 4, 5]], max_new_tokens=12)
+    assert tokens == expected
+    assert runtime.predictor.paused and not runtime.offload.guessing        # explored, kept off
+    decisions = staged.stager.counters.decisions
+    assert decisions > 0 and not staged.engaged()
+    tokens, _ = moekv_greedy(model, [[1, 2, 3, 4, 5]], max_new_tokens=12)     # every step off: no decision point
+    assert tokens == expected and staged.stager.counters.decisions == decisions
+    runtime.predictor.paused, runtime.offload.guessing = False, True          # back on: decisions again
+    runtime.guard = None
+    moekv_greedy(model, [[1, 2, 3, 4, 5]], max_new_tokens=4)
+    assert staged.stager.counters.decisions > decisions

@@ -124,6 +124,7 @@ class ExpertOffload:
                 experts.staging = self.staged
         self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []   # (target, distance, ids, margins)
         self._immediate = False
+        self.guessing = True            # False while the predictor is paused (guard.PrefetchGuard): no guesses come
         if predictor is not None:
             self.attach_predictor(predictor)
 

@@ -248,7 +248,8 @@ class OffloadedExperts(PooledExperts):
             [slotted[i:i + self.num_slots] for i in range(0, len(slotted), self.num_slots)]
         for expert in groups[0]:
             cache.protect(expert, NEEDED)
-        if self.staging is not None:
+        staged = self.staging is not None and self.staging.engaged()
+        if staged:
             self.staging.mark_decision(self.layer_idx)          # before the misses: did guesses overrun?
         for expert in groups[0]:
             if not cache.is_resident(expert):
@@ -275,7 +276,7 @@ class OffloadedExperts(PooledExperts):
         if split:
             self.split.finish(split_job, hidden, compute)
         out = compute.result()                                  # [T, H], bit-identical to LocalExperts
-        if self.on_routed is not None and self.staging is not None:
+        if self.on_routed is not None and staged:
             # staged guesses after the compute launch: their host time overlaps the GPU's, not the launch's
             self.on_routed(self.layer_idx, needed, counts[1:], bool(missing or split))
         cache.end_step()

@@ -95,7 +95,7 @@ class ExpertPredictor:
         self.source = source
         self.norm = norm
         self.margins = margins          # hand listeners the router probability margins of the guesses too
-        self.paused = False             # no guesses, no statistics while set (guard.PrefetchGuard's "off" steps)
+        self._paused = False            # `paused`: hooks detached (guard.PrefetchGuard's "off" steps)
         self.top_k = arch.top_k
         self.width = min(arch.num_experts, arch.top_k + extra_candidates)   # P: experts predicted per token
         # the guess is computed one expert wider than P for statistics only (what recall one more
@@ -111,15 +111,41 @@ class ExpertPredictor:
         self.guessed_tokens = torch.zeros(shape, dtype=torch.int64, device=device)   # tokens with a guess
         self.listeners: list[PredictionListener] = []
         self._pending: dict[tuple[int, int], torch.Tensor] = {}   # (target layer, distance) -> [T, P]
-        self._handles = [model.embed_tokens.register_forward_hook(self._layer_hook(-1))]   # predicts layer 0
+        self._handles: list = []
+        self._attach()
+
+    def _attach(self) -> None:
+        """Register the forward hooks (the embedding predicts layer 0; each layer's norm or output the next)."""
+        model = self.model
+        self._handles = [model.embed_tokens.register_forward_hook(self._layer_hook(-1))]
         for index, layer in enumerate(model.layers):
-            if source == "attn":
+            if self.source == "attn":
                 hook = layer.post_attn_norm.register_forward_hook(self._norm_hook(index))
             else:
                 hook = layer.register_forward_hook(self._layer_hook(index))
             self._handles.append(hook)
             if index in self.moe_layers:
                 self._handles.append(layer.mlp.router.register_forward_hook(self._router_hook(index)))
+
+    @property
+    def paused(self) -> bool:
+        """No hooks, no guesses, no statistics while set (guard.PrefetchGuard's "off" steps): the model runs exactly
+        as without a predictor (its fused paths included, which forward hooks would turn off). Between steps."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        value = bool(value)
+        if value == self._paused:
+            return
+        self._paused = value
+        if value:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._pending.clear()
+        else:
+            self._attach()
 
     # -- hooks -----------------------------------------------------------------------------------
     def _norm_hook(self, index: int):
@@ -139,8 +165,6 @@ class ExpertPredictor:
 
     def _on_hidden(self, layer: int, residual: torch.Tensor, normed: torch.Tensor | None) -> None:
         """residual [T, H] (and layer's normed MoE input [T, H] for source "attn")."""
-        if self.paused:
-            return
         for distance in range(1, self.lookahead + 1):
             target = layer + distance
             if target not in self.moe_layers:
@@ -156,8 +180,6 @@ class ExpertPredictor:
 
     def _on_routed(self, layer: int, routed_ids: torch.Tensor) -> None:
         """routed_ids [T, k]: what layer's router chose; compare with the pending predictions."""
-        if self.paused:
-            return
         num_pairs = routed_ids.numel()
         for distance in range(1, self.lookahead + 1):
             wide = self._pending.pop((layer, distance), None)
@@ -234,3 +256,4 @@ class ExpertPredictor:
             handle.remove()
         self._handles.clear()
         self._pending.clear()
+        self._paused = True             # removed for good: `paused = False` would attach again

@@ -79,6 +79,12 @@ class StagedPrefetch:
         self.host_seconds = 0.0                        # host time spent in mark_decision + decide
 
     # -- OffloadedExperts.staging ------------------------------------------------------------------
+    def engaged(self) -> bool:
+        """Whether a decision point needs this policy: guesses may come (ExpertOffload.guessing: the predictor
+        runs) or some are still staged or awaiting calibration. A block skips mark_decision / decide otherwise, so
+        a step with prediction paused (guard.PrefetchGuard) is on-demand loading, bookkeeping included."""
+        return self.offload.guessing or bool(self.stager.staged) or bool(self.expected)
+
     def take(self, layer: int, expert: int):
         return self.stager.take(layer, expert)
 
