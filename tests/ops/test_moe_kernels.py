@@ -19,6 +19,7 @@ from moekv.ops.reference.moe import (moe_activation_reference, moe_align_referen
 from moekv.ops.triton.moe import configs as moe_configs
 from moekv.ops.triton.moe import decode as moe_decode
 from moekv.ops.triton.moe import grouped as moe_grouped
+from moekv.ops.triton.moe import align as moe_align_module
 from moekv.ops.triton.moe.align import moe_align
 from tests.ops.helpers import assert_close
 
@@ -142,6 +143,7 @@ def check_alignment(topk_ids, num_experts, block_m, sorted_slots, block_experts,
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,pattern", [
     (1, 2, 8, 16, "random"), (5, 1, 3, 16, "random"), (37, 4, 6, 16, "random"), (64, 2, 8, 64, "hot"),
     (50, 2, 16, 16, "sparse"), (13, 2, 5, 32, "repeat"), (300, 8, 128, 32, "random"), (1500, 2, 8, 16, "random"),
+    (512, 2, 8, 64, "hot"), (128, 8, 128, 16, "random"), (129, 8, 128, 16, "sparse"),   # one program's limit, 1 past
 ])
 def test_align_exact(num_tokens, top_k, num_experts, block_m, pattern, device):
     gen = torch.Generator().manual_seed(num_tokens)
@@ -153,6 +155,22 @@ def test_align_exact(num_tokens, top_k, num_experts, block_m, pattern, device):
     for got, want in zip(actual, expected):
         assert got.dtype == want.dtype == torch.int32
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,pattern", [
+    (1, 2, 8, 16, "random"), (64, 2, 8, 64, "hot"), (33, 8, 128, 16, "sparse"), (200, 2, 8, 16, "repeat"),
+])
+def test_align_one_program_and_three_launches_agree(num_tokens, top_k, num_experts, block_m, pattern, device,
+                                                    monkeypatch):
+    """The one-program align (up to ONE_PROGRAM_SLOTS slots) and the three launches: the same outputs, bit for bit,
+    on the same input (several chunks of the one program's loop too: ONE_PROGRAM_SLOTS raised)."""
+    ids, _ = routing(num_tokens, top_k, num_experts, torch.Generator().manual_seed(7), pattern)
+    ids = ids.to(device)
+    expected = moe_align_reference(ids, num_experts, block_m)
+    for limit in (0, 1 << 20):
+        monkeypatch.setattr(moe_align_module, "ONE_PROGRAM_SLOTS", limit)
+        for got, want in zip(moe_align(ids, num_experts, block_m), expected):
+            assert torch.equal(got, want)
 
 
 def test_dispatch_picks_decode_then_grouped(device, monkeypatch, triton_backend):

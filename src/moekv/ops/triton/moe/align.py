@@ -14,6 +14,11 @@ launches, no host synchronisation and no memset:
 
 Slots keep their ascending order inside an expert's run (chunks are ranked in order), as the stable
 argsort of the reference does.
+
+Up to ONE_PROGRAM_SLOTS slots (decode batches: Mixtral's B=64 is 128 slots, Qwen3-30B-A3B's 512) the three steps run
+as one program instead (`_align_one_kernel`): two passes over the slots (counts, then each slot's row from the
+running per-expert counts) and one over the rows (padding, block experts). One launch instead of three, and its
+chunk sized to the slots (the count launch's one-hot tile is 1024 x E rows even for 128 slots).
 """
 
 from __future__ import annotations
@@ -98,6 +103,51 @@ def _align_scatter_kernel(ids_ptr, rank_ptr, chunk_offsets_ptr, counts_ptr, padd
     tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, tl.int32) + num_slots, mask=in_range & padding)
 
 
+ONE_PROGRAM_SLOTS = 1024          # at most this many slots: one program (`_align_one_kernel`), else three launches
+
+
+@triton.jit
+def _align_one_kernel(ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, num_slots, num_experts, capacity,
+                      BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    experts = tl.arange(0, E_PAD)                                               # [E_PAD]
+    e_mask = experts < num_experts
+    lanes = tl.arange(0, CHUNK)                                                 # [CHUNK]
+    counts = tl.zeros([E_PAD], tl.int32)
+    for first in range(0, num_slots, CHUNK):                                    # pass 1: per-expert counts
+        slots = first + lanes
+        ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M                        # [E_PAD]
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    seen = tl.zeros([E_PAD], tl.int32)                                          # slots of each expert so far
+    for first in range(0, num_slots, CHUNK):                                    # pass 2: each slot to its row
+        slots = first + lanes
+        valid = slots < num_slots
+        ids = tl.load(ids_ptr + slots, mask=valid, other=-1).to(tl.int32)
+        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)               # [CHUNK, E_PAD]
+        base = padded_start + seen - 1                                          # [E_PAD]
+        row = tl.sum((tl.cumsum(one_hot, axis=0) + base[None, :]) * one_hot, axis=1)
+        tl.store(sorted_ptr + row, slots, mask=valid)
+        seen += tl.sum(one_hot, axis=0)
+    offs = tl.arange(0, ROWS)                                                   # pass 3: padding rows, blocks
+    for first in range(0, capacity, ROWS):
+        rows = first + offs                                                     # [ROWS]
+        in_range = rows < capacity
+        before = (padded_end[None, :] <= rows[:, None]) & e_mask[None, :]       # runs that end at or before it
+        expert = tl.sum(before.to(tl.int32), axis=1)                            # [ROWS]
+        owned = rows < total
+        mine = experts[None, :] == expert[:, None]                              # [ROWS, E_PAD]
+        start = tl.sum(tl.where(mine, padded_start[None, :], 0), axis=1)
+        count = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
+        padding = (~owned) | (rows - start >= count)
+        tl.store(sorted_ptr + rows, tl.full([ROWS], 0, tl.int32) + num_slots, mask=in_range & padding)
+        tl.store(block_experts_ptr + rows // BLOCK_M, tl.where(owned, expert, -1),
+                 mask=in_range & (rows % BLOCK_M == 0))
+
+
 def align_chunk(num_experts: int) -> tuple[int, int]:
     """(CHUNK, E_PAD): slots per count program, keeping the one-hot tile at 8K elements or less."""
     e_pad = triton.next_power_of_2(max(num_experts, 2))
@@ -123,6 +173,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
         num_padded.zero_()
         return sorted_slots, block_experts, num_padded
     check_launchable(_align_count_kernel, flat_ids)
+    if num_slots <= ONE_PROGRAM_SLOTS:
+        one_chunk = max(16, min(chunk, triton.next_power_of_2(num_slots)))
+        _align_one_kernel[(1,)](flat_ids, sorted_slots, block_experts, num_padded, num_slots, num_experts, capacity,
+                                BLOCK_M=block_m, CHUNK=one_chunk, E_PAD=e_pad, ROWS=max(16, 4096 // e_pad))
+        return sorted_slots, block_experts, num_padded
     rank = torch.empty(num_slots, dtype=torch.int32, device=device)            # [N]
     chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)        # [E]
