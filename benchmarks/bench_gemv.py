@@ -1,8 +1,9 @@
 """Decode-size dense projections: moekv's skinny GEMM (ops.triton.layer.skinny_gemm) vs torch F.linear (cuBLAS)
-on Mixtral-8x7B's shapes, x [M, K] @ W[N, K]^T in bf16 for M = 1, 2, 4, 8, 16.
+on Mixtral-8x7B's shapes, x [M, K] @ W[N, K]^T in bf16 for M = 1, 2, 4, 8, 16 (and 32, 64: `--rows`).
 
     MOEKV_COMMIT=<sha> PYTHONPATH=src:. python benchmarks/bench_gemv.py --out /root/out/gemv
     PYTHONPATH=src:. python benchmarks/bench_gemv.py --sweep --rows 1,16     # + launch-config sweep
+    PYTHONPATH=src:. python benchmarks/bench_gemv.py --sweep --rows 32,64 --shapes qkv,o   # decode batches
     PYTHONPATH=src:. python benchmarks/bench_gemv.py --dry     # CPU: the code paths under the interpreter
     PYTHONPATH=src:. python benchmarks/bench_gemv.py --static  # CPU: sm_90 compile of the launches
 
@@ -59,6 +60,8 @@ MIN_STREAM_BYTES = 512 * 2**20
 # --sweep: launch configs tried on top of the defaults (dot: any M; fma: M == 1)
 SWEEP_DOT = [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=4, SPLIT_K=sp)
              for bn, bk, st, sp in itertools.product((16, 32), (128, 256), (3, 4, 5), (1, 2))]
+SWEEP_DOT_WIDE = [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w, SPLIT_K=sp)       # M > 16
+                  for bn, bk, st, w, sp in itertools.product((64, 128), (64, 128), (2, 3), (4, 8), (1, 2, 4))]
 SWEEP_FMA = [dict(BLOCK_N=bn, BLOCK_K=256 * w, num_warps=w, UNROLL=u, SPLIT_K=1, num_stages=1)
              for bn, w, u in itertools.product((2, 4, 8), (2, 4, 8), (1, 2, 4))]
 
@@ -116,7 +119,7 @@ def bench_shape(name: str, K: int, N: int, rows: list[int], dtype: torch.dtype, 
         if M == 1:
             impls.append(("skinny-fma", "fma", None))
         if sweep:
-            impls += [("sweep-dot", "dot", cfg) for cfg in SWEEP_DOT]
+            impls += [("sweep-dot", "dot", cfg) for cfg in (SWEEP_DOT if M <= sk.ONE_BINARY_ROWS else SWEEP_DOT_WIDE)]
             impls += [("sweep-fma", "fma", cfg) for cfg in SWEEP_FMA] if M == 1 else []
         base_ms = None
         for impl, variant, cfg in impls:
@@ -267,7 +270,8 @@ def static_report(shapes: dict, rows: list[int], dtype: torch.dtype) -> list[str
                 shared = kernel.metadata.shared + usage.get("SHARED", 0)
                 per_sm = programs_per_sm(usage["REG"], shared, kwargs["num_warps"])
                 cfg = {k: v for k, v in kwargs.items() if k in ("BLOCK_N", "BLOCK_K", "UNROLL", "num_warps", "num_stages")}
-                lines.append(f"| {name} | {M if variant == 'fma' else '1-16'} | {variant} | {grid}"
+                label = M if variant == "fma" or M > sk.ONE_BINARY_ROWS else "1-16"
+                lines.append(f"| {name} | {label} | {variant} | {grid}"
                              f"{' + reduce' if reduces else ''} | `{json.dumps(cfg)}` | {usage['REG']} | "
                              f"{usage.get('LOCAL', 0) + usage.get('STACK', 0)} | {shared} | {per_sm} | {wide} / {narrow} | "
                              f"{counts['HMMA']} | {counts['FFMA']} |")
@@ -278,7 +282,7 @@ def static_report(shapes: dict, rows: list[int], dtype: torch.dtype) -> list[str
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="1,2,4,8,16", help="comma-separated M (rows of x), each <= 16")
+    parser.add_argument("--rows", default="1,2,4,8,16", help="comma-separated M (rows of x), each <= 64")
     parser.add_argument("--shapes", default=",".join(MIXTRAL), help="comma-separated subset of " + ",".join(MIXTRAL))
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
@@ -288,7 +292,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     rows = [int(m) for m in args.rows.split(",")]
-    assert all(1 <= m <= 16 for m in rows), rows
+    if not all(1 <= m <= 64 for m in rows):
+        parser.error(f"--rows: each M in 1..64, got {rows}")
     table = DRY if args.dry else MIXTRAL
     shapes = {n: table[n] for n in args.shapes.split(",")}
     if args.static:

@@ -206,7 +206,7 @@ class KernelConfig:
     MOEKV_W8A8_MIN_TOKENS, MOEKV_BATCH_INVARIANT.
     """
 
-    SKINNY_GEMM_MAX_ROWS = 16           # the skinny GEMM's largest M (class constant, not a field)
+    SKINNY_GEMM_MAX_ROWS = 64           # the skinny GEMM's largest M (class constant, not a field)
     FUSED_ROUTER_MAX_TOKENS = 64        # add + norm + router in one launch up to this many tokens (each program
                                         # reads the whole router weight; prefill keeps the GEMM)
 
@@ -216,8 +216,9 @@ class KernelConfig:
                                         # or a name of ops.dispatch.LOWBIT_DECODE_KERNELS (checked there)
     fused_layer_ops: bool = True        # the fused per-layer Triton ops (norm, rotary, routing) on CUDA under
                                         # "auto" (the default since their H200 run, see ops.dispatch)
-    skinny_gemm_rows: int = 0           # the opt-in skinny GEMM for linear layers of 1..N rows (N <= 16); 0: off
-                                        # (no end-to-end gain measured, see ops.dispatch); MOEKV_SKINNY_GEMM=auto: 1, =1: 16
+    skinny_gemm_rows: int = 0           # the opt-in skinny GEMM for linear layers of 1..N rows (N <= 64); 0: off
+                                        # (no end-to-end gain measured, see ops.dispatch); MOEKV_SKINNY_GEMM=auto: 1,
+                                        # =1: 16, =64: 64 (decode batches up to 64: BLOCK_M 32 / 64, not yet measured)
     fused_decode_layer: bool = True     # the cross-op fusions of a decoder layer, on top of fused_layer_ops:
                                         # add + RMSNorm + router GEMV + top-k in one launch, q/k norm + rotary +
                                         # the full-precision KV write in one (docs/moe-kernels.md,

@@ -16,7 +16,7 @@ with monkeypatch); the kernel switches are read once per `KernelConfig.from_env(
 | MOEKV_FUSED_ATTENTION_COMBINE | `kernel_overrides` | 0 / 1: full-precision decode attention combines its splits in its own launch |
 | MOEKV_FUSED_MOE_COMBINE | `kernel_overrides` | 0 / 1: the MoE decode combine summed by the next add + norm (on) |
 | MOEKV_FUSED_ROUTE_FOLD | `kernel_overrides` | 0 / 1: a router of several programs per token routed in the add + norm launch (on) |
-| MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) |
+| MOEKV_SKINNY_GEMM | `kernel_overrides` | 0 / auto (one-row inputs) / 1 (up to 16 rows) / 64 (up to 64 rows) |
 | MOEKV_PDL | `kernel_overrides` | 0 / 1: programmatic dependent launch of the decode step's Triton kernels (off) |
 | MOEKV_W8A8_MIN_TOKENS | `kernel_overrides` | N >= 0: FP8 weights run W8A8 (e4m3 activations) from N rows per MoE call or projection (0: off) |
 | MOEKV_BATCH_INVARIANT | `kernel_overrides` | 0 / 1: every row's result independent of the batch (slower) |
@@ -106,9 +106,9 @@ def kernel_overrides() -> dict[str, Any]:
         if not w8a8.isdigit():
             raise ConfigError(f"MOEKV_W8A8_MIN_TOKENS must be an integer >= 0 (0: off), got {w8a8!r}")
         out["w8a8_min_tokens"] = int(w8a8)
-    skinny = _choice("MOEKV_SKINNY_GEMM", ("0", "1", "auto"))
+    skinny = _choice("MOEKV_SKINNY_GEMM", ("0", "1", "auto", "64"))
     if skinny is not None:
-        out["skinny_gemm_rows"] = {"0": 0, "auto": 1, "1": 16}[skinny]
+        out["skinny_gemm_rows"] = {"0": 0, "auto": 1, "1": 16, "64": 64}[skinny]
     return out
 
 

@@ -77,7 +77,7 @@ def assert_matches(actual, x, weight, bias, expected=None, count_differing=True,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("has_bias", [False, True])
-@pytest.mark.parametrize("M,variant,config", [(M, v, c) for M in (1, 3, 16) for v, c in CASES if v == "dot" or M == 1],
+@pytest.mark.parametrize("M,variant,config", [(M, v, c) for M in (1, 3, 16, 17, 40, 64) for v, c in CASES if v == "dot" or M == 1],
                          ids=lambda p: p if isinstance(p, (int, str)) else "small-split" if p else "default")
 def test_matches_reference(device, dtype, M, has_bias, variant, config):
     gen = torch.Generator().manual_seed(M * 7 + has_bias)
@@ -146,14 +146,22 @@ def test_split_k_is_deterministic_and_zero_k(device):
     assert torch.equal(sk.skinny_gemm(empty_x, empty_w, bias), bias.expand(2, 24))
 
 
-def test_default_config_fills_the_gpu():
+@pytest.mark.parametrize("M", [1, 16, 33, 64])
+def test_default_config_fills_the_gpu(M):
     cpu = torch.device("cpu")                             # plans for DEFAULT_SMS (an H200's 132)
     for N, K in [(6144, 4096), (4096, 4096), (32000, 4096), (14336, 4096), (8, 4096)]:
-        for variant in ("dot", "fma"):
-            cfg = sk.default_config(1, N, K, cpu, variant)
+        for variant in ("dot", "fma") if M == 1 else ("dot",):
+            cfg = sk.default_config(M, N, K, cpu, variant)
             programs = -(-N // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
             assert programs >= sk.DEFAULT_SMS or cfg["SPLIT_K"] * 2 * cfg["BLOCK_K"] >= K, (N, K, variant, cfg)
             assert cfg["SPLIT_K"] == 1 or -(-N // cfg["BLOCK_N"]) < sk.DEFAULT_SMS
+            if variant == "dot" and M > sk.ONE_BINARY_ROWS:   # x read from L2 by every column tile: <= half W's bytes
+                assert cfg["BLOCK_N"] >= 2 * M and sk.block_rows(M) >= M
+
+
+def test_block_rows():
+    assert [sk.block_rows(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert not sk.supports(torch.zeros(65, 8), torch.zeros(4, 8))
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
@@ -200,10 +208,11 @@ def _env_flag(value: str | None) -> str:
 
 
 def test_env_flag_is_opt_in():
-    """Default off (no end-to-end gain measured); auto: one-row inputs only; 1: every M <= 16."""
-    assert _env_flag(None) == "False 16"
+    """Default off (no end-to-end gain measured); auto: one-row inputs only; 1: every M <= 16; 64: every M <= 64."""
+    assert _env_flag(None) == "False 64"
     assert _env_flag("auto") == "True 1"
     assert _env_flag("1") == "True 16"
+    assert _env_flag("64") == "True 64"
     assert _env_flag("0").startswith("False")
     assert _env_flag("yes").startswith("error: moekv.errors.ConfigError: MOEKV_SKINNY_GEMM")   # a ValueError
 
@@ -219,7 +228,7 @@ def test_one_row_limit(device, kernel_calls, skinny_on):
         assert torch.equal(layer(x2), F.linear(x2, layer.weight, layer.bias))
     assert kernel_calls == [(1, 64)]
     with pytest.raises(ValueError, match="skinny_gemm_rows"):
-        KernelConfig(skinny_gemm_rows=17)
+        KernelConfig(skinny_gemm_rows=65)
 
 
 def test_off_is_f_linear(device, kernel_calls):
@@ -250,6 +259,20 @@ def test_on_runs_the_kernel_up_to_16_rows(device, kernel_calls, skinny_on):
     x32 = _rand((2, 64), torch.float32, device, gen)
     assert torch.equal(fp32(x32), F.linear(x32, fp32.weight))
     assert len(kernel_calls) == 3
+
+
+def test_on_up_to_64_rows(device, kernel_calls):
+    """skinny_gemm_rows = 64 (MOEKV_SKINNY_GEMM=64): decode batches up to 64 rows take the kernel (BLOCK_M 32 / 64),
+    65 rows F.linear."""
+    layer = _linear(96, 48, True, torch.bfloat16, device)
+    gen = torch.Generator().manual_seed(4)
+    with dispatch.override(backend="triton", skinny_gemm_rows=64):
+        for rows in (20, 64):
+            x = _rand((rows, 96), torch.bfloat16, device, gen)
+            assert_matches(layer(x), x, layer.weight, layer.bias)
+        big = _rand((65, 96), torch.bfloat16, device, gen)
+        assert torch.equal(layer(big), F.linear(big, layer.weight, layer.bias))
+    assert kernel_calls == [(20, 96), (64, 96)]
 
 
 def test_on_but_reference_or_cpu_auto_is_f_linear(kernel_calls, skinny_on):

@@ -1,4 +1,4 @@
-"""Weight-streaming skinny GEMM for decode: out [M, N] = x [M, K] @ weight[N, K]^T (+ bias), M <= 16.
+"""Weight-streaming skinny GEMM for decode: out [M, N] = x [M, K] @ weight[N, K]^T (+ bias), M <= 64.
 
 Same contract as ops.reference.skinny_gemm.skinny_gemm. At decode batch sizes a dense projection is
 bound by reading its weight once (Mixtral-8x7B qkv: 50 MB, M FLOPs per weight byte), so the kernel is
@@ -18,9 +18,11 @@ built around streaming `weight` at the copy bandwidth:
   launch (deterministic, no atomics).
 
 Two variants:
-  "dot"  tl.dot on [16, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles (tensor cores; the padded rows cost no
+  "dot"  tl.dot on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles (tensor cores; the padded rows cost no
          bandwidth -- as ops.triton.moe.decode, which streams its experts at 4.2 TB/s on an H200);
-         every M <= 16 shares one binary. The default from M = 2.
+         BLOCK_M 16 for every M <= 16 (one binary), 32 / 64 above (decode batches of 17 .. 64 rows, where
+         cuBLAS's tiles leave the GPU part idle: Mixtral's qkv at B=64 read at 2.7 TB/s in
+         graph-step-kernels-h200-b64.md). The default from M = 2.
   "fma"  M == 1 only: a GEMV on CUDA cores, fp32 products accumulated elementwise in a
          [BLOCK_N, BLOCK_K] register tile and reduced once at the end (no shared memory). The default at
          M == 1 (H200: 0.32-0.96x of cuBLAS's time on the Mixtral projections; "dot" 0.78-1.01x).
@@ -40,7 +42,8 @@ from moekv.ops.triton import pdl
 from moekv.ops.triton.common import check_launchable, mma
 from moekv.ops.triton.layer.norm import round_to
 
-MAX_ROWS = 16                   # M <= this (BLOCK_M of the dot variant)
+MAX_ROWS = 64                   # M <= this (the dot variant's largest BLOCK_M)
+ONE_BINARY_ROWS = 16            # every M <= this: BLOCK_M 16, one binary
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_SMS = 132               # an H200 (also what the CPU interpreter plans for)
 
@@ -61,7 +64,7 @@ def _store_tile(acc, rows, cols, M, N, b_ptr, out_ptr, split, stride_om, stride_
         tl.store(out_ptr + offs, round_to(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])               # one binary for every M <= 16
+@triton.jit(do_not_specialize=["M"])               # one binary per BLOCK_M (16: every M <= 16)
 def _skinny_dot_kernel(
     x_ptr,                  # [M, K], K contiguous
     w_ptr,                  # [N, K], K contiguous
@@ -184,19 +187,31 @@ def default_config(M: int, N: int, K: int, device: torch.device, variant: str = 
     split at least 2 BLOCK_K steps.
 
     "dot": BLOCK_N 32 when that still gives 2 programs per SM, else 16; BLOCK_K 256 and 4 stages keep
-           3 x 8 KB of weight tiles in flight per program (cp.async), 40-48 registers.
+           3 x 8 KB of weight tiles in flight per program (cp.async), 40-48 registers. Above 16 rows
+           (BLOCK_M 32 / 64): BLOCK_N = 2 x BLOCK_M, so that the x tiles every program reads from L2 ((N / BLOCK_N)
+           x M x K in all) stay at half the weight's bytes, BLOCK_K 128, 3 stages (48 KB of tiles a stage at
+           BLOCK_M 64), 8 warps at BLOCK_M 64; split-K fills the SMs as below. Reasoned, not yet swept on a GPU.
     "fma": each thread owns 8 consecutive K of every row (one 16-byte load), so BLOCK_K = 256 x warps
            makes x's layout that of the weight tile's columns (no shared-memory shuffle in the loop);
            BLOCK_N 2 rows of BLOCK_K 2048 over 8 warps (fewer for short K) per step.
     """
     sms = num_sms(device)
-    if variant == "dot":
+    if variant == "dot" and M > ONE_BINARY_ROWS:
+        block_m = block_rows(M)
+        cfg = {"BLOCK_N": 2 * block_m, "BLOCK_K": min(128, _pow2(K)), "num_warps": 8 if block_m == 64 else 4,
+               "num_stages": 3}
+    elif variant == "dot":
         cfg = {"BLOCK_N": 32 if triton.cdiv(N, 32) >= 2 * sms else 16, "BLOCK_K": min(256, _pow2(K)),
                "num_warps": 4, "num_stages": 4}
     else:
         block_k = min(2048, _pow2(K, floor=256))
         cfg = {"BLOCK_N": 2, "BLOCK_K": block_k, "UNROLL": 1, "num_warps": block_k // 256, "num_stages": 1}
     return dict(cfg, SPLIT_K=default_split(triton.cdiv(N, cfg["BLOCK_N"]), sms, K, cfg["BLOCK_K"]))
+
+
+def block_rows(M: int) -> int:
+    """The dot variant's BLOCK_M for M rows: 16 up to ONE_BINARY_ROWS, else the next power of two (<= MAX_ROWS)."""
+    return ONE_BINARY_ROWS if M <= ONE_BINARY_ROWS else triton.next_power_of_2(M)
 
 
 def default_split(programs: int, sms: int, K: int, block_k: int) -> int:
@@ -227,7 +242,7 @@ def reduce_splits(partials: torch.Tensor, bias_arg: torch.Tensor, out: torch.Ten
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Shapes and dtypes the kernel takes: x [M, K] with 1 <= M <= 16, weight [N, K], both K-contiguous,
+    """Shapes and dtypes the kernel takes: x [M, K] with 1 <= M <= MAX_ROWS (64), weight [N, K], both K-contiguous,
     one dtype (fp16 / bf16 / fp32) for x, weight and bias [N]."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return False
@@ -251,7 +266,7 @@ def rounding_modes(dtype: torch.dtype, device: torch.device) -> tuple[bool, bool
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: dict | None = None, variant: str | None = None) -> torch.Tensor:
-    """Same contract as ops.reference.skinny_gemm.skinny_gemm, for M <= 16 (see supports()).
+    """Same contract as ops.reference.skinny_gemm.skinny_gemm, for M <= MAX_ROWS (see supports()).
 
     config: entries overriding default_config (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages; UNROLL
     for "fma").
@@ -288,7 +303,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                  **flags, **cfg, **pdl.launch_kwargs(x))
     else:
         _skinny_dot_kernel[grid](x, weight, b_arg, target, M, N, K, k_per_split, x.stride(0), weight.stride(0),
-                                 N, stride_ps, BLOCK_M=MAX_ROWS, UPCAST=upcast,
+                                 N, stride_ps, BLOCK_M=block_rows(M), UPCAST=upcast,
                                  **flags, **cfg, **pdl.launch_kwargs(x))
     if split:
         reduce_splits(target, b_arg, out, has_bias, emulate)
