@@ -134,8 +134,8 @@ def test_decode_fragment_order(device, bits, key_axis):
                      device=device), torch.float32)
 
 
-@pytest.mark.parametrize("staging_block,staging_only", [(16, False), (16, True), (32, True), (64, False)])
-@pytest.mark.parametrize("kind", ["spikes", "heavy_tail"])
+@pytest.mark.parametrize("staging_block,staging_only,kind", [(16, False, "spikes"), (16, True, "heavy_tail"),
+                                                              (32, True, "spikes"), (64, False, "heavy_tail")])
 def test_staging_blocks_and_staging_only_ids(device, staging_block, staging_only, kind):
     # staging in blocks handed out in shuffled order (a partial page holds only the blocks its rows need), the
     # partial page as an id beyond the low-bit pages; ragged lengths around page and block boundaries, sinks

@@ -250,4 +250,5 @@ def test_model_top8_with_a_hooked_layer(device, tmp_path, monkeypatch):
     the hooked layer runs (which then keeps its own combine), layer 2's goes into the final norm."""
     overrides = dict(num_heads=4, num_kv_heads=2, head_dim=32, num_experts=16, top_k=8, norm_topk_prob=True,
                      num_layers=3)
-    _compare(device, tmp_path, monkeypatch, "qwen3_moe", overrides, torch.bfloat16, hooked=True)
+    _compare(device, tmp_path, monkeypatch, "qwen3_moe", overrides, torch.float32, hooked=True)   # fp32: the
+    # interpreter's bf16 is slow, and the hooked layer's routing of the combine does not depend on the dtype

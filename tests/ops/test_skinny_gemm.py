@@ -207,14 +207,21 @@ def _env_flag(value: str | None) -> str:
     return result.stdout.strip() if result.returncode == 0 else "error: " + result.stderr.strip().splitlines()[-1]
 
 
-def test_env_flag_is_opt_in():
-    """Default off (no end-to-end gain measured); auto: one-row inputs only; 1: every M <= 16; 64: every M <= 64."""
+def test_env_flag_is_opt_in(monkeypatch):
+    """Default off (no end-to-end gain measured); auto: one-row inputs only; 1: every M <= 16; 64: every M <= 64.
+    A fresh process each for the default and one value (the switch is read at import); the rest via
+    envs.kernel_overrides, what that import reads."""
+    from moekv import envs
+    from moekv.errors import ConfigError
+
     assert _env_flag(None) == "False 64"
     assert _env_flag("auto") == "True 1"
-    assert _env_flag("1") == "True 16"
-    assert _env_flag("64") == "True 64"
-    assert _env_flag("0").startswith("False")
-    assert _env_flag("yes").startswith("error: moekv.errors.ConfigError: MOEKV_SKINNY_GEMM")   # a ValueError
+    for value, rows in (("0", 0), ("1", 16), ("64", 64), ("auto", 1)):
+        monkeypatch.setenv("MOEKV_SKINNY_GEMM", value)
+        assert envs.kernel_overrides()["skinny_gemm_rows"] == rows
+    monkeypatch.setenv("MOEKV_SKINNY_GEMM", "yes")
+    with pytest.raises(ConfigError, match="MOEKV_SKINNY_GEMM"):
+        envs.kernel_overrides()
 
 
 def test_one_row_limit(device, kernel_calls, skinny_on):
