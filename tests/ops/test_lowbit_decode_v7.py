@@ -135,6 +135,26 @@ def test_staged_sink_pages():
 
 
 @needs_cuda
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("splits", [None, 1, 3, 7])
+@pytest.mark.parametrize("key_fraction", [0.0, None])
+def test_chunk_split(bits, splits, key_fraction):
+    """Chunk-split CTAs: the four warps share each page's chunks in contiguous runs that start and end mid-page;
+    staged tails and sink pages are listed once (by the run holding their chunk 0)."""
+    case = _case([1, 127, 129, 300, 1000, 2049], bits=bits, sinks=1, seed=40 + bits, key_fraction=key_fraction)
+    _check(case, torch.bfloat16, num_splits=splits, chunk_split=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunk_split_planned(group, dtype):
+    """The planned chunk-split launch of a single sequence (plan_chunk_split: 1 or 2 pages per split)."""
+    for context in ([2047], [16383], [130]):
+        _check(_case(context, group=group, dtype=dtype, seed=50 + group, num_kv_heads=8), dtype)
+
+
+@needs_cuda
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("warps", [4, 8])
 def test_forced_splits(splits, warps):
@@ -237,6 +257,20 @@ def test_plan_warps(batch, heads, splits, warps):
     # 8 warps per CTA (when the small-batch build is chosen) exactly when every CTA has one of the 132 SMs to itself
     assert lowbit_decode.plan_warps(batch, heads, splits, 132, small_batch_warps=8) == warps
     assert lowbit_decode.plan_warps(batch, heads, splits, 132, small_batch_warps=4) == 4
+
+
+def test_plan_chunk_split():
+    """One wave of 4 CTAs per SM (int4: 3) over the (sequence, kv head) pairs, at most 2 pages per split; none for GQA
+    groups above 4, more than SMALL_PAIRS pairs or longer splits."""
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 128, 132) == (64, 2)           # B=1 16k: 66 CTAs a pair wanted
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 16, 132) == (16, 1)            # B=1 2k: a page per split
+    assert lowbit_decode.plan_chunk_split(1, 4, 4, 128, 132) == (128, 1)          # 4 kv heads: 132 CTAs a pair
+    assert lowbit_decode.plan_chunk_split(2, 8, 4, 16, 132) == (16, 1)            # B=2 2k
+    assert lowbit_decode.plan_chunk_split(2, 8, 4, 128, 132) is None               # B=2 16k: 4 pages a split
+    assert lowbit_decode.plan_chunk_split(1, 8, 8, 16, 132) is None                # GQA group above 4
+    assert lowbit_decode.plan_chunk_split(4, 8, 4, 16, 132) is None                # 32 pairs
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 1024, 132) is None              # 16 pages per split
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 128, 132, bits=4) is None       # int4: 49 CTAs, 3 pages a split
 
 
 def test_warps_other_than_4_or_8_are_refused():

@@ -36,6 +36,8 @@ SMALL_BATCH_WARPS = 8
 # sweep at B=1 64k / 128k: 48 splits beat 64 by 7-13% for int3 and int4's two waves by 20-26%)
 SMALL_PAIRS = 16
 SMALL_PAIRS_CTAS_PER_SM = 3
+# chunk-split CTAs (plan_chunk_split) where a split holds at most this many pages (4 warps x 1-2 chunks each)
+CHUNK_SPLIT_MAX_PAGES = 0
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
 
@@ -64,7 +66,9 @@ def _module(major: int, minor: int):
                                                          "lowbit_decode_b4.cu", "lowbit_decode_b3s.cu",
                                                          "lowbit_decode_b4s.cu", "lowbit_decode_b2s.cu", "lowbit_decode_b2w8.cu", "lowbit_decode_b2sw8.cu",
                                                          "lowbit_decode_b3w8.cu", "lowbit_decode_b3sw8.cu",
-                                                         "lowbit_decode_b4w8.cu", "lowbit_decode_b4sw8.cu")],
+                                                         "lowbit_decode_b4w8.cu", "lowbit_decode_b4sw8.cu",
+                                                         "lowbit_decode_b2sc.cu", "lowbit_decode_b3sc.cu",
+                                                         "lowbit_decode_b4sc.cu")],
                 extra_include_paths=[str(_CSRC)], verbose=False,
                 extra_cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
 
@@ -93,6 +97,23 @@ def plan_splits(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, bit
     else:
         want = max(1, num_sms * CTAS_PER_SM // pairs)
     return min(MAX_SPLITS, max(need, min(want, max(1, max_pages // MIN_PAGES_PER_SPLIT))))
+
+
+def plan_chunk_split(batch: int, num_kv_heads: int, group: int, max_pages: int, num_sms: int,
+                     bits: int = 3) -> tuple[int, int] | None:
+    """(splits, pages per split) of a chunk-split launch (CTAs of 4 warps whose warps share each page's four
+    32-token chunks: csrc/lowbit_decode_page.cuh WarpRange), or None where it does not apply: GQA groups above 4,
+    more than SMALL_PAIRS (sequence, kv head) pairs, or splits of more than CHUNK_SPLIT_MAX_PAGES pages (a warp's
+    run would be a whole page or more, as in the page-per-warp plan). One wave of CTAS_PER_SM (int4: 3) CTAs per SM.
+    Host-planned launches only (not yet CUDA-graph buckets); docs/attention-kernels.md v14 item 6c."""
+    pairs = max(batch * num_kv_heads, 1)
+    if group > MAX_GROUP // 2 or pairs > SMALL_PAIRS or max_pages < 1:
+        return None
+    want = max(1, num_sms * (INT4_CTAS_PER_SM if bits == 4 else CTAS_PER_SM) // pairs)
+    per_split = math.ceil(max_pages / min(want, MAX_SPLITS))
+    if per_split > CHUNK_SPLIT_MAX_PAGES:
+        return None
+    return math.ceil(max_pages / per_split), per_split
 
 
 def plan_warps(batch: int, num_kv_heads: int, splits: int, num_sms: int,
@@ -131,12 +152,13 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
                                   value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
                                   staging_values: torch.Tensor, staging_block_map: torch.Tensor, meta,
                                   scale: float, num_splits: int | None = None,
-                                  warps: int | None = None) -> torch.Tensor:
+                                  warps: int | None = None, chunk_split: bool | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over low-bit pages; query [B, Hq, D] -> [B, Hq, D].
 
     `meta.fixed_num_splits` (CUDA graphs) launches exactly that many splits, sized on the device from each
     sequence's length; otherwise the count is planned from the host lengths (`num_splits` overrides it).
-    `warps` (4 or 8) overrides `plan_warps`."""
+    `warps` (4 or 8) overrides `plan_warps`. `chunk_split` None: `plan_chunk_split` decides for host-planned
+    launches without `num_splits` / `warps`; True forces it (4 warps, GQA groups <= 4), False turns it off."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
@@ -160,13 +182,26 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
     else:
         max_pages = math.ceil(max(meta.context_lens_host, default=0) / PAGE_SIZE)
         index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-        splits = num_splits or plan_splits(batch, num_kv_heads, max_pages, _num_sms(index), key_spec.bits)
+        cs_plan = None
+        if chunk_split is not False and (chunk_split or (num_splits is None and warps is None)):
+            cs_plan = plan_chunk_split(batch, num_kv_heads, group, max_pages, _num_sms(index), key_spec.bits)
+        if chunk_split and group > MAX_GROUP // 2:
+            raise ValueError(f"paged_attention_lowbit_decode: chunk-split CTAs take GQA groups <= 4, got {group}")
+        if cs_plan is not None and num_splits is None:
+            splits = cs_plan[0]
+        else:
+            splits = num_splits or plan_splits(batch, num_kv_heads, max_pages, _num_sms(index), key_spec.bits)
         pages_per_split = max(math.ceil(max_pages / splits), 1)
         splits = max(math.ceil(max_pages / pages_per_split), 1)
         if pages_per_split > TABLE_MAX:
             raise ValueError(f"paged_attention_lowbit_decode: {pages_per_split} pages per split exceed {TABLE_MAX}")
     if splits > MAX_SPLITS:
         raise ValueError(f"paged_attention_lowbit_decode: {splits} splits exceed {MAX_SPLITS}")
+    split_chunks = fixed is None and (bool(chunk_split) or (chunk_split is None and cs_plan is not None))
+    if split_chunks:
+        if warps not in (None, 4):
+            raise ValueError("paged_attention_lowbit_decode: chunk-split CTAs have 4 warps")
+        warps = 4
     if warps is None:
         index = query.device.index if query.device.index is not None else torch.cuda.current_device()
         warps = plan_warps(batch, num_kv_heads, splits, _num_sms(index))
@@ -188,5 +223,5 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         vp.codes, vp.scale, vp.zero, vp.scale_base, vp.outlier_vals, vp.outlier_idx, vp.outlier_count,
         staging_keys, staging_values, staging_block_map, meta.block_tables, meta.query_start_loc,
         meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits, warps,
-        pdl.active_on(query))
+        split_chunks, pdl.active_on(query))
     return out

@@ -158,12 +158,12 @@ struct SmemPlan {      // byte offsets into dynamic shared memory (host and devi
 
 // after the page loop the rings hold the merge: per-warp outputs and (max, sum), the staged pages' state and
 // their score tile, and the natural-order normalised query [NH][D] fp16
-constexpr int MAX_SPLITS = 512;                   // splits per (sequence, kv head): the split combine's scratch
+constexpr int MAX_SPLITS = 512;                   // splits per (sequence, kv head) a launch may plan (host MAX_SPLITS)
 // the merge region: [W][NH][D] outputs, [2][W][NH] max / sum, [NH] the new token's scores (then the split combine's scratch)
 template <int W> constexpr int merge_bytes_of() { return (W * NH * D + 2 * W * NH + NH) * 4; }
 constexpr int MERGE_BYTES = merge_bytes_of<WARPS>();
-static_assert(merge_bytes_of<WARPS>() >= (MAX_SPLITS * NH + NH + (32 * WARPS / D - 1) * NH * D) * 4, "combine scratch");
-static_assert(merge_bytes_of<2 * WARPS>() >= (MAX_SPLITS * NH + NH + (64 * WARPS / D - 1) * NH * D) * 4, "combine scratch");
+static_assert(merge_bytes_of<WARPS>() >= (WARPS * NH * D + 2 * WARPS * NH) * 4, "combine scratch");
+static_assert(merge_bytes_of<2 * WARPS>() >= (2 * WARPS * NH * D + 4 * WARPS * NH) * 4, "combine scratch");
 
 // 8-warp CTAs (small batches: one CTA per SM, shared memory to spare) keep the fp16 query table out of the rings,
 // so the kernel skips its reload after the page loop (session 23, attention-ab-s23-variants.md: B=1 16k int3
