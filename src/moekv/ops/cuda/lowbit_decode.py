@@ -37,7 +37,7 @@ SMALL_BATCH_WARPS = 8
 SMALL_PAIRS = 16
 SMALL_PAIRS_CTAS_PER_SM = 3
 # chunk-split CTAs (plan_chunk_split) where a split holds at most this many pages (4 warps x 1-2 chunks each)
-CHUNK_SPLIT_MAX_PAGES = 0
+CHUNK_SPLIT_MAX_PAGES = 2
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
 
