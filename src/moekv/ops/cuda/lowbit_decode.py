@@ -105,7 +105,7 @@ def plan_chunk_split(batch: int, num_kv_heads: int, group: int, max_pages: int, 
     32-token chunks: csrc/lowbit_decode_page.cuh WarpRange), or None where it does not apply: GQA groups above 4,
     more than SMALL_PAIRS (sequence, kv head) pairs, or splits of more than CHUNK_SPLIT_MAX_PAGES pages (a warp's
     run would be a whole page or more, as in the page-per-warp plan). One wave of CTAS_PER_SM (int4: 3) CTAs per SM.
-    Host-planned launches only (not yet CUDA-graph buckets); docs/attention-kernels.md v14 item 6c."""
+    CUDA-graph buckets plan theirs with graph_split_count; docs/attention-kernels.md v14 item 6c."""
     pairs = max(batch * num_kv_heads, 1)
     if group > MAX_GROUP // 2 or pairs > SMALL_PAIRS or max_pages < 1:
         return None
@@ -124,10 +124,27 @@ def plan_warps(batch: int, num_kv_heads: int, splits: int, num_sms: int,
     return small_batch_warps if batch * num_kv_heads * splits <= num_sms else 4
 
 
+def graph_chunk_split(batch: int, num_kv_heads: int) -> bool:
+    """Whether a CUDA-graph bucket of `batch` sequences plans chunk-split CTAs (GQA groups above 4 then launch the
+    page-per-warp CTAs with the same split count): at most SMALL_PAIRS pairs, with chunk splitting enabled."""
+    return CHUNK_SPLIT_MAX_PAGES > 0 and batch * num_kv_heads <= SMALL_PAIRS
+
+
+def graph_split_count(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, bits: int = 3) -> int:
+    """The split count of a bucket whose tables hold max_pages pages: with chunk-split CTAs, one wave of them (the
+    pages per split are sized per sequence on the device, so a 16k context under a 32k max_model_len gets 2 pages a
+    split); else plan_splits."""
+    if graph_chunk_split(batch, num_kv_heads):
+        want = num_sms * (INT4_CTAS_PER_SM if bits == 4 else CTAS_PER_SM) // max(batch * num_kv_heads, 1)
+        need = math.ceil(max(max_pages, 1) / TABLE_MAX)
+        return min(MAX_SPLITS, max(need, min(max(want, 1), max(max_pages, 1))))
+    return plan_splits(batch, num_kv_heads, max_pages, num_sms, bits)
+
+
 def graph_splits(batch: int, num_kv_heads: int, max_model_len: int, device: torch.device, bits: int = 3) -> int:
     """The split count a CUDA-graph bucket of `batch` sequences launches (pages per split sized on the device)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return plan_splits(batch, num_kv_heads, math.ceil(max_model_len / PAGE_SIZE), _num_sms(index), bits)
+    return graph_split_count(batch, num_kv_heads, math.ceil(max_model_len / PAGE_SIZE), _num_sms(index), bits)
 
 
 def workspace_bytes(batch: int, num_kv_heads: int, splits: int, head_dim: int = HEAD_DIM) -> int:
@@ -197,7 +214,11 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
             raise ValueError(f"paged_attention_lowbit_decode: {pages_per_split} pages per split exceed {TABLE_MAX}")
     if splits > MAX_SPLITS:
         raise ValueError(f"paged_attention_lowbit_decode: {splits} splits exceed {MAX_SPLITS}")
-    split_chunks = fixed is None and (bool(chunk_split) or (chunk_split is None and cs_plan is not None))
+    if fixed is not None:          # a graph bucket: graph_split_count planned its splits for this mode
+        split_chunks = chunk_split if chunk_split is not None else (graph_chunk_split(batch, num_kv_heads)
+                                                                    and group <= MAX_GROUP // 2 and warps in (None, 4))
+    else:
+        split_chunks = bool(chunk_split) or (chunk_split is None and cs_plan is not None)
     if split_chunks:
         if warps not in (None, 4):
             raise ValueError("paged_attention_lowbit_decode: chunk-split CTAs have 4 warps")
