@@ -1,5 +1,4 @@
-// The v7 decode kernels for 2-bit codes, stacked scores (GQA groups <= 4), chunk-split CTAs of 4 warps (small
-// batches; lowbit_decode_launch.cuh).
+// The v7 decode kernels for 2-bit codes, stacked scores, chunk-split CTAs of 4 warps (lowbit_decode_launch.cuh).
 #define MOEKV_V7_BITS 2
 #define MOEKV_V7_STACK 2
 #define MOEKV_V7_CS 1
