@@ -38,6 +38,18 @@ SMALL_PAIRS = 16
 SMALL_PAIRS_CTAS_PER_SM = 3
 # chunk-split CTAs (plan_chunk_split) where a split holds at most this many pages (4 warps x 1-2 chunks each)
 CHUNK_SPLIT_MAX_PAGES = 2
+# v15 work split (docs/attention-kernels.md item 7; chunk-split CTAs, `work_split`): the splits of a sequence cover
+# equal work, W = CHUNKS x (full low-bit pages) + S, where S = WORK_SPLIT_TAIL_UNITS counts the staged partly filled
+# last page in 32-token chunk units (a full page: CHUNKS = 4 units, which the CTA's 4 warps share: one chunk-time
+# each). The tail's tensor-core pass runs after the page loop on the whole CTA, and the session 27/28 traces put it
+# at ~3-4 chunk-times of a warp's chain (+8.7 us at B=8 32k, up to +11.8 us at B=32 16k, ~2.5-3 us a chunk), so
+# S = 4 warps x 3 chunk-times = 12 units. Split s takes units [s W / n, (s + 1) W / n) (sized on the device from
+# each sequence's length: graph-safe); `work_split=<int>` launches with another S (the GPU A/B's sweep).
+CHUNKS = 4
+WORK_SPLIT_TAIL_UNITS = 12
+# the planner switch: launches with work_split=None take the work split where chunk-split CTAs can run (GQA groups
+# <= 4, 4 warps, chunk_split not False). Off until a GPU A/B says otherwise.
+WORK_SPLIT = False
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
 
@@ -116,6 +128,60 @@ def plan_chunk_split(batch: int, num_kv_heads: int, group: int, max_pages: int, 
     return math.ceil(max_pages / per_split), per_split
 
 
+def work_tail_units(work_split: bool | int | None) -> int:
+    """The staged tail's weight in chunk units of a `work_split` launch argument (the kernel's Params::work_tail):
+    False / None / 0 -> 0 (off), True -> WORK_SPLIT_TAIL_UNITS, an int -> that many (1 .. 4 x TABLE_MAX)."""
+    if work_split is None or work_split is False:
+        return 0
+    if work_split is True:
+        return WORK_SPLIT_TAIL_UNITS
+    units = int(work_split)
+    if units != work_split or not 0 <= units <= CHUNKS * TABLE_MAX:
+        raise ValueError(f"paged_attention_lowbit_decode: work_split must be a bool or 0 .. {CHUNKS * TABLE_MAX} "
+                         f"tail units, got {work_split!r}")
+    return units
+
+
+def work_split_table_pages(max_pages: int, splits: int, tail_units: int) -> int:
+    """The most pages one split's table holds under the work split: ceil(W / splits) chunk units span at most
+    ceil(units / CHUNKS) + 1 full pages (a run may start mid-page), plus the partly filled last page."""
+    units = -(-(CHUNKS * max(max_pages, 1) + tail_units) // max(splits, 1))
+    return -(-units // CHUNKS) + 2
+
+
+def work_split_ranges(context_len: int, splits: int, tail_units: int,
+                      warps: int = 4) -> list[tuple[int, int, bool, list[tuple[int, int, int, int]]]]:
+    """The work-split plan of one sequence as the device computes it (a host mirror of split_range and warp_range in
+    csrc/lowbit_decode_page.cuh with Params::work_tail = tail_units: keep the two in step), for tests and docs. Per
+    split: (first page, pages in its table, whether the table's last page is the partly filled last page, per warp
+    (first table index, first chunk, the chunk after the last page's last, pages visited))."""
+    num_pages = -(-context_len // PAGE_SIZE)
+    partial = 1 if context_len % PAGE_SIZE else 0
+    full = num_pages - partial
+    fu = full * CHUNKS
+    units = fu + partial * tail_units
+    plan = []
+    for split in range(splits):
+        a, b = split * units // splits, (split + 1) * units // splits
+        ca, cb = min(a, fu), min(b, fu)
+        tail = bool(partial) and a <= fu < b
+        first = ca // CHUNKS if cb > ca else full
+        n = ((cb - 1) // CHUNKS - first + 1 if cb > ca else 0) + int(tail)
+        u_lo, u_hi = (ca - CHUNKS * first, cb - CHUNKS * first) if cb > ca else (0, 0)
+        runs = []
+        for warp in range(warps):
+            span = u_hi - u_lo
+            u0, u1 = u_lo + warp * span // warps, u_lo + (warp + 1) * span // warps
+            last = int(tail and warp == warps - 1)
+            jp0 = u0 // CHUNKS if u1 > u0 else 0
+            my_n = ((u1 - 1) // CHUNKS - jp0 + 1 if u1 > u0 else 0) + last
+            k0 = u0 % CHUNKS if u1 > u0 else 0
+            k1 = (u1 - 1) % CHUNKS + 1 if u1 > u0 and not last else CHUNKS
+            runs.append((jp0, k0, k1, my_n))
+        plan.append((first, n, tail, runs))
+    return plan
+
+
 def plan_warps(batch: int, num_kv_heads: int, splits: int, num_sms: int,
                small_batch_warps: int = SMALL_BATCH_WARPS) -> int:
     """Warps per CTA: `small_batch_warps` when every CTA has an SM to itself (batch x kv heads x splits <= SMs:
@@ -169,13 +235,18 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
                                   value_pages, key_spec, value_spec, staging_keys: torch.Tensor,
                                   staging_values: torch.Tensor, staging_block_map: torch.Tensor, meta,
                                   scale: float, num_splits: int | None = None,
-                                  warps: int | None = None, chunk_split: bool | None = None) -> torch.Tensor:
+                                  warps: int | None = None, chunk_split: bool | None = None,
+                                  work_split: bool | int | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) over low-bit pages; query [B, Hq, D] -> [B, Hq, D].
 
     `meta.fixed_num_splits` (CUDA graphs) launches exactly that many splits, sized on the device from each
     sequence's length; otherwise the count is planned from the host lengths (`num_splits` overrides it).
     `warps` (4 or 8) overrides `plan_warps`. `chunk_split` None: `plan_chunk_split` decides for host-planned
-    launches without `num_splits` / `warps`; True forces it (4 warps, GQA groups <= 4), False turns it off."""
+    launches without `num_splits` / `warps`; True forces it (4 warps, GQA groups <= 4), False turns it off.
+    `work_split` (v15, chunk-split CTAs): True (or S, the staged tail's weight in chunk units; True takes
+    WORK_SPLIT_TAIL_UNITS) sizes the splits in work units on the device, the partly filled last page counted as S
+    against a full page's 4; None follows the planner switch WORK_SPLIT; False / 0 turns it off. It launches
+    chunk-split CTAs (at the split count that chunk_split=True would plan)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
@@ -186,6 +257,15 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError(f"paged_attention_lowbit_decode: GQA group {num_heads}/{num_kv_heads} not supported")
     if warps is not None and warps not in (4, 8):
         raise ValueError(f"paged_attention_lowbit_decode: warps per CTA must be 4 or 8, got {warps}")
+    if work_split is None:         # the planner switch: where chunk-split CTAs can run
+        work_split = WORK_SPLIT and group <= MAX_GROUP // 2 and chunk_split is not False and warps in (None, 4)
+    work_tail = work_tail_units(work_split)
+    if work_tail:
+        if chunk_split is False or warps not in (None, 4):
+            raise ValueError("paged_attention_lowbit_decode: the work split runs on chunk-split CTAs (4 warps)")
+        if group > MAX_GROUP // 2:
+            raise ValueError(f"paged_attention_lowbit_decode: chunk-split CTAs take GQA groups <= 4, got {group}")
+        chunk_split = True
     out = torch.empty_like(query)
     if batch == 0:
         return out
@@ -193,7 +273,8 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
     table_width = meta.block_tables.shape[1]
     if fixed is not None:
         splits, pages_per_split = max(int(fixed), 1), 0
-        if math.ceil(table_width / splits) > TABLE_MAX:
+        if math.ceil(table_width / splits) > TABLE_MAX or (
+                work_tail and work_split_table_pages(table_width, splits, work_tail) > TABLE_MAX):
             raise ValueError(f"paged_attention_lowbit_decode: {splits} splits of a {table_width}-page table exceed "
                              f"{TABLE_MAX} pages per split")
     else:
@@ -212,6 +293,9 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         splits = max(math.ceil(max_pages / pages_per_split), 1)
         if pages_per_split > TABLE_MAX:
             raise ValueError(f"paged_attention_lowbit_decode: {pages_per_split} pages per split exceed {TABLE_MAX}")
+        if work_tail and work_split_table_pages(max_pages, splits, work_tail) > TABLE_MAX:
+            raise ValueError(f"paged_attention_lowbit_decode: the work split's {splits} splits of {max_pages} pages "
+                             f"exceed {TABLE_MAX} pages per split")
     if splits > MAX_SPLITS:
         raise ValueError(f"paged_attention_lowbit_decode: {splits} splits exceed {MAX_SPLITS}")
     if fixed is not None:          # a graph bucket: graph_split_count planned its splits for this mode
@@ -244,5 +328,5 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         vp.codes, vp.scale, vp.zero, vp.scale_base, vp.outlier_vals, vp.outlier_idx, vp.outlier_count,
         staging_keys, staging_values, staging_block_map, meta.block_tables, meta.query_start_loc,
         meta.context_lens, float(scale) * math.log2(math.e), group, splits, pages_per_split, key_spec.bits, warps,
-        split_chunks, pdl.active_on(query))
+        split_chunks, work_tail, pdl.active_on(query))
     return out

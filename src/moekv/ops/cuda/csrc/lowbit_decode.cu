@@ -79,7 +79,7 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
             torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor block_map,
             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
             double qk_scale, int64_t group, int64_t num_splits, int64_t pages_per_split,
-            int64_t bits, int64_t warps, bool chunk_split, bool pdl) {
+            int64_t bits, int64_t warps, bool chunk_split, int64_t work_tail, bool pdl) {
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(q.size(-1) == D && k_codes.size(2) == P, "lowbit decode v7: head_dim and page size must be 128");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32 &&
@@ -125,6 +125,10 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
               " splits, got ", num_splits);
   p.num_splits = static_cast<int>(num_splits);
   p.pages_per_split = static_cast<int>(pages_per_split);
+  TORCH_CHECK(work_tail >= 0 && work_tail <= 4 * TABLE_MAX && (work_tail == 0 || chunk_split),
+              "lowbit decode v7: the work split (tail units 1 to ", 4 * TABLE_MAX, ") takes chunk-split CTAs, got ",
+              work_tail);
+  p.work_tail = static_cast<int>(work_tail);
   p.k_cap = static_cast<int>(k_ovals.size(-1));
   p.v_cap = static_cast<int>(v_ovals.size(-1));
   meta_pieces(p, {&k_scale, &k_zero, &v_scale, &v_zero, &v_base, &k_ocount, &v_ocount, &block_map, &k_oidx, &k_ovals,

@@ -85,6 +85,10 @@ struct Params {
   int stage_nb, stage_shift, stage_mask;   // staging blocks per page (1, 2 or 4), log2 of their rows, rows - 1
   int slot_stride;                  // bytes of a page's block-map row (4 * stage_nb)
   int last_lowbit_page;             // the last page with low-bit storage; ids beyond are staging-only (always staged)
+  // v15 work split (chunk-split CTAs only; 0: off): the splits cover equal work, the partly filled last page (staged)
+  // counted as this many 32-token chunk units against a full low-bit page's CHUNKS (lowbit_decode_page.cuh
+  // split_range; docs/attention-kernels.md item 7)
+  int work_tail;
   // a page's small arrays as uniform 16-byte pieces (built by the host, lowbit_decode.cu: meta_pieces): piece q
   // copies bytes [(index * stride) & ~15 + 16 k, +16) of array a (clamped to its end) to meta-stage offset
   // dst[a] + 16 k; index = the page-head, or the page for the slot array

@@ -53,9 +53,8 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   const long long q_row = p.query_start_loc[seq];
   const int ctx = p.context_lens[seq];
   const int num_pages = (ctx + P - 1) / P;
-  const int pps = p.pages_per_split > 0 ? p.pages_per_split : (num_pages + p.num_splits - 1) / p.num_splits;
-  const int first = split * pps;
-  const int n = max(min(first + pps, num_pages) - first, 0);
+  const SplitRange sr = split_range<CS>(p, ctx, split);
+  const int first = sr.first, n = sr.n;
 
   int* table = reinterpret_cast<int*>(smem + plan.table);
   __half* qn_tab = reinterpret_cast<__half*>(smem + plan.qn);      // natural order (smem_plan: where it lives)
@@ -105,7 +104,7 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   }
   WarpState st;
   st.init();
-  const WarpRange wr = warp_range<W, CS>(n, warp);
+  const WarpRange wr = warp_range<W, CS>(sr, warp);
   warp_pages<B, STACK, W, CS>(p, plan, wb, table, ptab, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, wr, ocK, ocV,
                 qms0, qms1, st);
   MOEKV_TRACE_WARP(4 + warp);

@@ -13,9 +13,49 @@ namespace moekv_v7 {
 // STACK 2 (GQA groups of at most 4): the B operand's columns 4..7 repeat heads 0..3, so after the key MMAs the
 // lanes of columns 0..3 keep tile 0's scores (tokens 0..15 of the chunk) and those of columns 4..7 tile 1's
 // (tokens 16..31): 4 real scores per lane instead of 8 with 4 padding heads. STACK 1: 8 heads, both tiles.
+// The CTA's split (SplitRange): pages [first, first + n) of the sequence in its table. Page-per-warp CTAs and plain
+// chunk-split CTAs: pages_per_split pages a split (0: ceil(pages / splits), sized on the device). Work split (v15,
+// Params::work_tail > 0, chunk-split CTAs only; docs/attention-kernels.md item 7): the sequence's work is
+// U = CHUNKS x (full pages) + work_tail chunk units when its last page is partly filled (that page is staged: a page
+// is quantized when it fills), and split s takes units [s U / splits, (s + 1) U / splits): its chunk units of the
+// full pages, u_lo .. u_hi - 1 counted from chunk 0 of its first page, plus the partly filled page when the split
+// holds that page's first unit (tail). Computed from ctx alone: graph-safe, every split of a sequence agrees.
+struct SplitRange {
+  int first, n;    // the split's pages (the table)
+  int u_lo, u_hi;  // CS: the chunk units its warps share (page u / CHUNKS of the table, chunk u % CHUNKS)
+  bool tail;       // work split: the table's last page is the partly filled last page, visited after the runs
+};
+
+template <bool CS>
+__device__ __forceinline__ SplitRange split_range(const Params& p, int ctx, int split) {
+  SplitRange r{};
+  const int num_pages = (ctx + P - 1) / P;
+  if (CS && p.work_tail > 0) {
+    const int partial = ctx % P != 0 ? 1 : 0, full = num_pages - partial, fu = full * CHUNKS;
+    const long long units = fu + partial * p.work_tail;
+    const int a = (int)(split * units / p.num_splits), b = (int)((split + 1) * units / p.num_splits);
+    const int ca = min(a, fu), cb = min(b, fu);
+    r.tail = partial && a <= fu && fu < b;
+    r.first = cb > ca ? ca / CHUNKS : full;
+    r.n = (cb > ca ? (cb - 1) / CHUNKS - r.first + 1 : 0) + (r.tail ? 1 : 0);
+    r.u_lo = cb > ca ? ca - CHUNKS * r.first : 0;
+    r.u_hi = cb > ca ? cb - CHUNKS * r.first : 0;
+  } else {
+    const int pps = p.pages_per_split > 0 ? p.pages_per_split : (num_pages + p.num_splits - 1) / p.num_splits;
+    r.first = split * pps;
+    r.n = max(min(r.first + pps, num_pages) - r.first, 0);
+    r.u_lo = 0;
+    r.u_hi = r.n * CHUNKS;
+    r.tail = false;
+  }
+  return r;
+}
+
 // The warp's share of its split (WarpRange): pages w, w + W, ... whole (CS false), or (CS: chunk-split CTAs for small
-// batches, docs/attention-kernels.md v14 item 6c) the split's 32-token chunks u0 .. u1 - 1 (page u / CHUNKS, chunk u %
-// CHUNKS) in one contiguous run, so a page's chunks spread over the warps and each warp's chain is shorter.
+// batches, docs/attention-kernels.md v14 item 6c) the split's chunk units u0 .. u1 - 1 of [u_lo, u_hi) (page u /
+// CHUNKS, chunk u % CHUNKS) in one contiguous run, so a page's chunks spread over the warps and each warp's chain is
+// shorter. Work split: the last warp's run ends at the last full page and goes on to the split's partly filled page
+// (SplitRange::tail, the table's last page, whole: a staged page ends the run at its first chunk).
 struct WarpRange {
   int my_n;        // pages the warp visits
   int jp0;         // CS: the first one's index in the split's table
@@ -23,16 +63,18 @@ struct WarpRange {
 };
 
 template <int W, bool CS>
-__device__ __forceinline__ WarpRange warp_range(int n, int warp) {
+__device__ __forceinline__ WarpRange warp_range(const SplitRange& sr, int warp) {
   WarpRange r{};
   if constexpr (CS) {
-    const int U = n * CHUNKS, u0 = warp * U / W, u1 = (warp + 1) * U / W;
-    r.jp0 = u0 / CHUNKS;
-    r.my_n = u1 > u0 ? (u1 - 1) / CHUNKS - r.jp0 + 1 : 0;
-    r.k0 = u0 % CHUNKS;
-    r.k1 = u1 > u0 ? (u1 - 1) % CHUNKS + 1 : CHUNKS;
+    const int U = sr.u_hi - sr.u_lo, u0 = sr.u_lo + warp * U / W, u1 = sr.u_lo + (warp + 1) * U / W;
+    const int tail = sr.tail && warp == W - 1 ? 1 : 0;
+    // (with a tail, the last run ends at a page boundary (k1 = CHUNKS), and the tail page follows it)
+    r.jp0 = u1 > u0 ? u0 / CHUNKS : 0;
+    r.my_n = (u1 > u0 ? (u1 - 1) / CHUNKS - r.jp0 + 1 : 0) + tail;
+    r.k0 = u1 > u0 ? u0 % CHUNKS : 0;
+    r.k1 = u1 > u0 && !tail ? (u1 - 1) % CHUNKS + 1 : CHUNKS;
   } else {
-    r.my_n = n > warp ? (n - 1 - warp) / W + 1 : 0;
+    r.my_n = sr.n > warp ? (sr.n - 1 - warp) / W + 1 : 0;
     r.k0 = 0;
     r.k1 = CHUNKS;
   }
@@ -174,6 +216,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
           __syncwarp();
         }
       }
+      // chunk-split CTAs: a staged page that ends the warp's run ends it here (its chunks add nothing: the CTA folds
+      // the page after the loop); the copies in flight are waited for after the loop
+      if (CS && staged && !has_next) break;
       if (staged) {                              // keep the ring's fills and waits in step
         if (more) {
           __syncwarp();
