@@ -389,6 +389,17 @@ def test_work_tail_units():
     assert lowbit_decode.WORK_SPLIT is False                   # the planner switch: off until a GPU A/B
 
 
+def test_plan_work_split():
+    """The planner switch (WORK_SPLIT, off): on, it takes batches of more than SMALL_PAIRS pairs that chunk-split
+    CTAs can run (B=8 and B=32 with 8 kv heads), not B=1 / B=2, GQA groups above 4, chunk_split=False or 8 warps."""
+    plan = lowbit_decode.plan_work_split
+    assert not plan(32, 8, 4)                                   # the switch is off
+    assert plan(32, 8, 4, switch=True) and plan(8, 8, 4, switch=True) and plan(8, 8, 1, None, 4, switch=True)
+    assert not plan(2, 8, 4, switch=True) and not plan(1, 8, 4, switch=True)
+    assert not plan(32, 8, 8, switch=True)
+    assert not plan(32, 8, 4, chunk_split=False, switch=True) and not plan(32, 8, 4, warps=8, switch=True)
+
+
 def test_work_split_table_pages():
     # 128 pages (the tail counted whole) in 2 splits with S = 12: 262 units span at most 67 pages, + the tail
     assert lowbit_decode.work_split_table_pages(128, 2, 12) == 68
@@ -426,11 +437,13 @@ def test_work_split(bits, splits, key_fraction):
 @pytest.mark.parametrize("fixed", [False, True])
 def test_work_split_tail_units(tail_units, fixed):
     """Any S: a large one leaves the partly filled page's split without full pages (a table of one staged page) and
-    the later splits empty; splits sized on the host or on the device (as a CUDA-graph bucket launches them)."""
-    case = _case([2049, 2048, 2177, 127, 1, 640], seed=70 + tail_units, sinks=0)
+    the later splits empty; splits sized on the host (bf16) or on the device (fp16; as a CUDA-graph bucket launches
+    them)."""
+    dtype = torch.float16 if fixed else torch.bfloat16
+    case = _case([2049, 2048, 2177, 127, 1, 640], seed=70 + tail_units, sinks=0, dtype=dtype)
     if fixed:
         case.meta.fixed_num_splits = 5
-    _check(case, torch.bfloat16, work_split=tail_units, chunk_split=True, **({} if fixed else {"num_splits": 5}))
+    _check(case, dtype, work_split=tail_units, chunk_split=True, **({} if fixed else {"num_splits": 5}))
 
 
 @needs_cuda
@@ -438,16 +451,13 @@ def test_work_split_tail_units(tail_units, fixed):
 @pytest.mark.parametrize("sinks", [0, 1])
 def test_work_split_batches(batch, sinks):
     """B=8 and B=32 with 8 kv heads (the target table's pair counts) over ragged lengths around page boundaries:
-    planned, forced and device-sized (graph bucket) splits, fp16 and bf16."""
-    lengths = [1, 127, 128, 129, 255, 256, 257, 600, 1023, 1024, 1025, 2049] if batch == 8 else \
-        [1, 127, 128, 129, 255, 256, 257, 600]
-    context = (lengths * 4)[:batch]
-    for dtype in (torch.bfloat16, torch.float16):
-        case = _case(context, seed=80 + batch + sinks, sinks=sinks, num_kv_heads=8, key_fraction=0.0, dtype=dtype)
-        for kwargs in ({}, {"num_splits": 2}, {"num_splits": 8}):
-            _check(case, dtype, work_split=True, **kwargs)
-        case.meta.fixed_num_splits = lowbit_decode.graph_split_count(batch, 8, 17, 132)
-        _check(case, dtype, work_split=True)
+    planned, forced and device-sized (graph bucket) splits."""
+    lengths = [1, 127, 128, 129, 255, 256, 257, 1025] if batch == 8 else [1, 127, 128, 129, 255, 256, 257, 600]
+    case = _case((lengths * 4)[:batch], seed=80 + batch + sinks, sinks=sinks, num_kv_heads=8, key_fraction=0.0)
+    for kwargs in ({}, {"num_splits": 2}, {"num_splits": 8}):
+        _check(case, torch.bfloat16, work_split=True, **kwargs)
+    case.meta.fixed_num_splits = lowbit_decode.graph_split_count(batch, 8, 9, 132)
+    _check(case, torch.bfloat16, work_split=True)
 
 
 @needs_cuda

@@ -47,8 +47,9 @@ CHUNK_SPLIT_MAX_PAGES = 2
 # each sequence's length: graph-safe); `work_split=<int>` launches with another S (the GPU A/B's sweep).
 CHUNKS = 4
 WORK_SPLIT_TAIL_UNITS = 12
-# the planner switch: launches with work_split=None take the work split where chunk-split CTAs can run (GQA groups
-# <= 4, 4 warps, chunk_split not False). Off until a GPU A/B says otherwise.
+# the planner switch (plan_work_split): launches with work_split=None take the work split for batches of more than
+# SMALL_PAIRS (sequence, kv head) pairs (B=8 32k, B=32: the shapes it is for) where chunk-split CTAs can run. Off
+# until a GPU A/B says otherwise.
 WORK_SPLIT = False
 _CSRC = pathlib.Path(__file__).with_name("csrc")
 
@@ -126,6 +127,16 @@ def plan_chunk_split(batch: int, num_kv_heads: int, group: int, max_pages: int, 
     if per_split > CHUNK_SPLIT_MAX_PAGES:
         return None
     return math.ceil(max_pages / per_split), per_split
+
+
+def plan_work_split(batch: int, num_kv_heads: int, group: int, chunk_split: bool | None = None,
+                    warps: int | None = None, switch: bool | None = None) -> bool:
+    """Whether a launch with work_split=None takes the work split: the planner switch (`switch`, default
+    WORK_SPLIT) on, more than SMALL_PAIRS (sequence, kv head) pairs (small batches keep their own plans), GQA
+    groups <= 4, chunk-split CTAs not turned off, 4 warps (or unset)."""
+    on = WORK_SPLIT if switch is None else switch
+    return bool(on and batch * num_kv_heads > SMALL_PAIRS and group <= MAX_GROUP // 2 and chunk_split is not False
+                and warps in (None, 4))
 
 
 def work_tail_units(work_split: bool | int | None) -> int:
@@ -245,7 +256,7 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
     launches without `num_splits` / `warps`; True forces it (4 warps, GQA groups <= 4), False turns it off.
     `work_split` (v15, chunk-split CTAs): True (or S, the staged tail's weight in chunk units; True takes
     WORK_SPLIT_TAIL_UNITS) sizes the splits in work units on the device, the partly filled last page counted as S
-    against a full page's 4; None follows the planner switch WORK_SPLIT; False / 0 turns it off. It launches
+    against a full page's 4; None follows the planner switch (plan_work_split); False / 0 turns it off. It launches
     chunk-split CTAs (at the split count that chunk_split=True would plan)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -257,8 +268,8 @@ def paged_attention_lowbit_decode(query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError(f"paged_attention_lowbit_decode: GQA group {num_heads}/{num_kv_heads} not supported")
     if warps is not None and warps not in (4, 8):
         raise ValueError(f"paged_attention_lowbit_decode: warps per CTA must be 4 or 8, got {warps}")
-    if work_split is None:         # the planner switch: where chunk-split CTAs can run
-        work_split = WORK_SPLIT and group <= MAX_GROUP // 2 and chunk_split is not False and warps in (None, 4)
+    if work_split is None:         # the planner switch
+        work_split = plan_work_split(batch, num_kv_heads, group, chunk_split, warps)
     work_tail = work_tail_units(work_split)
     if work_tail:
         if chunk_split is False or warps not in (None, 4):
