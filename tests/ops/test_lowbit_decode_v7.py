@@ -259,9 +259,12 @@ def test_plan_warps(batch, heads, splits, warps):
     assert lowbit_decode.plan_warps(batch, heads, splits, 132, small_batch_warps=4) == 4
 
 
-def test_plan_chunk_split():
+def test_plan_chunk_split(monkeypatch):
     """One wave of 4 CTAs per SM (int4: 3) over the (sequence, kv head) pairs, at most 2 pages per split; none for GQA
-    groups above 4, more than SMALL_PAIRS pairs or longer splits."""
+    groups above 4, more than SMALL_PAIRS pairs or longer splits (CHUNK_SPLIT_MAX_PAGES 2: off, 0, by default since
+    its B=1 16k loss, docs/attention-kernels.md item 6)."""
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 16, 132) is None                # off by default
+    monkeypatch.setattr(lowbit_decode, "CHUNK_SPLIT_MAX_PAGES", 2)
     assert lowbit_decode.plan_chunk_split(1, 8, 4, 128, 132) == (64, 2)           # B=1 16k: 66 CTAs a pair wanted
     assert lowbit_decode.plan_chunk_split(1, 8, 4, 16, 132) == (16, 1)            # B=1 2k: a page per split
     assert lowbit_decode.plan_chunk_split(1, 4, 4, 128, 132) == (128, 1)          # 4 kv heads: 132 CTAs a pair

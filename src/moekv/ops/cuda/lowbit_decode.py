@@ -37,7 +37,7 @@ SMALL_BATCH_WARPS = 8
 SMALL_PAIRS = 16
 SMALL_PAIRS_CTAS_PER_SM = 3
 # chunk-split CTAs (plan_chunk_split) where a split holds at most this many pages (4 warps x 1-2 chunks each)
-CHUNK_SPLIT_MAX_PAGES = 2
+CHUNK_SPLIT_MAX_PAGES = 0
 # v15 work split (docs/attention-kernels.md item 7; chunk-split CTAs, `work_split`): the splits of a sequence cover
 # equal work, W = CHUNKS x (full low-bit pages) + S, where S = WORK_SPLIT_TAIL_UNITS counts the staged partly filled
 # last page in 32-token chunk units (a full page: CHUNKS = 4 units, which the CTA's 4 warps share: one chunk-time
