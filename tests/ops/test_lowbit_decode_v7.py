@@ -226,11 +226,13 @@ def test_supports_the_engine_formats_only():
 
 
 def test_runs_on():
-    cpu = torch.zeros(1, 4, 128)
-    assert not lowbit_decode.runs_on(cpu, cpu)
+    cpu, staging = torch.zeros(1, 4, 128), torch.zeros(2, 32, 4, 128)      # staging: [blocks, 32 | 64 | 128 rows, Hkv, D]
+    assert not lowbit_decode.runs_on(cpu, staging)
     if torch.cuda.is_available():
-        q = cpu.to("cuda", torch.bfloat16)
-        assert lowbit_decode.runs_on(q, q) == (torch.cuda.get_device_capability()[0] >= 8)
+        q, blocks = cpu.to("cuda", torch.bfloat16), staging.to("cuda", torch.bfloat16)
+        assert lowbit_decode.runs_on(q, blocks) == (torch.cuda.get_device_capability()[0] >= 8)
+        assert not lowbit_decode.runs_on(q, blocks[:, :16])                # 16-row blocks: not a staging size
+        assert not lowbit_decode.runs_on(q, blocks.half())                 # another dtype than the query
         assert not lowbit_decode.runs_on(q, q.half())
 
 
