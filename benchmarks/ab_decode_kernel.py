@@ -5,6 +5,7 @@ kernel; both built side by side, timed on the same data (median of CUDA-graph re
 D=128, the cache's default format), written as attention-ab-<tag>.{json,md} under --out.
 
     PYTHONPATH=src:. python3 benchmarks/ab_decode_kernel.py --a-dir ab/A --tag tail --out <dir>
+    ... --b-kwargs '{"work_split": true}'     # this checkout's kernel launched with these arguments
 """
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ def main(argv=None) -> int:
                     help="with --fixed-splits: each side plans its own count with its own graph_splits (default: "
                          "B's count for every side)")
     ap.add_argument("--kv-heads", type=int, default=None, help="kv heads of every shape (default 8; Qwen3-30B-A3B: 4)")
+    ap.add_argument("--b-kwargs", type=json.loads, default={},
+                    help="JSON object of launch arguments for this checkout's kernel (B), e.g. "
+                         "'{\"work_split\": true}' (the baselines launch with none)")
     args = ap.parse_args(argv)
+    if not isinstance(args.b_kwargs, dict):
+        ap.error("--b-kwargs must be a JSON object")
     import benchmarks.bench_attention as ba        # after argument parsing (it reads no argv at import)
     from benchmarks import attention_setup as setup
 
@@ -99,14 +105,16 @@ def main(argv=None) -> int:
             for name, module in mods.items():
                 if args.own_splits:
                     row[f"{name}_fixed_splits"] = plan(module)
-                out = module.paged_attention_lowbit_decode(*lb_args, scale=0.088)
-                row[f"{name}_ms"] = round(timer(lambda m=module: m.paged_attention_lowbit_decode(*lb_args, scale=0.088)), 4)
+                kw = args.b_kwargs if name == "B" else {}
+                out = module.paged_attention_lowbit_decode(*lb_args, scale=0.088, **kw)
+                row[f"{name}_ms"] = round(timer(lambda m=module, kw=kw: m.paged_attention_lowbit_decode(
+                    *lb_args, scale=0.088, **kw)), 4)
                 row[f"{name}_max_abs_diff_vs_A"] = (out.float() - ref.float()).abs().max().item()
             print(json.dumps(row), flush=True)
             rows.append(row)
     env = {"gpu": torch.cuda.get_device_name(0), "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "commit": os.environ.get("MOEKV_COMMIT", "?"), "command": " ".join(["python3"] + sys.argv),
-           **labels}
+           "b_kwargs": args.b_kwargs, **labels}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"attention-ab-{args.tag}.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     keys = list(mods)

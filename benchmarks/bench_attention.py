@@ -5,6 +5,8 @@
     PYTHONPATH=src:. python benchmarks/bench_attention.py --check --out benchmarks/results  # correctness
     PYTHONPATH=src:. python benchmarks/bench_attention.py --lowbit-only --shapes 32x16384 --bits 3 --impls v7 \
         --lowbit-configs '{"v7": [{}, {"num_splits": 2}]}' --out /tmp/sweep   # low-bit launch configs only
+    ... --lowbit-configs '{"v7": [{"chunk_split": false}, {"chunk_split": true}, {"chunk_split": true,
+        "work_split": true}]}'   # v7 launch arguments: page-per-warp plan, chunk-split CTAs, + the v15 work split
 
 Timings: median of CUDA-graph replays; "cold" (the default) zeroes a 256 MiB buffer before every
 call inside the graph so nothing is served from L2, and the flush alone is timed and subtracted.

@@ -33,3 +33,10 @@ def test_parse_shapes():
 def test_bad_shapes_are_refused(bad):
     with pytest.raises(ValueError):
         ab_decode_kernel.parse_shapes(bad)
+
+
+def test_b_kwargs_must_be_an_object():
+    """--b-kwargs: launch arguments for this checkout's kernel (e.g. '{"work_split": true}'), a JSON object."""
+    for bad in ("[1]", "not json"):
+        with pytest.raises(SystemExit):
+            ab_decode_kernel.main(["--a-dir", "x", "--out", "y", "--b-kwargs", bad])

@@ -319,6 +319,10 @@ def test_graph_pool_estimate_counts_the_decode_workspace():
     assert workspace("bf16") == 0
     plain = graph_pool_bytes(arch, 8, torch.bfloat16, workspace("bf16"))
     lowbit = graph_pool_bytes(arch, 8, torch.bfloat16, workspace("int3"))
-    splits = lowbit_decode.plan_splits(8, 2, 4096 // 128, 132)
-    assert splits == 4                           # 32 pages: at least 8 per split
+    splits = lowbit_decode.graph_split_count(8, 2, 4096 // 128, 132)
+    if lowbit_decode.CHUNK_SPLIT_MAX_PAGES > 0:
+        assert splits == 32                      # 16 pairs: chunk-split CTAs, one wave of 4 a SM, a page per split
+    else:
+        assert splits == lowbit_decode.plan_splits(8, 2, 32, 132)   # page-per-warp CTAs (chunk splits off)
+    assert lowbit_decode.graph_split_count(16, 2, 4096 // 128, 132) == lowbit_decode.plan_splits(16, 2, 32, 132) == 4
     assert lowbit - plain == 8 * 2 * splits * 8 * (8 + 1) * 4

@@ -135,6 +135,26 @@ def test_staged_sink_pages():
 
 
 @needs_cuda
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("splits", [None, 1, 3, 7])
+@pytest.mark.parametrize("key_fraction", [0.0, None])
+def test_chunk_split(bits, splits, key_fraction):
+    """Chunk-split CTAs: the four warps share each page's chunks in contiguous runs that start and end mid-page;
+    staged tails and sink pages are listed once (by the run holding their chunk 0)."""
+    case = _case([1, 127, 129, 300, 1000, 2049], bits=bits, sinks=1, seed=40 + bits, key_fraction=key_fraction)
+    _check(case, torch.bfloat16, num_splits=splits, chunk_split=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunk_split_planned(group, dtype):
+    """The planned chunk-split launch of a single sequence (plan_chunk_split: 1 or 2 pages per split)."""
+    for context in ([2047], [16383], [130]):
+        _check(_case(context, group=group, dtype=dtype, seed=50 + group, num_kv_heads=8), dtype)
+
+
+@needs_cuda
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 @pytest.mark.parametrize("warps", [4, 8])
 def test_forced_splits(splits, warps):
@@ -169,12 +189,12 @@ def test_split_count_cap():
 
 @needs_cuda
 @pytest.mark.parametrize("splits", [1, 4, 9])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_graph_replay_with_device_splits(splits, warps):
+@pytest.mark.parametrize("launch", [{"warps": 4}, {"warps": 8}, {"work_split": True}], ids=["w4", "w8", "work"])
+def test_graph_replay_with_device_splits(splits, launch):
     case = _case([1000, 300, 129, 1], seed=11 + splits)
     ref = reference.paged_attention_lowbit(*case.args(), SCALE).float()
     case.meta.fixed_num_splits = splits
-    fn = lambda: lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, warps=warps)   # noqa: E731
+    fn = lambda: lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, **launch)   # noqa: E731
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -241,6 +261,23 @@ def test_plan_warps(batch, heads, splits, warps):
     assert lowbit_decode.plan_warps(batch, heads, splits, 132, small_batch_warps=4) == 4
 
 
+def test_plan_chunk_split(monkeypatch):
+    """One wave of 4 CTAs per SM (int4: 3) over the (sequence, kv head) pairs, at most 2 pages per split; none for GQA
+    groups above 4, more than SMALL_PAIRS pairs or longer splits (CHUNK_SPLIT_MAX_PAGES 2: off, 0, by default since
+    its B=1 16k loss, docs/attention-kernels.md item 6)."""
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 16, 132) is None                # off by default
+    monkeypatch.setattr(lowbit_decode, "CHUNK_SPLIT_MAX_PAGES", 2)
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 128, 132) == (64, 2)           # B=1 16k: 66 CTAs a pair wanted
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 16, 132) == (16, 1)            # B=1 2k: a page per split
+    assert lowbit_decode.plan_chunk_split(1, 4, 4, 128, 132) == (128, 1)          # 4 kv heads: 132 CTAs a pair
+    assert lowbit_decode.plan_chunk_split(2, 8, 4, 16, 132) == (16, 1)            # B=2 2k
+    assert lowbit_decode.plan_chunk_split(2, 8, 4, 128, 132) is None               # B=2 16k: 4 pages a split
+    assert lowbit_decode.plan_chunk_split(1, 8, 8, 16, 132) is None                # GQA group above 4
+    assert lowbit_decode.plan_chunk_split(4, 8, 4, 16, 132) is None                # 32 pairs
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 1024, 132) is None              # 16 pages per split
+    assert lowbit_decode.plan_chunk_split(1, 8, 4, 128, 132, bits=4) is None       # int4: 49 CTAs, 3 pages a split
+
+
 def test_warps_other_than_4_or_8_are_refused():
     case = build_case([300], [1], 1, 4, 128, 3, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="warps per CTA"):
@@ -271,13 +308,176 @@ def test_rejects_prefill_and_large_groups():
 @needs_cuda
 @pytest.mark.parametrize("staging_block", [32, 64])
 @pytest.mark.parametrize("staging_only", [False, True])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_staging_blocks_and_staging_only_ids(staging_block, staging_only, warps):
+@pytest.mark.parametrize("launch", [{"warps": 4}, {"warps": 8}, {"chunk_split": True}, {"work_split": True}],
+                         ids=["w4", "w8", "chunk", "work"])
+def test_staging_blocks_and_staging_only_ids(staging_block, staging_only, launch):
     # staging in shuffled blocks (a partial page holds only the blocks its rows need), the partial page as an id
-    # beyond the low-bit pages (its low-bit prefetches read page 0's storage), sinks, lengths at block boundaries
+    # beyond the low-bit pages (its low-bit prefetches read the last page's storage), sinks, lengths at block
+    # boundaries; page-per-warp CTAs of 4 and 8 warps, chunk-split CTAs plain and with the work split
     for context, sinks in (([1, 31, 32, 33, 127, 128, 129, 300, 1000], 0), ([600, 129, 65], 1)):
         case = to_device(build_case(context, [1] * len(context), 2, 4, 128, 3, 128, dtype=torch.bfloat16,
                                     kind="spikes", outlier_fraction=0.0025, sink_pages=sinks, seed=staging_block,
                                     key_outlier_fraction=0.0, staging_block=staging_block,
                                     staging_only=staging_only), "cuda")
-        _check(case, torch.bfloat16, warps=warps)
+        _check(case, torch.bfloat16, **launch)
+
+
+# ---- v15 work split (chunk-split CTAs whose splits cover equal work: docs/attention-kernels.md item 7)
+
+def _visits(context, splits, tail_units, warps=4):
+    """Every (page, chunk) the device plan's runs visit, and the splits' work (chunk units + the tail's S)."""
+    P, C = lowbit_decode.PAGE_SIZE, lowbit_decode.CHUNKS
+    full = context // P
+    partial = context % P != 0
+    chunks, tails, work = [], [], []
+    for first, n, tail, runs in lowbit_decode.work_split_ranges(context, splits, tail_units, warps):
+        assert n <= lowbit_decode.work_split_table_pages(-(-context // P), splits, tail_units)
+        counts = []
+        for jp0, k0, k1, my_n in runs:
+            own = 0
+            for jj in range(my_n):
+                index = jp0 + jj
+                assert 0 <= index < n
+                page = first + index
+                kbeg, kend = (k0 if jj == 0 else 0), (k1 if jj == my_n - 1 else C)
+                assert 0 <= kbeg < kend <= C
+                if partial and page == full:          # the partly filled page: visited whole, once, last of its run
+                    assert (kbeg, kend, jj) == (0, C, my_n - 1) and tail and index == n - 1
+                    tails.append(page)
+                else:
+                    assert page < full
+                    chunks += [(page, k) for k in range(kbeg, kend)]
+                    own += kend - kbeg
+            counts.append(own)
+        assert max(counts) - min(counts) <= 1           # the split's chunks evenly over its warps
+        work.append(sum(counts) + (tail_units if tail else 0))
+    return chunks, tails, work
+
+
+@pytest.mark.parametrize("tail_units", [1, 3, 4, 12, 100])
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 7, 8, 16, 64])
+def test_work_split_ranges_cover_every_chunk_once(tail_units, splits):
+    """The device plan (mirrored on the host): every chunk of every full page in exactly one warp's run, the partly
+    filled page visited once (whole, by the last warp of the split holding its first unit), each split's work within
+    S - 1 units of an even share, tables within work_split_table_pages."""
+    P, C = lowbit_decode.PAGE_SIZE, lowbit_decode.CHUNKS
+    for context in [0, 1, 31, 127, 128, 129, 255, 256, 257, 383, 1000, 2047, 2048, 2049, 4095, 16383, 16384, 32767]:
+        chunks, tails, work = _visits(context, splits, tail_units)
+        full = context // P
+        assert sorted(chunks) == [(page, k) for page in range(full) for k in range(C)]
+        assert tails == ([full] if context % P else [])
+        units = C * full + (tail_units if context % P else 0)
+        assert sum(work) == units
+        assert max(work, default=0) <= -(-units // splits) + tail_units - 1
+
+
+def test_work_split_moves_chunks_off_the_tail_split():
+    """B=32 16k (2 splits of 16383 tokens: 127 full pages + a staged tail): plain splits give the tail's split 63
+    full pages + the tail; the work split (S = 12) gives it 4 x 127 + 12 = 520 / 2 units: 248 chunks (62 a warp) + the
+    tail, the other 260 (65 a warp)."""
+    plan = lowbit_decode.work_split_ranges(16383, 2, 12)
+    (first0, n0, tail0, runs0), (first1, n1, tail1, runs1) = plan
+    assert (first0, n0, tail0) == (0, 65, False) and (first1, n1, tail1) == (65, 63, True)
+    assert [r[3] for r in runs0] == [17, 17, 17, 17]          # 65 chunks a warp, runs start and end mid-page
+    assert runs1[-1] == (46, 2, 4, 17)           # the last warp: 62 chunks (from page 46, chunk 2) + the tail
+    assert lowbit_decode.work_split_ranges(16384, 2, 12)[1][2] is False   # no partly filled page: plain halves
+
+
+def test_work_tail_units():
+    assert lowbit_decode.work_tail_units(None) == lowbit_decode.work_tail_units(False) == 0
+    assert lowbit_decode.work_tail_units(0) == 0
+    assert lowbit_decode.work_tail_units(True) == lowbit_decode.WORK_SPLIT_TAIL_UNITS == 12
+    assert lowbit_decode.work_tail_units(3) == 3
+    for bad in (-1, 2.5, 4 * lowbit_decode.TABLE_MAX + 1):
+        with pytest.raises(ValueError, match="work_split"):
+            lowbit_decode.work_tail_units(bad)
+    assert lowbit_decode.WORK_SPLIT is False                   # the planner switch: off until a GPU A/B
+
+
+def test_plan_work_split():
+    """The planner switch (WORK_SPLIT, off): on, it takes batches of more than SMALL_PAIRS pairs that chunk-split
+    CTAs can run (B=8 and B=32 with 8 kv heads), not B=1 / B=2, GQA groups above 4, chunk_split=False or 8 warps."""
+    plan = lowbit_decode.plan_work_split
+    assert not plan(32, 8, 4)                                   # the switch is off
+    assert plan(32, 8, 4, switch=True) and plan(8, 8, 4, switch=True) and plan(8, 8, 1, None, 4, switch=True)
+    assert not plan(2, 8, 4, switch=True) and not plan(1, 8, 4, switch=True)
+    assert not plan(32, 8, 8, switch=True)
+    assert not plan(32, 8, 4, chunk_split=False, switch=True) and not plan(32, 8, 4, warps=8, switch=True)
+
+
+def test_work_split_table_pages():
+    # 128 pages (the tail counted whole) in 2 splits with S = 12: 262 units span at most 67 pages, + the tail
+    assert lowbit_decode.work_split_table_pages(128, 2, 12) == 68
+    assert lowbit_decode.work_split_table_pages(1, 7, 12) == 3
+
+
+def test_work_split_refusals():
+    """The work split runs on chunk-split CTAs: refused with chunk_split=False, 8 warps or GQA groups above 4."""
+    case = build_case([300], [1], 1, 4, 128, 3, 128, dtype=torch.bfloat16)
+    for kwargs in ({"chunk_split": False}, {"warps": 8}):
+        with pytest.raises(ValueError, match="chunk-split CTAs"):
+            lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, work_split=True, **kwargs)
+    wide = build_case([300], [1], 1, 8, 128, 3, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="GQA groups <= 4"):
+        lowbit_decode.paged_attention_lowbit_decode(*wide.args(), SCALE, work_split=3)
+    with pytest.raises(ValueError, match="work_split"):
+        lowbit_decode.paged_attention_lowbit_decode(*case.args(), SCALE, work_split=-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("splits", [None, 1, 3, 7, 16])
+@pytest.mark.parametrize("key_fraction", [0.0, None])
+def test_work_split(bits, splits, key_fraction):
+    """Work-split chunk-split CTAs: ragged lengths with tails at page boundaries (P - 1, P, P + 1, 2P, 2P + 1, 16P
+    + 1), a staged sink page, planned and forced splits; the partly filled page visited (last) by one warp of the
+    split holding its first work unit, splits past the work empty."""
+    case = _case([1, 127, 128, 129, 255, 256, 257, 300, 1000, 2048, 2049], bits=bits, sinks=1, seed=60 + bits,
+                 key_fraction=key_fraction)
+    _check(case, torch.bfloat16, num_splits=splits, work_split=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("tail_units", [1, 3, 4, 12, 40, 2048])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_work_split_tail_units(tail_units, fixed):
+    """Any S: a large one leaves the partly filled page's split without full pages (a table of one staged page) and
+    the later splits empty; splits sized on the host (bf16) or on the device (fp16; as a CUDA-graph bucket launches
+    them)."""
+    dtype = torch.float16 if fixed else torch.bfloat16
+    case = _case([2049, 2048, 2177, 127, 1, 640], seed=70 + tail_units, sinks=0, dtype=dtype)
+    if fixed:
+        case.meta.fixed_num_splits = 5
+    _check(case, dtype, work_split=tail_units, chunk_split=True, **({} if fixed else {"num_splits": 5}))
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", [8, 32])
+@pytest.mark.parametrize("sinks", [0, 1])
+def test_work_split_batches(batch, sinks):
+    """B=8 and B=32 with 8 kv heads (the target table's pair counts) over ragged lengths around page boundaries:
+    planned, forced and device-sized (graph bucket) splits."""
+    lengths = [1, 127, 128, 129, 255, 256, 257, 1025] if batch == 8 else [1, 127, 128, 129, 255, 256, 257, 600]
+    case = _case((lengths * 4)[:batch], seed=80 + batch + sinks, sinks=sinks, num_kv_heads=8, key_fraction=0.0)
+    for kwargs in ({}, {"num_splits": 2}, {"num_splits": 8}):
+        _check(case, torch.bfloat16, work_split=True, **kwargs)
+    case.meta.fixed_num_splits = lowbit_decode.graph_split_count(batch, 8, 9, 132)
+    _check(case, torch.bfloat16, work_split=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch,length", [(8, 32768), (32, 16384)])
+def test_work_split_target_shapes(batch, length):
+    """The target table's B=8 32k and B=32 16k as bench_attention builds them (length - 1 tokens: 255 / 127 full
+    pages and a 127-token staged tail): plain and work-split chunk-split CTAs at the planned splits and a graph
+    bucket's, against the reference."""
+    from benchmarks import attention_setup as setup
+
+    args, _ = setup.build_lowbit(batch, length, 3, torch.Generator().manual_seed(0))
+    ref = reference.paged_attention_lowbit(*args, SCALE).float()
+    for kwargs in ({"chunk_split": True}, {"work_split": True}, {"work_split": 3}):
+        _assert_close(lowbit_decode.paged_attention_lowbit_decode(*args, SCALE, **kwargs).float(), ref,
+                      torch.bfloat16)
+    args[-1].fixed_num_splits = lowbit_decode.graph_splits(batch, setup.HKV, length, args[0].device)
+    _assert_close(lowbit_decode.paged_attention_lowbit_decode(*args, SCALE, work_split=True).float(), ref,
+                  torch.bfloat16)

@@ -73,8 +73,8 @@ class LowBitCapacity:
         8, D] and their log-sum-exp; ops/cuda/lowbit_decode.py), at the split count of an H100/H200's 132 SMs."""
         from moekv.ops.cuda import lowbit_decode   # host-side planning only (nothing is built or launched)
 
-        splits = lowbit_decode.plan_splits(max_batch, spec.num_kv_heads, -(-max_model_len // spec.page_size), 132,
-                                           int(config.kv_cache_dtype[3:]))
+        splits = lowbit_decode.graph_split_count(max_batch, spec.num_kv_heads, -(-max_model_len // spec.page_size),
+                                                 132, int(config.kv_cache_dtype[3:]))
         return lowbit_decode.workspace_bytes(max_batch, spec.num_kv_heads, splits, spec.head_dim)
 
     def graph_decode_splits(self, batch: int, max_model_len: int) -> int | None:

@@ -7,8 +7,8 @@
 
 using namespace moekv_v7;
 
-template <int B, int STACK, int W>
-void launch_bits(const Params& p, int batch, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>[s][w8].cu
+template <int B, int STACK, int W, bool CS>
+void launch_bits(const Params& p, int batch, bool bf16, cudaStream_t stream);   // lowbit_decode_b<B>[s][w8|c].cu
 
 int64_t smem_bytes(int64_t bits, int64_t k_cap, int64_t v_cap, int64_t warps) {
   if (warps == 8) {
@@ -26,9 +26,18 @@ static void launch_width(const Params& p, int64_t bits, int batch, bool bf16, cu
   // GQA groups of at most 4: scores of both token tiles in one (STACK 2), every width (session 25: int2 stacked with
   // its value outliers as corrections, which need stacking, -2% at B=32, -3.4% at B=128; attention-ab-s25-stack.md)
   const bool stack = p.group <= NH / 2;
-  if (bits == 4) { if (stack) launch_bits<4, 2, W>(p, batch, bf16, stream); else launch_bits<4, 1, W>(p, batch, bf16, stream); }
-  else if (bits == 3) { if (stack) launch_bits<3, 2, W>(p, batch, bf16, stream); else launch_bits<3, 1, W>(p, batch, bf16, stream); }
-  else if (bits == 2) { if (stack) launch_bits<2, 2, W>(p, batch, bf16, stream); else launch_bits<2, 1, W>(p, batch, bf16, stream); }
+  if (bits == 4) { if (stack) launch_bits<4, 2, W, false>(p, batch, bf16, stream); else launch_bits<4, 1, W, false>(p, batch, bf16, stream); }
+  else if (bits == 3) { if (stack) launch_bits<3, 2, W, false>(p, batch, bf16, stream); else launch_bits<3, 1, W, false>(p, batch, bf16, stream); }
+  else if (bits == 2) { if (stack) launch_bits<2, 2, W, false>(p, batch, bf16, stream); else launch_bits<2, 1, W, false>(p, batch, bf16, stream); }
+  else TORCH_CHECK(false, "lowbit decode v7: bits must be 2, 3 or 4, got ", bits);
+}
+
+// chunk-split CTAs of 4 warps (small batches): stacked scores only (GQA groups of at most 4)
+static void launch_chunk_split(const Params& p, int64_t bits, int batch, bool bf16, cudaStream_t stream) {
+  TORCH_CHECK(p.group <= NH / 2, "lowbit decode v7: chunk-split CTAs take GQA groups of at most 4, got ", p.group);
+  if (bits == 4) launch_bits<4, 2, 4, true>(p, batch, bf16, stream);
+  else if (bits == 3) launch_bits<3, 2, 4, true>(p, batch, bf16, stream);
+  else if (bits == 2) launch_bits<2, 2, 4, true>(p, batch, bf16, stream);
   else TORCH_CHECK(false, "lowbit decode v7: bits must be 2, 3 or 4, got ", bits);
 }
 
@@ -70,7 +79,7 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
             torch::Tensor staging_k, torch::Tensor staging_v, torch::Tensor block_map,
             torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
             double qk_scale, int64_t group, int64_t num_splits, int64_t pages_per_split,
-            int64_t bits, int64_t warps, bool pdl) {
+            int64_t bits, int64_t warps, bool chunk_split, int64_t work_tail, bool pdl) {
   const c10::cuda::CUDAGuard guard(q.device());
   TORCH_CHECK(q.size(-1) == D && k_codes.size(2) == P, "lowbit decode v7: head_dim and page size must be 128");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && context_lens.dtype() == torch::kInt32 &&
@@ -116,6 +125,10 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
               " splits, got ", num_splits);
   p.num_splits = static_cast<int>(num_splits);
   p.pages_per_split = static_cast<int>(pages_per_split);
+  TORCH_CHECK(work_tail >= 0 && work_tail <= 4 * TABLE_MAX && (work_tail == 0 || chunk_split),
+              "lowbit decode v7: the work split (tail units 1 to ", 4 * TABLE_MAX, ") takes chunk-split CTAs, got ",
+              work_tail);
+  p.work_tail = static_cast<int>(work_tail);
   p.k_cap = static_cast<int>(k_ovals.size(-1));
   p.v_cap = static_cast<int>(v_ovals.size(-1));
   meta_pieces(p, {&k_scale, &k_zero, &v_scale, &v_zero, &v_base, &k_ocount, &v_ocount, &block_map, &k_oidx, &k_ovals,
@@ -133,7 +146,9 @@ void decode(torch::Tensor q, torch::Tensor new_k, torch::Tensor new_v, torch::Te
               "lowbit decode v7: query must be fp16 or bf16");
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(warps == 4 || warps == 8, "lowbit decode v7: warps per CTA must be 4 or 8, got ", warps);
-  if (warps == 8) launch_width<8>(p, bits, batch, bf16, stream);
+  TORCH_CHECK(!chunk_split || warps == 4, "lowbit decode v7: chunk-split CTAs have 4 warps");
+  if (chunk_split) launch_chunk_split(p, bits, batch, bf16, stream);
+  else if (warps == 8) launch_width<8>(p, bits, batch, bf16, stream);
   else launch_width<4>(p, bits, batch, bf16, stream);
 }
 

@@ -85,6 +85,10 @@ struct Params {
   int stage_nb, stage_shift, stage_mask;   // staging blocks per page (1, 2 or 4), log2 of their rows, rows - 1
   int slot_stride;                  // bytes of a page's block-map row (4 * stage_nb)
   int last_lowbit_page;             // the last page with low-bit storage; ids beyond are staging-only (always staged)
+  // v15 work split (chunk-split CTAs only; 0: off): the splits cover equal work, the partly filled last page (staged)
+  // counted as this many 32-token chunk units against a full low-bit page's CHUNKS (lowbit_decode_page.cuh
+  // split_range; docs/attention-kernels.md item 7)
+  int work_tail;
   // a page's small arrays as uniform 16-byte pieces (built by the host, lowbit_decode.cu: meta_pieces): piece q
   // copies bytes [(index * stride) & ~15 + 16 k, +16) of array a (clamped to its end) to meta-stage offset
   // dst[a] + 16 k; index = the page-head, or the page for the slot array
@@ -158,12 +162,12 @@ struct SmemPlan {      // byte offsets into dynamic shared memory (host and devi
 
 // after the page loop the rings hold the merge: per-warp outputs and (max, sum), the staged pages' state and
 // their score tile, and the natural-order normalised query [NH][D] fp16
-constexpr int MAX_SPLITS = 512;                   // splits per (sequence, kv head): the split combine's scratch
+constexpr int MAX_SPLITS = 512;                   // splits per (sequence, kv head) a launch may plan (host MAX_SPLITS)
 // the merge region: [W][NH][D] outputs, [2][W][NH] max / sum, [NH] the new token's scores (then the split combine's scratch)
 template <int W> constexpr int merge_bytes_of() { return (W * NH * D + 2 * W * NH + NH) * 4; }
 constexpr int MERGE_BYTES = merge_bytes_of<WARPS>();
-static_assert(merge_bytes_of<WARPS>() >= (MAX_SPLITS * NH + NH + (32 * WARPS / D - 1) * NH * D) * 4, "combine scratch");
-static_assert(merge_bytes_of<2 * WARPS>() >= (MAX_SPLITS * NH + NH + (64 * WARPS / D - 1) * NH * D) * 4, "combine scratch");
+static_assert(merge_bytes_of<WARPS>() >= (WARPS * NH * D + 2 * WARPS * NH) * 4, "combine scratch");
+static_assert(merge_bytes_of<2 * WARPS>() >= (2 * WARPS * NH * D + 4 * WARPS * NH) * 4, "combine scratch");
 
 // 8-warp CTAs (small batches: one CTA per SM, shared memory to spare) keep the fp16 query table out of the rings,
 // so the kernel skips its reload after the page loop (session 23, attention-ab-s23-variants.md: B=1 16k int3

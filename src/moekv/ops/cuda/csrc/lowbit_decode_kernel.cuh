@@ -34,7 +34,7 @@ __device__ __forceinline__ void trace_at(const Params& p, int slot) {
 // STACK: 2 for GQA groups of at most 4 (columns 4..7 repeat heads 0..3, lowbit_decode_page.cuh), else 1.
 // W: warps per CTA (4; 8 for small batches: one page per warp at one CTA per SM). The query tables, the staged
 // pages and the combines run on the first QWARPS warps' 128 threads (thread = token or channel).
-template <int B, typename QT, int MINB, int STACK, int W>
+template <int B, typename QT, int MINB, int STACK, int W, bool CS>
 __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   using L = Layout<B>;
@@ -53,9 +53,8 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   const long long q_row = p.query_start_loc[seq];
   const int ctx = p.context_lens[seq];
   const int num_pages = (ctx + P - 1) / P;
-  const int pps = p.pages_per_split > 0 ? p.pages_per_split : (num_pages + p.num_splits - 1) / p.num_splits;
-  const int first = split * pps;
-  const int n = max(min(first + pps, num_pages) - first, 0);
+  const SplitRange sr = split_range<CS>(p, ctx, split);
+  const int first = sr.first, n = sr.n;
 
   int* table = reinterpret_cast<int*>(smem + plan.table);
   __half* qn_tab = reinterpret_cast<__half*>(smem + plan.qn);      // natural order (smem_plan: where it lives)
@@ -90,6 +89,8 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   }
   const int h0 = STACK == 2 ? (2 * c) & 3 : 2 * c;                 // the heads of this lane's score columns
   const float qms0 = qmax_tab[h0] * p.qk_scale, qms1 = qmax_tab[h0 + 1] * p.qk_scale;   // score scale
+  StagedTile pre;                  // 8-warp CTAs: the tail page's tile `warp`, loaded now, folded after the loop
+  const int pre_index = preload_tail<QT, W>(p, table, first, n, num_pages, ctx, kvh, pre);
   __syncthreads();                 // tables complete; the warps' rings now overwrite the natural-order query
   MOEKV_TRACE_CTA(2);
 
@@ -103,8 +104,8 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   }
   WarpState st;
   st.init();
-  const int my_n = n > warp ? (n - 1 - warp) / W + 1 : 0;
-  warp_pages<B, STACK, W>(p, plan, wb, table, ptab, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, my_n, ocK, ocV,
+  const WarpRange wr = warp_range<W, CS>(sr, warp);
+  warp_pages<B, STACK, W, CS>(p, plan, wb, table, ptab, smem + plan.qf, smem + plan.qp, first, ctx, kvh, warp, lane, wr, ocK, ocV,
                 qms0, qms1, st);
   MOEKV_TRACE_WARP(4 + warp);
   cp_wait<0>();
@@ -153,13 +154,15 @@ __global__ void __launch_bounds__(32 * W, MINB) decode_kernel(const Params p) {
   // ---- staged pages (full precision, tensor cores): every warp folds 16-token tiles into its own merge state
   const int num_staged = staged_list[0];
   __syncthreads();                         // the query table and every warp's merge state are complete
-  staged_pages_tc<QT, W>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn_tab, qmax_tab, mo, ml);
+  staged_pages_tc<QT, W>(p, table, staged_list + 1, num_staged, first, ctx, kvh, G, qn_tab, qmax_tab, mo, ml, pre_index,
+                         pre);
   __syncthreads();
   MOEKV_TRACE_CTA(13);
   combine_warps<QT, W>(p, mo, ml, qn_tab, qmax_tab, q_row, kvh, G, seq, split, snew);
   MOEKV_TRACE_CTA(14);
   if (p.num_splits == 1) { MOEKV_TRACE_CTA(15); return; }
-  combine_splits<QT, W>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(smem + plan.flag), reinterpret_cast<float*>(smem));
+  combine_splits<QT, W, STACK == 2 ? NH / 2 : NH>(p, seq, kvh, q_row, G, reinterpret_cast<int*>(smem + plan.flag),
+                                                   reinterpret_cast<float*>(smem));
   MOEKV_TRACE_CTA(15);
 }
 

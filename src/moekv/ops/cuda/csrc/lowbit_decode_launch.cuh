@@ -1,6 +1,7 @@
 // The launch of the v7 decode kernels of one code width, MOEKV_V7_BITS, score stacking, MOEKV_V7_STACK (1, or 2
-// for GQA groups of at most 4) and warps per CTA, MOEKV_V7_WARPS (4, or 8 for small batches): each
-// lowbit_decode_b<bits>[s][w8].cu defines them and includes this, so the build compiles the kernels in parallel.
+// for GQA groups of at most 4), warps per CTA, MOEKV_V7_WARPS (4, or 8 for small batches) and chunk-split CTAs,
+// MOEKV_V7_CS (0, or 1 for small batches: lowbit_decode_page.cuh WarpRange): each lowbit_decode_b<bits>[s][w8|c].cu
+// defines them and includes this, so the build compiles the kernels in parallel.
 #pragma once
 #include <stdexcept>
 #include <string>
@@ -17,9 +18,9 @@ static void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("lowbit decode v7: ") + what + ": " + cudaGetErrorString(err));
 }
 
-template <int B, int STACK, int W, typename QT>
+template <int B, int STACK, int W, bool CS, typename QT>
 static void launch(const Params& p, int batch, cudaStream_t stream) {
-  auto kernel = decode_kernel<B, QT, MINB_W<B, W>, STACK, W>;
+  auto kernel = decode_kernel<B, QT, MINB_W<B, W>, STACK, W, CS>;
   const SmemPlan plan = smem_plan<B, W>(p.k_cap, p.v_cap);
   static int configured = 0;
   if (plan.total > configured) {
@@ -47,16 +48,20 @@ static void launch(const Params& p, int batch, cudaStream_t stream) {
 
 }  // namespace moekv_v7
 
-template <int B, int STACK, int W>
+template <int B, int STACK, int W, bool CS>
 void launch_bits(const moekv_v7::Params& p, int batch, bool bf16, cudaStream_t stream);
 
 #ifndef MOEKV_V7_WARPS
 #define MOEKV_V7_WARPS 4
 #endif
+#ifndef MOEKV_V7_CS
+#define MOEKV_V7_CS 0
+#endif
 template <>
-void launch_bits<MOEKV_V7_BITS, MOEKV_V7_STACK, MOEKV_V7_WARPS>(const moekv_v7::Params& p, int batch, bool bf16,
-                                                               cudaStream_t stream) {
+void launch_bits<MOEKV_V7_BITS, MOEKV_V7_STACK, MOEKV_V7_WARPS, (MOEKV_V7_CS != 0)>(const moekv_v7::Params& p, int batch,
+                                                                                 bool bf16, cudaStream_t stream) {
   using namespace moekv_v7;
-  if (bf16) launch<MOEKV_V7_BITS, MOEKV_V7_STACK, MOEKV_V7_WARPS, __nv_bfloat16>(p, batch, stream);
-  else launch<MOEKV_V7_BITS, MOEKV_V7_STACK, MOEKV_V7_WARPS, __half>(p, batch, stream);
+  constexpr bool CS = MOEKV_V7_CS != 0;
+  if (bf16) launch<MOEKV_V7_BITS, MOEKV_V7_STACK, MOEKV_V7_WARPS, CS, __nv_bfloat16>(p, batch, stream);
+  else launch<MOEKV_V7_BITS, MOEKV_V7_STACK, MOEKV_V7_WARPS, CS, __half>(p, batch, stream);
 }

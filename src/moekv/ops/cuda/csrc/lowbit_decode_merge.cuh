@@ -84,12 +84,13 @@ __device__ __forceinline__ void combine_warps(const Params& p, const float* mo, 
 
 // Split-K: every CTA of a (sequence, kv head) has written its normalised partial output and log-sum-exp; the last
 // to arrive (arrival counter, which it resets: CUDA-graph safe) combines them into the output. flag: one int of
-// shared memory; scratch: the (free by now) merge region, at least MAX_SPLITS * NH + (W / QWARPS) * NH * D floats.
-// Every load is independent of the others: the splits' log-sum-exps go to shared memory in one round, each head's
-// max and weights are computed there once, then thread = (channel, split phase) sums its splits for all heads with
-// 4 splits x G heads of loads in flight (v10 walked the splits one after the other per head: 3 * S * G dependent-ish
-// L2 round trips on the last CTA's critical path).
-template <typename QT, int W>
+// shared memory; scratch: the (free by now) merge region, [W][NH][D] + [W][NH][2] floats.
+// v14: warp w folds splits w, w + W, ... online (a running max per head), lane = four channels (16-byte loads of the
+// partials, the log-sum-exp a broadcast load), UNROLL splits' loads in one round; then the warps' (max, sum, outputs)
+// meet in shared memory and thread = channel folds them. 64 splits of 4 warps: 4 rounds of loads (v10-v13: the
+// log-sum-exps, then the weights in shared memory, then S / 4 rounds of partials per channel thread). GH: the heads a
+// CTA can hold (4 with stacked scores, else NH), so the registers match the group.
+template <typename QT, int W, int GH>
 __device__ __forceinline__ void combine_splits(const Params& p, int seq, int kvh, long long q_row, int G, int* flag,
                                                float* scratch) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, S = p.num_splits;
@@ -103,54 +104,53 @@ __device__ __forceinline__ void combine_splits(const Params& p, int seq, int kvh
   if (!flag[0]) return;
   __threadfence();
   const long long base = ((long long)seq * p.num_kv_heads + kvh) * S * NH;     // [S][NH] log-sum-exps
-  float* wgt = scratch;                                                        // [S][NH]: lse, then weights
-  float* wsum = scratch + MAX_SPLITS * NH;                                     // [NH]
-  float* part = wsum + NH;                                                     // [PHASES - 1][NH][D]
-  for (int i = tid; i < S * NH; i += 32 * W) wgt[i] = (i % NH) < G ? __ldcg(p.lse + base + i) : NEG_INF;
-  __syncthreads();
-  for (int h = warp; h < G; h += W) {              // warp per head: max, weights in place, their sum
-    float M = NEG_INF;
-    for (int s = lane; s < S; s += 32) M = fmaxf(M, wgt[s * NH + h]);
+  constexpr int UNROLL = GH <= 4 ? 4 : 2;
+  float M[GH], L[GH];
+  float4 O[GH];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    const float Mu = M == NEG_INF ? 0.f : M;
-    float sum = 0.f;
-    for (int s = lane; s < S; s += 32) { const float w = ex2(wgt[s * NH + h] - Mu); wgt[s * NH + h] = w; sum += w; }
+  for (int h = 0; h < GH; ++h) { M[h] = NEG_INF; L[h] = 0.f; O[h] = make_float4(0.f, 0.f, 0.f, 0.f); }
+  const float4* pp = reinterpret_cast<const float4*>(p.partial + base * D) + lane;   // channels 4 lane .. + 3
+  const float* lp = p.lse + base;
+#pragma unroll UNROLL
+  for (int s = warp; s < S; s += W) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) wsum[h] = sum;
-  }
-  __syncthreads();
-  constexpr int PHASES = 32 * W / D;               // 1 (4 warps) or 2 (8 warps): splits s = phase, phase + PHASES, ...
-  const int ch = tid % D, phase = tid / D;
-  float O[NH];
-#pragma unroll
-  for (int h = 0; h < NH; ++h) O[h] = 0.f;
-  const float* pp = p.partial + base * D + ch;
-#pragma unroll 4
-  for (int s = phase; s < S; s += PHASES) {
-#pragma unroll
-    for (int h = 0; h < NH; ++h)
-      if (h < G) O[h] = fmaf(wgt[s * NH + h], __ldcg(pp + ((long long)s * NH + h) * D), O[h]);
-  }
-  if (PHASES > 1) {
-    if (phase > 0) {
-#pragma unroll
-      for (int h = 0; h < NH; ++h) if (h < G) part[((phase - 1) * NH + h) * D + ch] = O[h];
+    for (int h = 0; h < GH; ++h) {
+      if (h < G) {
+        const float l = __ldcg(lp + (long long)s * NH + h);
+        const float4 x = __ldcg(pp + ((long long)s * NH + h) * (D / 4));
+        const float n = fmaxf(M[h], l), nu = n == NEG_INF ? 0.f : n;
+        const float a = ex2(M[h] - nu), b = ex2(l - nu);
+        O[h].x = fmaf(O[h].x, a, x.x * b); O[h].y = fmaf(O[h].y, a, x.y * b);
+        O[h].z = fmaf(O[h].z, a, x.z * b); O[h].w = fmaf(O[h].w, a, x.w * b);
+        L[h] = fmaf(L[h], a, b); M[h] = n;
+      }
     }
-    __syncthreads();
-    if (phase > 0) return;
-#pragma unroll
-    for (int q = 1; q < PHASES; ++q)
-#pragma unroll
-      for (int h = 0; h < NH; ++h) if (h < G) O[h] += part[((q - 1) * NH + h) * D + ch];
   }
+  float* so = scratch;                             // [W][NH][D] the warps' outputs
+  float* sml = scratch + W * NH * D;               // [W][NH][2] their max and sum
 #pragma unroll
-  for (int h = 0; h < NH; ++h) {
+  for (int h = 0; h < GH; ++h) {
     if (h < G) {
-      const float ws = wsum[h];
-      reinterpret_cast<QT*>(p.out)[q_row * p.stride_ot + (long long)(kvh * G + h) * p.stride_oh + ch] =
-          from_float<QT>(ws > 0.f ? O[h] / ws : 0.f);
+      reinterpret_cast<float4*>(so + (warp * NH + h) * D)[lane] = O[h];
+      if (lane == 0) { sml[(warp * NH + h) * 2] = M[h]; sml[(warp * NH + h) * 2 + 1] = L[h]; }
+    }
+  }
+  __syncthreads();
+  if (tid < D) {                                   // thread = channel
+    for (int h = 0; h < G; ++h) {
+      float Mx = NEG_INF;
+#pragma unroll
+      for (int w = 0; w < W; ++w) Mx = fmaxf(Mx, sml[(w * NH + h) * 2]);
+      const float Mu = Mx == NEG_INF ? 0.f : Mx;
+      float Ls = 0.f, Os = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        const float wgt = ex2(sml[(w * NH + h) * 2] - Mu);
+        Ls = fmaf(wgt, sml[(w * NH + h) * 2 + 1], Ls);
+        Os = fmaf(wgt, so[(w * NH + h) * D + tid], Os);
+      }
+      reinterpret_cast<QT*>(p.out)[q_row * p.stride_ot + (long long)(kvh * G + h) * p.stride_oh + tid] =
+          from_float<QT>(Ls > 0.f ? Os / Ls : 0.f);
     }
   }
   if (tid == 0) p.counters[seq * p.num_kv_heads + kvh] = 0;

@@ -13,11 +13,80 @@ namespace moekv_v7 {
 // STACK 2 (GQA groups of at most 4): the B operand's columns 4..7 repeat heads 0..3, so after the key MMAs the
 // lanes of columns 0..3 keep tile 0's scores (tokens 0..15 of the chunk) and those of columns 4..7 tile 1's
 // (tokens 16..31): 4 real scores per lane instead of 8 with 4 padding heads. STACK 1: 8 heads, both tiles.
-template <int B, int STACK, int W>
+// The CTA's split (SplitRange): pages [first, first + n) of the sequence in its table. Page-per-warp CTAs and plain
+// chunk-split CTAs: pages_per_split pages a split (0: ceil(pages / splits), sized on the device). Work split (v15,
+// Params::work_tail > 0, chunk-split CTAs only; docs/attention-kernels.md item 7): the sequence's work is
+// U = CHUNKS x (full pages) + work_tail chunk units when its last page is partly filled (that page is staged: a page
+// is quantized when it fills), and split s takes units [s U / splits, (s + 1) U / splits): its chunk units of the
+// full pages, u_lo .. u_hi - 1 counted from chunk 0 of its first page, plus the partly filled page when the split
+// holds that page's first unit (tail). Computed from ctx alone: graph-safe, every split of a sequence agrees.
+struct SplitRange {
+  int first, n;    // the split's pages (the table)
+  int u_lo, u_hi;  // CS: the chunk units its warps share (page u / CHUNKS of the table, chunk u % CHUNKS)
+  bool tail;       // work split: the table's last page is the partly filled last page, visited after the runs
+};
+
+template <bool CS>
+__device__ __forceinline__ SplitRange split_range(const Params& p, int ctx, int split) {
+  SplitRange r{};
+  const int num_pages = (ctx + P - 1) / P;
+  if (CS && p.work_tail > 0) {
+    const int partial = ctx % P != 0 ? 1 : 0, full = num_pages - partial, fu = full * CHUNKS;
+    const long long units = fu + partial * p.work_tail;
+    const int a = (int)(split * units / p.num_splits), b = (int)((split + 1) * units / p.num_splits);
+    const int ca = min(a, fu), cb = min(b, fu);
+    r.tail = partial && a <= fu && fu < b;
+    r.first = cb > ca ? ca / CHUNKS : full;
+    r.n = (cb > ca ? (cb - 1) / CHUNKS - r.first + 1 : 0) + (r.tail ? 1 : 0);
+    r.u_lo = cb > ca ? ca - CHUNKS * r.first : 0;
+    r.u_hi = cb > ca ? cb - CHUNKS * r.first : 0;
+  } else {
+    const int pps = p.pages_per_split > 0 ? p.pages_per_split : (num_pages + p.num_splits - 1) / p.num_splits;
+    r.first = split * pps;
+    r.n = max(min(r.first + pps, num_pages) - r.first, 0);
+    r.u_lo = 0;
+    r.u_hi = r.n * CHUNKS;
+    r.tail = false;
+  }
+  return r;
+}
+
+// The warp's share of its split (WarpRange): pages w, w + W, ... whole (CS false), or (CS: chunk-split CTAs for small
+// batches, docs/attention-kernels.md v14 item 6c) the split's chunk units u0 .. u1 - 1 of [u_lo, u_hi) (page u /
+// CHUNKS, chunk u % CHUNKS) in one contiguous run, so a page's chunks spread over the warps and each warp's chain is
+// shorter. Work split: the last warp's run ends at the last full page and goes on to the split's partly filled page
+// (SplitRange::tail, the table's last page, whole: a staged page ends the run at its first chunk).
+struct WarpRange {
+  int my_n;        // pages the warp visits
+  int jp0;         // CS: the first one's index in the split's table
+  int k0, k1;      // CS: the chunk the first page starts at, the chunk after the last page's last
+};
+
+template <int W, bool CS>
+__device__ __forceinline__ WarpRange warp_range(const SplitRange& sr, int warp) {
+  WarpRange r{};
+  if constexpr (CS) {
+    const int U = sr.u_hi - sr.u_lo, u0 = sr.u_lo + warp * U / W, u1 = sr.u_lo + (warp + 1) * U / W;
+    const int tail = sr.tail && warp == W - 1 ? 1 : 0;
+    // (with a tail, the last run ends at a page boundary (k1 = CHUNKS), and the tail page follows it)
+    r.jp0 = u1 > u0 ? u0 / CHUNKS : 0;
+    r.my_n = (u1 > u0 ? (u1 - 1) / CHUNKS - r.jp0 + 1 : 0) + tail;
+    r.k0 = u1 > u0 ? u0 % CHUNKS : 0;
+    r.k1 = u1 > u0 && !tail ? (u1 - 1) % CHUNKS + 1 : CHUNKS;
+  } else {
+    r.my_n = sr.n > warp ? (sr.n - 1 - warp) / W + 1 : 0;
+    r.k0 = 0;
+    r.k1 = CHUNKS;
+  }
+  return r;
+}
+
+template <int B, int STACK, int W, bool CS>
 __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan, uint8_t* wb, const int* table,
                                            const int* ptab, const uint8_t* qf_tab, const uint8_t* qp_tab, int first, int ctx, int kvh,
-                                           int warp, int lane, int my_n, int ocK, int ocV, float qms0, float qms1,
+                                           int warp, int lane, const WarpRange& wr, int ocK, int ocV, float qms0, float qms1,
                                            WarpState& st) {
+  const int my_n = wr.my_n;
   using L = Layout<B>;
   const int g = lane >> 2, c = lane & 3;
   CopyPlan<B> copies;
@@ -29,7 +98,8 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   auto buf_s = [&](int b) { return ring_s + b * Layout<B>::BUF_BYTES; };
   const int lane16 = lane * 16;
   auto meta = [&](int jj) { return wb + plan.meta + (jj & 1) * plan.meta_bytes; };
-  auto page_of = [&](int jj) { return table[warp + W * jj]; };
+  auto index_of = [&](int jj) { return CS ? wr.jp0 + jj : warp + W * jj; };   // in the split's table
+  auto page_of = [&](int jj) { return table[index_of(jj)]; };
   // low-bit storage index of a page-head: a staging-only id (>= lowbit_pages, always staged) reads the last
   // page's storage in the pipeline's prefetches, never used
   auto ph_of = [&](int page) { return (long long)min(page, p.last_lowbit_page) * p.num_kv_heads + kvh; };
@@ -41,9 +111,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   {
     const int page = page_of(0);
     issue_meta(p, ptab, meta(0), page, ph_of(page), lane);
-    issue_chunk<B>(p, copies, buf_s(0), chunk_offset<B>(ph_of(page), 0) + lane16, false);
+    issue_chunk<B>(p, copies, buf_s(0), chunk_offset<B>(ph_of(page), wr.k0) + lane16, false);
     cp_commit();
-    issue_chunk<B>(p, copies, buf_s(1), chunk_offset<B>(ph_of(page), 0) + lane16, true);
+    issue_chunk<B>(p, copies, buf_s(1), chunk_offset<B>(ph_of(page), wr.k0) + lane16, true);
     cp_commit();
   }
   int kb = 0;                                    // ring buffer of K_q (V_q: kb + 1, the next fill: kb + 2, mod 3)
@@ -60,7 +130,8 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
   for (int jj = 0; jj < my_n; ++jj) {
     const int page = page_of(jj);
     const long long ph = ph_of(page);
-    const int page_index = first + warp + W * jj;
+    const int page_index = first + index_of(jj);
+    const int kbeg = CS && jj == 0 ? wr.k0 : 0, kend = CS && jj == my_n - 1 ? wr.k1 : CHUNKS;   // this page's chunks
     const bool full_page = (page_index + 1) * P <= ctx;
     const uint8_t* mt = meta(jj);
     const bool has_next = jj + 1 < my_n;
@@ -73,22 +144,23 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
     float sb0 = 0.f, sb1 = 0.f;                  // the score's bias: q . Z times the score scale
     bool staged = false;
 #pragma unroll 1
-    for (int k = 0; k < CHUNKS; ++k) {
+    for (int k = kbeg; k < kend; ++k) {
       const int vbuf = kb == 2 ? 0 : kb + 1, nbuf = kb == 0 ? 2 : kb - 1;
-      const bool more = k + 1 < CHUNKS || has_next;            // a next chunk (K_{q+1}, V_{q+1}) to fill
-      const long long noff = k + 1 < CHUNKS ? page_off + (k + 1) * (CHUNK * Bits<B>::WORDS * 4) : next_off;
+      const bool more = k + 1 < kend || has_next;              // a next chunk (K_{q+1}, V_{q+1}) to fill
+      const long long noff = k + 1 < kend ? page_off + (k + 1) * (CHUNK * Bits<B>::WORDS * 4) : next_off;
       cp_wait<1>();                              // K_q (and the page's small arrays) landed
       __syncwarp();
       {                                          // K_{q+1}; with the first chunk, the next page's small arrays
         if (more) issue_chunk<B>(p, copies, buf_s(nbuf), noff, false);
-        if (k == 0 && has_next) issue_meta(p, ptab, meta(jj + 1), next_page, ph_of(next_page), lane);
+        if (k == kbeg && has_next) issue_meta(p, ptab, meta(jj + 1), next_page, ph_of(next_page), lane);
         cp_commit();
       }
-      if (k == 0) {                              // ---- the page's prep
+      if (k == kbeg) {                           // ---- the page's prep
         const int* blocks = reinterpret_cast<const int*>(mt + L::SLOT + ((page * p.slot_stride) & 15));
         staged = blocks[0] >= 0;
         if (staged) {                            // staged page: its low-bit storage is stale; the CTA does it later
-          if (lane == 0) { const int s = wstaged[0]; if (s < STAGED_MAX) wstaged[1 + s] = warp + W * jj; wstaged[0] = s + 1; }
+          // listed once: by the warp whose run holds the page's chunk 0 (every warp when whole pages)
+          if (lane == 0 && kbeg == 0) { const int s = wstaged[0]; if (s < STAGED_MAX) wstaged[1 + s] = index_of(jj); wstaged[0] = s + 1; }
           // its rows of this kv head (16-bit, 256 bytes each) into L2 now, so the tensor-core pass after the loop
           // (lowbit_decode_staged.cuh) finds them there instead of paying an HBM round trip on the critical path
           const long long rs = (long long)p.num_kv_heads * D * 2, off = (long long)kvh * D * 2;
@@ -144,6 +216,9 @@ __device__ __forceinline__ void warp_pages(const Params& p, const SmemPlan& plan
           __syncwarp();
         }
       }
+      // chunk-split CTAs: a staged page that ends the warp's run ends it here (its chunks add nothing: the CTA folds
+      // the page after the loop); the copies in flight are waited for after the loop
+      if (CS && staged && !has_next) break;
       if (staged) {                              // keep the ring's fills and waits in step
         if (more) {
           __syncwarp();
