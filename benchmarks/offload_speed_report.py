@@ -80,22 +80,31 @@ def speed_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _section(title: str, note: str, columns: list[str]) -> list[str]:
+    """The opening lines of a report section: its title, a note, and the table's header."""
+    return ["", f"## {title}", "", note, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def _speed(run: dict) -> str:
+    speed = run.get("speedup_vs_on_demand")
+    return "-" if speed is None else f"{speed:.2f}x"
+
+
 def staged_table(runs: list[dict]) -> list[str]:
     """Per staged row: the guess gate, its decisions and overruns, the guesses issued / used / dropped, and the
     budget it ended with (measured gate: per-layer budget in chunks of the measured chunk time)."""
     staged = [r for r in runs if r.get("staged")]
     if not staged:
         return []
-    lines = ["", "## Staged rows: the guess gate", "",
-             "Gate: measured (budgets learned from CUDA events, moe.prefetch.gate) or estimate (session 19's host "
-             "estimate). Overruns: decision points whose misses found guess chunks still in flight. Issued: guesses "
-             "with at least one chunk copied; used: of those, routed by their layer (a miss with a head start); "
-             "dropped: issued and not routed (their copy time wasted). Budget: the final per-layer guess budget, in "
-             "chunks of the measured chunk time (mean, min - max over layers), and its AIMD scale; host: staging's "
-             "host time per token.", "",
-             "| cache | mode | gate | decisions | overruns | guesses issued / used / dropped | chunks (used / dropped) "
-             "| chunk ms | budget chunks / layer | scale | host ms / token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = _section("Staged rows: the guess gate",
+                     "Gate: measured (budgets learned from CUDA events, moe.prefetch.gate) or estimate (session 19's "
+                     "host estimate). Overruns: decision points whose misses found guess chunks still in flight. "
+                     "Issued: guesses with at least one chunk copied; used: of those, routed by their layer (a miss "
+                     "with a head start); dropped: issued and not routed (their copy time wasted). Budget: the final "
+                     "per-layer guess budget, in chunks of the measured chunk time (mean, min - max over layers), and "
+                     "its AIMD scale; host: staging's host time per token.",
+                     ["cache", "mode", "gate", "decisions", "overruns", "guesses issued / used / dropped",
+                      "chunks (used / dropped)", "chunk ms", "budget chunks / layer", "scale", "host ms / token"])
     def f(value, fmt="{:.2f}"):
         return "-" if value is None else fmt.format(value)
     for run in staged:
@@ -117,20 +126,19 @@ def split_table(report: dict) -> list[str]:
     if not rows:
         return []
     model = report.get("cpu_split") or {}
-    lines = ["", "## CPU-split rows", "",
-             f"CPU half measured on this host: {model.get('cpu_gb_per_s', 0):.1f} GB/s ({model.get('threads')} threads, "
-             f"one token, half an expert {model.get('cpu_ms_half_expert', 0):.2f} ms); link "
-             f"{report['h2d_gb_per_s']:.1f} GB/s; balanced fraction cpu / (cpu + link) = "
-             f"{model.get('balanced_fraction', 0):.2f}. Wait: the block's host time waiting for CPU halves (on the "
-             "critical path); differs at: first greedy token unlike the resident run (- : none).", "",
-             "| cache | mode | f | split / token | misses / token | CPU ms / token | wait ms / token | part MiB "
-             "| ms / token | vs on-demand | differs at |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = _section("CPU-split rows",
+                     f"CPU half measured on this host: {model.get('cpu_gb_per_s', 0):.1f} GB/s ({model.get('threads')} "
+                     f"threads, one token, half an expert {model.get('cpu_ms_half_expert', 0):.2f} ms); link "
+                     f"{report['h2d_gb_per_s']:.1f} GB/s; balanced fraction cpu / (cpu + link) = "
+                     f"{model.get('balanced_fraction', 0):.2f}. Wait: the block's host time waiting for CPU halves (on "
+                     "the critical path); differs at: first greedy token unlike the resident run (- : none).",
+                     ["cache", "mode", "f", "split / token", "misses / token", "CPU ms / token", "wait ms / token",
+                      "part MiB", "ms / token", "vs on-demand", "differs at"])
     for run in rows:
         s = run["cpu_split"]
-        speed = run.get("speedup_vs_on_demand")
         lines.append(f"| {run['cache_percent']}% | {run['mode']} | {s['fraction']} | {s['split_per_token']:.2f} | "
                      f"{run['misses_per_token']:.2f} | {s['cpu_ms_per_token']:.2f} | {s['wait_ms_per_token']:.2f} | "
-                     f"{s['part_mib']:.1f} | {run['ms_per_token']:.2f} | {'-' if speed is None else f'{speed:.2f}x'} | "
+                     f"{s['part_mib']:.1f} | {run['ms_per_token']:.2f} | {_speed(run)} | "
                      f"{'-' if run.get('differs_from_resident_at') is None else run['differs_from_resident_at']} |")
     return lines
 
@@ -140,16 +148,15 @@ def guard_table(runs: list[dict]) -> list[str]:
     rows = [r for r in runs if r.get("guard")]
     if not rows:
         return []
-    lines = ["", "## Guarded rows: what the prefetch guard kept", "",
-             "moe.prefetch.guard over the warm-up and timed steps: windows of steps with the predictor on and off "
-             "alternate, the faster side by its window medians is kept (exploration in the warm-up; a probe of the "
-             "other side every `hold` windows).", "",
-             "| cache | mode | kept | windows on / off | median ms on | median ms off | ms / token | vs on-demand |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = _section("Guarded rows: what the prefetch guard kept",
+                     "moe.prefetch.guard over the warm-up and timed steps: windows of steps with the predictor on and "
+                     "off alternate, the faster side by its window medians is kept (exploration in the warm-up; a probe "
+                     "of the other side every `hold` windows).",
+                     ["cache", "mode", "kept", "windows on / off", "median ms on", "median ms off", "ms / token",
+                      "vs on-demand"])
     for run in rows:
-        g, speed = run["guard"], run.get("speedup_vs_on_demand")
+        g = run["guard"]
         kept = {True: "prefetch", False: "on demand", None: "exploring"}[g["prefetch"]]
         lines.append(f"| {run['cache_percent']}% | {run['mode']} | {kept} | {g['windows_on']} / {g['windows_off']} | "
-                     f"{g['median_ms_on']} | {g['median_ms_off']} | {run['ms_per_token']:.2f} | "
-                     f"{'-' if speed is None else f'{speed:.2f}x'} |")
+                     f"{g['median_ms_on']} | {g['median_ms_off']} | {run['ms_per_token']:.2f} | {_speed(run)} |")
     return lines

@@ -124,7 +124,6 @@ class ExpertOffload:
                 experts.staging = self.staged
         self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []   # (target, distance, ids, margins)
         self._immediate = False
-        self.guessing = True            # False while the predictor is paused (guard.PrefetchGuard): no guesses come
         if predictor is not None:
             self.attach_predictor(predictor)
 
@@ -149,6 +148,11 @@ class ExpertOffload:
         experts = OffloadedExperts(index, host, self.pool, slots, self.copier, eviction, on_routed=self._issue)
         experts.pending_rows = self._pending_rows
         return experts
+
+    @property
+    def guessing(self) -> bool:
+        """False while the predictor is paused (guard.PrefetchGuard): no guesses come."""
+        return self.predictor is None or not self.predictor.paused
 
     def attach_predictor(self, predictor: ExpertPredictor) -> None:
         """Prefetch what `predictor` predicts (replaces a previously attached predictor)."""

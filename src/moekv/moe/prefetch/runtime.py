@@ -42,10 +42,7 @@ class RoutingRuntime:
         if self.guard is not None:             # model(input_ids, positions, kv_cache, meta)
             meta = args[3] if len(args) > 3 else None
             key = meta.num_seqs if getattr(meta, "is_decode", False) else None
-            on = self.guard.begin(key)
-            self.predictor.paused = not on
-            if self.offload is not None:
-                self.offload.guessing = on
+            self.predictor.paused = not self.guard.begin(key)
 
     # -- CUDA-graph decode steps (engine/cuda_graphs.py): the pre-hook in its host and device halves --------
     @property
